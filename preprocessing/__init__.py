@@ -1,0 +1,11 @@
+"""Preprocessing shared by training code and the tensorgate server.
+
+The server builds one pipeline per model from the spec in its ``config.yaml``; training code
+builds the very same pipeline from the same spec (see :mod:`preprocessing.torch`), so what a
+model saw in training is what it sees in production, byte for byte.
+"""
+
+from preprocessing.image import ImagePipeline, PreprocessingError
+from preprocessing.spec import ImageSpec, PreprocessingSpec, spec_hash
+
+__all__ = ["ImagePipeline", "ImageSpec", "PreprocessingError", "PreprocessingSpec", "spec_hash"]

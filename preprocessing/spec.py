@@ -1,0 +1,63 @@
+"""The declarative preprocessing spec and its stable hash.
+
+A spec is data, not code: it lives in a model's ``config.yaml``, is recorded in the artifact's
+``manifest.json`` at export, and the server refuses a model whose served spec does not hash to
+the recorded one. The hash therefore covers every field with its default filled in, so that
+writing a default explicitly does not change it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+class ImageSpec(BaseModel):
+    """decode → colour order → resize shorter side → centre crop → scale → normalize → layout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["image"] = "image"
+    color: Literal["RGB", "BGR", "L"] = "RGB"
+    """Channel order the model was trained on; ``L`` is single-channel greyscale."""
+    resize: int | None = Field(default=None, gt=0)
+    """Resize so that the shorter side has this many pixels (aspect kept); ``None`` keeps size."""
+    crop: int | None = Field(default=None, gt=0)
+    """Centre crop to a ``crop`` × ``crop`` square after resizing; ``None`` skips it."""
+    interpolation: Literal["nearest", "bilinear", "bicubic", "lanczos"] = "bilinear"
+    scale: float = 1.0 / 255.0
+    """Multiplies the 0–255 pixel values before normalisation."""
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    dtype: Literal["float32", "float16"] = "float32"
+    background: tuple[int, int, int] = (255, 255, 255)
+    """Colour that transparent pixels are composited onto before alpha is dropped."""
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _per_channel(cls, values: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
+        color = info.data.get("color", "RGB")
+        channels = 1 if color == "L" else 3
+        if len(values) not in (1, channels):
+            raise ValueError(f"has {len(values)} values; color {color} needs 1 or {channels}")
+        if info.field_name == "std" and any(s == 0 for s in values):
+            raise ValueError("must not contain 0")
+        return values
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.color == "L" else 3
+
+
+PreprocessingSpec = ImageSpec
+"""Every kind of spec the server knows; a discriminated union on ``kind`` once text lands."""
+
+
+def spec_hash(spec: BaseModel) -> str:
+    """A stable sha256 of the spec: canonical JSON with every default filled in, sorted keys."""
+    canonical = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()

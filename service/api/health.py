@@ -1,0 +1,56 @@
+"""Liveness and readiness: 200 or 503, always with a JSON body (for status- and body-readers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from pydantic import BaseModel
+
+from service.api.deps import DataPlaneDep, json_response
+
+router = APIRouter(tags=["health"])
+
+
+class LiveResponse(BaseModel):
+    live: bool
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    reason: str | None = None
+
+
+class ModelReadyResponse(BaseModel):
+    name: str
+    ready: bool
+
+
+_NOT_READY: dict[int | str, dict[str, Any]] = {
+    503: {"model": ReadyResponse, "description": "Not ready"}
+}
+
+
+@router.get("/v2/health/live", response_model=LiveResponse)
+async def live(dataplane: DataPlaneDep) -> Response:
+    ok = dataplane.live()
+    return json_response({"live": ok}, 200 if ok else 503)
+
+
+@router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)
+async def ready(dataplane: DataPlaneDep) -> Response:
+    ok, reason = dataplane.ready()
+    if ok:
+        return json_response({"ready": True})
+    return json_response({"ready": False, "reason": reason}, 503)
+
+
+@router.get("/v2/models/{name}/ready", response_model=ModelReadyResponse, responses=_NOT_READY)
+@router.get(
+    "/v2/models/{name}/versions/{version}/ready",
+    response_model=ModelReadyResponse,
+    responses=_NOT_READY,
+)
+async def model_ready(dataplane: DataPlaneDep, name: str, version: str | None = None) -> Response:
+    ok = dataplane.model_ready(name, version)
+    return json_response({"name": name, "ready": ok}, 200 if ok else 503)

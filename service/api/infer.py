@@ -1,0 +1,67 @@
+"""Inference: Open Inference Protocol ``infer`` and the v1 ``predict`` convenience route."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from service.api.deps import DataPlaneDep, json_response, read_body
+from service.protocol.v2 import HEADER_LENGTH, parse_header_length
+
+router = APIRouter(tags=["inference"])
+
+_INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+@router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
+@router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
+async def infer(
+    request: Request, dataplane: DataPlaneDep, name: str, version: str | None = None
+) -> Response:
+    body = await read_body(request, dataplane.settings.max_body_bytes)
+    header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
+    content, headers = await dataplane.infer(name, version, body, header_length)
+    return Response(content, headers=headers)
+
+
+_V1_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+@router.post("/v1/models/{name}:predict", openapi_extra=_V1_BODY)
+async def predict(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+    body = await read_body(request, dataplane.settings.max_body_bytes)
+    content_type = request.headers.get("content-type", "")
+    return json_response(await dataplane.predict(name, body, content_type))
+
+
+@router.post(
+    "/v1/models/{name}:preprocess",
+    openapi_extra=_V1_BODY,
+    responses={200: {"content": {"application/x-npz": {}}, "description": "tensors as .npz"}},
+)
+async def preprocess(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+    """The tensors predict would feed the model, as an .npz archive: to debug preprocessing."""
+    body = await read_body(request, dataplane.settings.max_body_bytes)
+    content_type = request.headers.get("content-type", "")
+    tensors = await dataplane.preprocess(name, body, content_type)
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **tensors)
+    return Response(buffer.getvalue(), media_type="application/x-npz")

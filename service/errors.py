@@ -1,0 +1,82 @@
+"""One error type per cause, each mapped once to its HTTP status.
+
+Every error a client can see is a :class:`TensorgateError`; the single handler in
+:mod:`service.app` turns it into ``{"error": "..."}`` with its status and headers.
+"""
+
+from __future__ import annotations
+
+
+class TensorgateError(Exception):
+    """Base of every error a client may see. ``status`` is the HTTP status code."""
+
+    status = 500
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class InvalidInput(TensorgateError):
+    """The request is malformed or does not fit the model's signature."""
+
+    status = 400
+
+
+class Unauthorized(TensorgateError):
+    """A protected route was called without the right bearer token."""
+
+    status = 401
+
+
+class ModelNotFound(TensorgateError):
+    """No such model, or no such version of it."""
+
+    status = 404
+
+
+class PayloadTooLarge(TensorgateError):
+    """The body, a tensor or a batch is larger than the server accepts."""
+
+    status = 413
+
+
+class UnsupportedMediaType(TensorgateError):
+    """The Content-Type names a format this route does not take."""
+
+    status = 415
+
+
+class ModelNotReady(TensorgateError):
+    """The model exists but is loading, unavailable or unloading; try again later."""
+
+    status = 503
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class ServerBusy(TensorgateError):
+    """The queue is full or the server is draining; try again later."""
+
+    status = 503
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+
+
+class DeadlineExceeded(TensorgateError):
+    """The request waited past its deadline before it could run."""
+
+    status = 504
+
+
+class ModelLoadError(Exception):
+    """A model version cannot be served; the message is its UNAVAILABLE reason. Never sent raw."""
+
+
+class ModelExecutionError(TensorgateError):
+    """The model itself failed or broke its contract (e.g. returned the wrong number of rows)."""
+
+    status = 500

@@ -1,0 +1,184 @@
+"""Loading one model version: artifact → gates → pipelines → warmup, timed by part."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from preprocessing.image import ImagePipeline
+from service.errors import ModelLoadError
+from service.manifest import (
+    Manifest,
+    Tolerance,
+    check_golden,
+    check_preprocessing,
+    check_versions,
+    read_manifest,
+)
+from service.model_config import ModelConfig
+from service.post import Classifier
+from service.protocol.datatypes import TO_NUMPY
+from service.runtimes import create_runtime, resolve_device, runtime_versions
+from service.runtimes.base import Runtime, RuntimeOptions, Signature
+from service.settings import Settings
+
+log = logging.getLogger("tensorgate.loader")
+
+SKIPPED_WITHOUT_MANIFEST = (
+    "version gate skipped: no manifest.json",
+    "golden replay skipped: no manifest.json",
+    "preprocessing hash check skipped: no manifest.json",
+)
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A version that passed its gates and warmup, with what serving it needs."""
+
+    config: ModelConfig
+    runtime: Runtime
+    signature: Signature
+    device: str
+    pipeline: ImagePipeline | None
+    classifier: Classifier | None
+    manifest: Manifest | None
+    warnings: list[str]
+    timings: dict[str, float]
+    warmup_timings: dict[str, float]
+    executor: ThreadPoolExecutor = field(repr=False)
+
+    @property
+    def verified(self) -> bool:
+        """True when every manifest gate ran and passed."""
+        return self.manifest is not None
+
+    async def execute(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch on this version's instance thread, never on the event loop.
+
+        The one place requests reach the runtime: the scheduler takes this seam over.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.runtime.run, batch)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.runtime.close()
+
+
+def load_version(name: str, path: Path, config: ModelConfig, settings: Settings) -> LoadedModel:
+    """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal."""
+    started = time.perf_counter()
+    manifest = read_manifest(path)
+    warnings: list[str] = []
+    if manifest is None:
+        warnings.extend(SKIPPED_WITHOUT_MANIFEST)
+        for warning in warnings:
+            log.warning("model %s: %s (export with `tensorgate export` to verify)", name, warning)
+    else:
+        check_versions(manifest, config.backend, runtime_versions(config.backend))
+
+    device = resolve_device(config.device, config.backend)
+    runtime = create_runtime(config.backend, RuntimeOptions(device, settings.intra_op_threads))
+    artifact = path / runtime.artifact
+    if not artifact.is_file():
+        raise ModelLoadError(f"{artifact} is missing; run `make models` or export the model")
+    declared = _declared(config, manifest)
+    signature = runtime.load(artifact, declared, config.max_batch_size)
+    loaded_at = time.perf_counter()
+
+    if manifest is not None:
+        check_preprocessing(config, manifest)
+        tolerance = manifest.tolerance
+        if config.tolerance_override is not None:
+            tolerance = Tolerance(atol=config.tolerance_override, rtol=tolerance.rtol)
+            warnings.append(f"golden tolerance widened by config to atol={tolerance.atol:g}")
+        check_golden(path, runtime.run, tolerance)
+    pipeline = _pipeline(config, signature)
+    classifier = (
+        Classifier(config.postprocessing, path.parent, signature.outputs)
+        if config.postprocessing is not None
+        else None
+    )
+    gated_at = time.perf_counter()
+
+    warmup_timings = _warm_up(runtime, signature, config)
+    done = time.perf_counter()
+    timings = {
+        "load_s": loaded_at - started,
+        "gates_s": gated_at - loaded_at,
+        "warmup_s": done - gated_at,
+        "total_s": done - started,
+    }
+    log.info("model %s loaded from %s on %s: %s", name, path, device, _fmt(timings))
+    executor = ThreadPoolExecutor(config.instances, thread_name_prefix=f"instance-{name}")
+    return LoadedModel(
+        config, runtime, signature, device, pipeline, classifier, manifest, warnings,
+        timings, warmup_timings, executor,
+    )  # fmt: skip
+
+
+def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:
+    if config.inputs is not None and config.outputs is not None:
+        return Signature(config.inputs, config.outputs)
+    if config.inputs is not None or config.outputs is not None:
+        raise ModelLoadError("config.yaml names only one of 'inputs' and 'outputs'; name both")
+    if manifest is not None:
+        return Signature(manifest.inputs, manifest.outputs)
+    return None
+
+
+def _pipeline(config: ModelConfig, signature: Signature) -> ImagePipeline | None:
+    if config.preprocessing is None:
+        return None
+    pipeline = ImagePipeline(config.preprocessing)
+    first = signature.inputs[0]
+    produced = pipeline.output_shape
+    if produced is not None and not (
+        len(produced) == len(first.shape)
+        and all(want in (-1, got) for want, got in zip(first.shape, produced, strict=True))
+    ):
+        raise ModelLoadError(
+            f"preprocessing produces {list(produced)} per image, but input '{first.name}' is "
+            f"{list(first.shape)}"
+        )
+    if np.dtype(config.preprocessing.dtype) != TO_NUMPY[first.datatype]:
+        raise ModelLoadError(
+            f"preprocessing produces {config.preprocessing.dtype}, input '{first.name}' is "
+            f"{first.datatype}"
+        )
+    return pipeline
+
+
+def _warm_up(runtime: Runtime, signature: Signature, config: ModelConfig) -> dict[str, float]:
+    sizes = config.warmup.batch_sizes if config.max_batch_size > 0 else (0,)
+    timings: dict[str, float] = {}
+    for size in sizes:
+        if size > config.max_batch_size > 0:
+            raise ModelLoadError(
+                f"warmup.batch_sizes has {size}, above max_batch_size {config.max_batch_size}"
+            )
+        batch = {
+            t.name: np.zeros(
+                ((size,) if size else ()) + tuple(1 if d == -1 else d for d in t.shape),
+                dtype=TO_NUMPY[t.datatype],
+            )
+            for t in signature.inputs
+        }
+        started = time.perf_counter()
+        try:
+            runtime.warmup(batch)
+        except Exception as exc:
+            raise ModelLoadError(f"warmup at batch size {size} failed: {exc}") from exc
+        timings[f"batch_{size}"] = time.perf_counter() - started
+    return timings
+
+
+def _fmt(timings: Mapping[str, float]) -> str:
+    return ", ".join(f"{k}={v * 1000:.0f}ms" for k, v in timings.items())

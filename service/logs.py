@@ -1,0 +1,47 @@
+"""Logging: one JSON object per line, so that log pipelines need no parsing rules."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import orjson
+
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message",
+    "asctime",
+    "color_message",  # uvicorn's ANSI-coloured copy of msg
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "msg", ...extra}``, plus ``exc`` with the traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def configure(level: str) -> None:
+    """Route every logger, uvicorn's included, through one JSON handler on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = JsonFormatter()
+    formatter.converter = time.gmtime
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True

@@ -1,0 +1,178 @@
+"""The artifact manifest (``manifest.json``) and the load gates that read it.
+
+``tensorgate export`` writes the manifest; at load the server checks, in this order, that it can
+run the versions the artifact was made with, that the served preprocessing is the one the model
+was exported with, and that replaying ``golden.npz`` reproduces the eager PyTorch outputs.
+Each refusal is a :class:`~service.errors.ModelLoadError` whose message names the cause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from preprocessing.spec import spec_hash
+from service.errors import ModelLoadError
+from service.model_config import ModelConfig, TensorConfig, describe_validation_error
+
+MANIFEST_FORMAT = 1
+MANIFEST = "manifest.json"
+GOLDEN = "golden.npz"
+
+# Highest ai.onnx opset each onnxruntime release runs (from onnxruntime's compatibility table).
+# A release newer than the last entry runs at least that opset.
+_ORT_MAX_OPSET = ((1, 14, 18), (1, 15, 19), (1, 17, 20), (1, 18, 21), (1, 20, 21), (1, 21, 22),
+                  (1, 23, 23))  # fmt: skip
+MIN_OPSET = 7
+
+
+class Tolerance(BaseModel):
+    """Outputs match when ``|served - golden| <= atol + rtol * |golden|`` element-wise."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    atol: float = Field(default=1e-4, gt=0)
+    rtol: float = Field(default=1e-3, ge=0)
+
+
+class Manifest(BaseModel):
+    """What an exported artifact says about itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = MANIFEST_FORMAT
+    name: str
+    max_batch_size: int = Field(ge=0)
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
+    dynamic_axes: dict[str, dict[int, str]] = {}
+    opset: int | None = None
+    versions: dict[str, str | None]
+    """torch, onnx, onnxruntime, python and cuda versions used at export."""
+    artifacts: dict[str, str]
+    """backend → file name in the version folder (``onnx``/``torchscript``)."""
+    preprocessing: dict[str, Any] | None = None
+    preprocessing_hash: str | None = None
+    tolerance: Tolerance = Tolerance()
+    parity: dict[str, dict[str, float]] = {}
+    """Max abs/rel error of each artifact vs eager PyTorch, measured at export."""
+    metrics: dict[str, float] = {}
+    """Anything measured at build time, e.g. held-out accuracy."""
+    created: str | None = None
+
+
+def read_manifest(version_dir: Path) -> Manifest | None:
+    """The manifest of a version folder, or None for a bring-your-own artifact."""
+    path = version_dir / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        return Manifest.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        raise ModelLoadError(f"{path}: {describe_validation_error(exc)}") from None
+
+
+def max_opset(ort_version: str) -> int:
+    """The highest opset the given onnxruntime version runs."""
+    major, minor = (int(part) for part in ort_version.split(".")[:2])
+    best = _ORT_MAX_OPSET[0][2]
+    for ort_major, ort_minor, opset in _ORT_MAX_OPSET:
+        if (major, minor) >= (ort_major, ort_minor):
+            best = opset
+    return best
+
+
+def check_versions(manifest: Manifest, backend: str, runtime_versions: Mapping[str, str]) -> None:
+    """Gate 1: refuse an artifact made with versions this server cannot run."""
+    if manifest.format > MANIFEST_FORMAT:
+        raise ModelLoadError(
+            f"manifest format {manifest.format} is newer than this server reads ({MANIFEST_FORMAT})"
+        )
+    if backend not in manifest.artifacts:
+        raise ModelLoadError(
+            f"config backend is {backend!r}, the manifest lists only {sorted(manifest.artifacts)}"
+        )
+    if backend == "onnx":
+        ort_version = runtime_versions["onnxruntime"]
+        highest = max_opset(ort_version)
+        if manifest.opset is None or not MIN_OPSET <= manifest.opset <= highest:
+            raise ModelLoadError(
+                f"ONNX opset {manifest.opset} cannot run on onnxruntime {ort_version} "
+                f"(it runs opsets {MIN_OPSET}–{highest}); re-export with a supported opset"
+            )
+    if backend == "torchscript":
+        exported = manifest.versions.get("torch") or "unknown"
+        running = runtime_versions["torch"]
+        theirs, mine = _major_minor(exported), _major_minor(running)
+        if theirs is None or mine is None:
+            raise ModelLoadError(f"manifest names torch {exported!r}, which is not a version")
+        if theirs[0] != mine[0]:
+            raise ModelLoadError(
+                f"exported with torch {exported}, this server runs torch {running}: "
+                "a different major version; re-export with the server's torch"
+            )
+        if theirs > mine:
+            raise ModelLoadError(
+                f"exported with torch {exported}, this server runs the older torch {running}: "
+                "TorchScript archives do not load on an older torch"
+            )
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_preprocessing(config: ModelConfig, manifest: Manifest) -> None:
+    """Gate 2: the served preprocessing must hash to the one the model was exported with."""
+    served = spec_hash(config.preprocessing) if config.preprocessing is not None else None
+    if served != manifest.preprocessing_hash:
+        raise ModelLoadError(
+            "preprocessing in config.yaml differs from the one this artifact was exported with "
+            f"(served {served}, manifest {manifest.preprocessing_hash}); the model would see "
+            "inputs unlike its training data. Export again, or restore the spec: "
+            f"{manifest.preprocessing}"
+        )
+
+
+def check_golden(
+    version_dir: Path,
+    run: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
+    tolerance: Tolerance,
+) -> dict[str, float]:
+    """Gate 3: replay golden inputs; refuse when an output differs beyond the tolerance."""
+    path = version_dir / GOLDEN
+    if not path.exists():
+        raise ModelLoadError(f"{GOLDEN} is missing beside the manifest; export again")
+    with np.load(path, allow_pickle=False) as golden:
+        inputs = {
+            k.removeprefix("input."): golden[k] for k in golden.files if k.startswith("input.")
+        }
+        expected = {
+            k.removeprefix("output."): golden[k] for k in golden.files if k.startswith("output.")
+        }
+    served = run(inputs)
+    worst: dict[str, float] = {}
+    for name, want in expected.items():
+        got = served.get(name)
+        if got is None or got.shape != want.shape:
+            shape = None if got is None else list(got.shape)
+            raise ModelLoadError(
+                f"golden replay: output '{name}' has shape {shape}, golden {list(want.shape)}"
+            )
+        error = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        limit = tolerance.atol + tolerance.rtol * np.abs(want.astype(np.float64))
+        worst[name] = float(error.max(initial=0.0))
+        if not np.all(error <= limit):
+            raise ModelLoadError(
+                f"golden replay: output '{name}' differs from the exported model's by up to "
+                f"{worst[name]:.3g} (tolerance atol={tolerance.atol:g}, rtol={tolerance.rtol:g})"
+            )
+    return worst

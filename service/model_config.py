@@ -1,0 +1,123 @@
+"""The per-model serving config (``models/<name>/config.yaml``) and its loader.
+
+The schema is flat and strict: an unknown key is an error, and every error names the file and
+the dotted path of the field, e.g. ``models/digits/config.yaml: warmup.batch_sizes.0: ...``.
+``tensorgate schema`` prints it as JSON Schema for editors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from preprocessing.spec import PreprocessingSpec
+from service.errors import ModelLoadError
+
+DATATYPES = (
+    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+    "FP16", "FP32", "FP64", "BYTES",
+)  # fmt: skip
+Datatype = Literal[
+    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+    "FP16", "FP32", "FP64", "BYTES",
+]  # fmt: skip
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorConfig(_Strict):
+    """One input or output: its name, datatype and shape without the batch dim (-1 = dynamic)."""
+
+    name: str = Field(min_length=1)
+    datatype: Datatype
+    shape: tuple[int, ...]
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, shape: tuple[int, ...]) -> tuple[int, ...]:
+        for dim in shape:
+            if dim < -1 or dim == 0:
+                raise ValueError(f"each dim must be -1 (dynamic) or ≥ 1 (got {dim})")
+        return shape
+
+
+class ClassificationConfig(_Strict):
+    """Top-k labels with probabilities from a logits (or probabilities) output."""
+
+    kind: Literal["classification"] = "classification"
+    labels: str | None = None
+    """A text file beside config.yaml, one label a line, in class-index order."""
+    top_k: int = Field(default=5, ge=1)
+    softmax: bool = True
+    """Apply softmax to the output first (false when the model outputs probabilities)."""
+    output: str | None = None
+    """Which output to read (default: the first)."""
+
+
+class WarmupConfig(_Strict):
+    """Shapes run at load, on every instance, before the model reports ready."""
+
+    batch_sizes: tuple[int, ...] = (1,)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in sizes):
+            raise ValueError(f"batch sizes must be ≥ 1 (got {list(sizes)})")
+        return sizes
+
+
+class VersionPolicy(_Strict):
+    """Which version folders to serve: the latest N (default 1), or exactly these."""
+
+    latest: int | None = Field(default=None, ge=1)
+    specific: tuple[int, ...] | None = None
+    all: bool = False
+
+
+class ModelConfig(_Strict):
+    """What ``models/<name>/config.yaml`` holds."""
+
+    backend: Literal["onnx", "torchscript"]
+    max_batch_size: int = Field(default=0, ge=0)
+    """Most rows in one inference; 0 = the model takes no batch dimension."""
+    inputs: tuple[TensorConfig, ...] | None = None
+    """Optional for ONNX (read from the graph) and exported artifacts (from the manifest)."""
+    outputs: tuple[TensorConfig, ...] | None = None
+    preprocessing: PreprocessingSpec | None = None
+    postprocessing: ClassificationConfig | None = None
+    warmup: WarmupConfig = WarmupConfig()
+    instances: int = Field(default=1, ge=1)
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    version_policy: VersionPolicy = VersionPolicy(latest=1)
+    tolerance_override: float | None = Field(default=None, gt=0)
+    """Widen the manifest's golden tolerance explicitly (e.g. on another device)."""
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Read and validate a config.yaml, raising :class:`ModelLoadError` naming file and field."""
+    try:
+        raw: Any = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ModelLoadError(f"{path}: cannot read YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ModelLoadError(f"{path}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """``field.path: message (got value)`` for each error, joined with ``; ``."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        got = f" (got {error['input']!r})" if error["type"] != "missing" else ""
+        parts.append(f"{where}: {error['msg']}{got}")
+    return "; ".join(parts)

@@ -1,0 +1,59 @@
+"""Postprocessing: raw outputs → what a v1 ``predict`` caller wants (top-k labels)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.errors import ModelLoadError
+from service.model_config import ClassificationConfig, TensorConfig
+
+
+class Classifier:
+    """Top-k ``{"index", "label", "probability"}`` from one row of a logits output."""
+
+    def __init__(
+        self, config: ClassificationConfig, model_dir: Path, outputs: tuple[TensorConfig, ...]
+    ) -> None:
+        by_name = {t.name: t for t in outputs}
+        self.output = config.output or outputs[0].name
+        if self.output not in by_name:
+            raise ModelLoadError(
+                f"postprocessing.output '{self.output}' is not an output of the model "
+                f"({sorted(by_name)})"
+            )
+        classes = by_name[self.output].shape[-1] if by_name[self.output].shape else -1
+        self.labels: list[str] | None = None
+        if config.labels is not None:
+            path = model_dir / config.labels
+            try:
+                self.labels = path.read_text().splitlines()
+            except OSError as exc:
+                raise ModelLoadError(f"postprocessing.labels: cannot read {path}: {exc}") from None
+            if classes != -1 and len(self.labels) != classes:
+                raise ModelLoadError(
+                    f"postprocessing.labels: {path.name} has {len(self.labels)} labels, "
+                    f"output '{self.output}' has {classes} classes"
+                )
+        self.top_k = config.top_k
+        self.softmax = config.softmax
+
+    def __call__(self, row: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+        scores = row[self.output].astype(np.float64).reshape(-1)
+        if self.softmax:
+            scores = np.exp(scores - scores.max())
+            scores /= scores.sum()
+        k = min(self.top_k, scores.size)
+        top = np.argpartition(-scores, k - 1)[:k]
+        top = top[np.argsort(-scores[top], kind="stable")]
+        return [
+            {
+                "index": int(i),
+                "label": self.labels[i] if self.labels else str(int(i)),
+                "probability": float(scores[i]),
+            }
+            for i in top
+        ]

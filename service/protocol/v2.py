@@ -1,0 +1,334 @@
+"""Open Inference Protocol (KServe v2) REST codec, with Triton's binary tensor data extension.
+
+Pure functions over bytes: :func:`decode_request` turns a request body into numpy arrays (binary
+tensors are viewed straight out of the body, never JSON-parsed), :func:`encode_response` turns
+outputs into a body and its headers. Bulk tensor data never goes through pydantic.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from service.errors import InvalidInput
+from service.protocol.datatypes import TO_NUMPY
+
+HEADER_LENGTH = "inference-header-content-length"
+_MAX_NESTING = 64
+
+
+@dataclass(slots=True)
+class InputTensor:
+    """One decoded input: ``data`` already has ``shape`` and the numpy dtype of ``datatype``."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for, and whether it wants it as binary data."""
+
+    name: str
+    binary: bool
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """A decoded infer request; ``outputs`` is None when the client asked for all of them."""
+
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: list[InputTensor]
+    outputs: list[RequestedOutput] | None
+    binary_output: bool
+
+
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    """Validate ``Inference-Header-Content-Length`` against the body it claims to split."""
+    if value is None:
+        return None
+    try:
+        length = int(value)
+    except ValueError:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length must be an integer (got {value!r})"
+        ) from None
+    if not 0 < length <= body_length:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length is {length} but the body has {body_length} bytes"
+        )
+    return length
+
+
+def decode_request(body: bytes, header_length: int | None = None) -> InferenceRequest:
+    """A request body (JSON, or JSON header + binary tensors) → :class:`InferenceRequest`."""
+    if not body:
+        raise InvalidInput("request body is empty; expected an inference request in JSON")
+    view = memoryview(body)
+    header_bytes = view[:header_length] if header_length is not None else view
+    try:
+        header = orjson.loads(header_bytes)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise InvalidInput(f"request must be a JSON object, got {_kind(header)}")
+    binary = view[header_length:] if header_length is not None else view[:0]
+
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput(f"'id' must be a string, got {_kind(request_id)}")
+    parameters = _parameters(header.get("parameters"), "request")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInput("'inputs' must be a non-empty list of tensors")
+
+    inputs: list[InputTensor] = []
+    offset = 0
+    for index, raw in enumerate(raw_inputs):
+        tensor, used = _decode_input(raw, index, binary[offset:])
+        offset += used
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise InvalidInput(
+            f"the binary part of the body has {len(binary)} bytes but the inputs' "
+            f"binary_data_size add up to {offset}"
+        )
+    names = [tensor.name for tensor in inputs]
+    if len(set(names)) != len(names):
+        raise InvalidInput(f"an input appears more than once in 'inputs': {names}")
+
+    binary_output = parameters.get("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise InvalidInput("parameter 'binary_data_output' must be true or false")
+    outputs = _decode_outputs(header.get("outputs"), binary_output)
+    return InferenceRequest(request_id, parameters, inputs, outputs, binary_output)
+
+
+def _decode_input(raw: Any, index: int, binary: memoryview) -> tuple[InputTensor, int]:
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"inputs[{index}] must be an object, got {_kind(raw)}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"inputs[{index}].name must be a non-empty string")
+    datatype = raw.get("datatype")
+    if datatype not in TO_NUMPY:
+        raise InvalidInput(
+            f"input '{name}': datatype must be one of {', '.join(TO_NUMPY)} (got {datatype!r})"
+        )
+    shape = _shape(raw.get("shape"), f"input '{name}'")
+    parameters = _parameters(raw.get("parameters"), f"input '{name}'")
+    count = math.prod(shape)
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if "data" in raw:
+            raise InvalidInput(f"input '{name}' has both 'data' and binary_data_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidInput(f"input '{name}': binary_data_size must be an integer ≥ 0")
+        if size > len(binary):
+            raise InvalidInput(
+                f"input '{name}': binary_data_size is {size} but only {len(binary)} bytes "
+                "of binary data are left in the body"
+            )
+        data = _from_binary(binary[:size], datatype, count, name)
+        return InputTensor(name, datatype, shape, data.reshape(shape), parameters), size
+    if "data" not in raw:
+        raise InvalidInput(f"input '{name}' has no 'data' and no binary_data_size")
+    data = _from_json(raw["data"], datatype, name)
+    if data.size != count:
+        raise InvalidInput(
+            f"input '{name}': shape {list(shape)} needs {count} elements, 'data' has {data.size}"
+        )
+    return InputTensor(name, datatype, shape, data.reshape(shape), parameters), 0
+
+
+def _shape(raw: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(raw, list):
+        raise InvalidInput(f"{what}: 'shape' must be a list of integers, got {_kind(raw)}")
+    for dim in raw:
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise InvalidInput(f"{what}: shape dims must be integers ≥ 0 (got {raw})")
+    return tuple(raw)
+
+
+def _parameters(raw: Any, what: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidInput(f"{what}: 'parameters' must be an object, got {_kind(raw)}")
+    return raw
+
+
+def _from_binary(chunk: memoryview, datatype: str, count: int, name: str) -> np.ndarray:
+    if datatype == "BYTES":
+        return _unpack_bytes(chunk, count, name)
+    dtype = TO_NUMPY[datatype]
+    expected = count * dtype.itemsize
+    if len(chunk) != expected:
+        raise InvalidInput(
+            f"input '{name}': {count} {datatype} elements need {expected} bytes, "
+            f"binary_data_size is {len(chunk)}"
+        )
+    return np.frombuffer(chunk, dtype=dtype.newbyteorder("<"))
+
+
+def _unpack_bytes(chunk: memoryview, count: int, name: str) -> np.ndarray:
+    items: list[bytes] = []
+    offset = 0
+    end = len(chunk)
+    while offset < end:
+        if offset + 4 > end:
+            raise InvalidInput(f"input '{name}': BYTES element length is cut off at byte {offset}")
+        (length,) = struct.unpack_from("<I", chunk, offset)
+        offset += 4
+        if offset + length > end:
+            raise InvalidInput(
+                f"input '{name}': BYTES element {len(items)} claims {length} bytes, "
+                f"{end - offset} are left"
+            )
+        items.append(bytes(chunk[offset : offset + length]))
+        offset += length
+    if len(items) != count:
+        raise InvalidInput(
+            f"input '{name}': shape needs {count} BYTES elements, binary data holds {len(items)}"
+        )
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array
+
+
+def _from_json(data: Any, datatype: str, name: str) -> np.ndarray:
+    if not isinstance(data, list):
+        data = [data]
+    if datatype == "BYTES":
+        flat = _flatten(data, name)
+        array = np.empty(len(flat), dtype=object)
+        for i, item in enumerate(flat):
+            if not isinstance(item, str):
+                raise InvalidInput(f"input '{name}': BYTES data must be strings, got {_kind(item)}")
+            array[i] = item.encode()
+        return array
+    try:
+        array = np.asarray(data, dtype=TO_NUMPY[datatype])
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(
+            f"input '{name}': 'data' is not a (nested) list of {datatype} values: {exc}"
+        ) from None
+    return array.reshape(-1)
+
+
+def _flatten(data: list[Any], name: str, depth: int = 0) -> list[Any]:
+    if depth > _MAX_NESTING:
+        raise InvalidInput(f"input '{name}': 'data' is nested more than {_MAX_NESTING} deep")
+    if not any(isinstance(item, list) for item in data):
+        return data
+    flat: list[Any] = []
+    for item in data:
+        flat.extend(_flatten(item, name, depth + 1) if isinstance(item, list) else [item])
+    return flat
+
+
+def _decode_outputs(raw: Any, binary_default: bool) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidInput(f"'outputs' must be a list, got {_kind(raw)}")
+    outputs = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidInput(f"outputs[{index}] must be an object with a string 'name'")
+        parameters = _parameters(item.get("parameters"), f"output '{item['name']}'")
+        binary = parameters.get("binary_data", binary_default)
+        if not isinstance(binary, bool):
+            raise InvalidInput(f"output '{item['name']}': binary_data must be true or false")
+        outputs.append(RequestedOutput(item["name"], binary, parameters))
+    return outputs
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    """One output to encode, with the parameters the client asked to see echoed."""
+
+    name: str
+    data: np.ndarray
+    datatype: str
+    binary: bool
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_response(
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    parameters: dict[str, Any] | None,
+    outputs: list[OutputTensor],
+) -> tuple[bytes, dict[str, str]]:
+    """Outputs → ``(body, headers)``; binary outputs follow the JSON header, in order."""
+    chunks: list[bytes] = []
+    encoded = []
+    for output in outputs:
+        entry: dict[str, Any] = {
+            "name": output.name,
+            "datatype": output.datatype,
+            "shape": list(output.data.shape),
+        }
+        params = {k: v for k, v in output.parameters.items() if k != "binary_data"}
+        if output.binary:
+            blob = _to_binary(output.data, output.datatype)
+            chunks.append(blob)
+            params["binary_data_size"] = len(blob)
+        else:
+            entry["data"] = _to_json(output.data, output.datatype)
+        if params:
+            entry["parameters"] = params
+        encoded.append(entry)
+    response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request_id is not None:
+        response["id"] = request_id
+    if parameters:
+        response["parameters"] = parameters
+    response["outputs"] = encoded
+    header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return header, {"content-type": "application/json"}
+    headers = {
+        "content-type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+    return b"".join([header, *chunks]), headers
+
+
+def _to_json(data: np.ndarray, datatype: str) -> Any:
+    flat = data.reshape(-1)
+    if datatype == "BYTES":
+        return [
+            item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+            for item in flat
+        ]
+    return np.ascontiguousarray(flat)
+
+
+def _to_binary(data: np.ndarray, datatype: str) -> bytes:
+    if datatype == "BYTES":
+        parts = []
+        for item in data.reshape(-1):
+            raw = item if isinstance(item, bytes) else str(item).encode()
+            parts.append(struct.pack("<I", len(raw)))
+            parts.append(raw)
+        return b"".join(parts)
+    return np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).tobytes()
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )

@@ -1,0 +1,61 @@
+"""The Runtime contract: load an artifact, warm it up, run one batch. Nothing else."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from service.model_config import TensorConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    """What every runtime is told at construction."""
+
+    device: str = "cpu"
+    """``cpu`` or ``cuda[:N]``; ``auto`` is resolved before a runtime sees it."""
+    intra_op_threads: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """Inputs and outputs as the runtime will take and give them, without the batch dim."""
+
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
+
+
+class Runtime(abc.ABC):
+    """Loads one artifact onto one device and runs batches on it.
+
+    ``run`` is called from one instance thread at a time; implementations hold no per-request
+    state. A runtime owns inference hygiene: eval mode, no autograd, explicit threads/providers.
+    """
+
+    platform: ClassVar[str]
+    """The platform name Triton uses for this kind of model (model metadata's ``platform``)."""
+    artifact: ClassVar[str]
+    """The file name of the artifact in a version folder."""
+
+    def __init__(self, options: RuntimeOptions) -> None:
+        self.options = options
+
+    @abc.abstractmethod
+    def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
+        """Load the artifact; return its signature (``declared`` fills what the file lacks)."""
+
+    @abc.abstractmethod
+    def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch: input name → array, output name → array (on the host)."""
+
+    def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Run one batch of the given shapes so that later requests of that shape pay nothing."""
+        self.run(batch)
+
+    def close(self) -> None:  # noqa: B027 - a no-op default that runtimes may override
+        """Release what the runtime holds."""

@@ -1,0 +1,119 @@
+"""ONNX models on onnxruntime: one InferenceSession, explicit providers and thread counts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from service.errors import ModelLoadError
+from service.model_config import TensorConfig
+from service.runtimes.base import Runtime, Signature
+
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}
+
+
+def providers_for(device: str, available: list[str]) -> list[str]:
+    """The execution providers for a device, CPU always last; refuses CUDA when it is absent."""
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in available:
+        raise ModelLoadError(
+            f"device {device!r} asked for, but this onnxruntime has no CUDAExecutionProvider "
+            f"(available: {', '.join(available)}); install onnxruntime-gpu or set device: cpu"
+        )
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+class OnnxRuntime(Runtime):
+    """Runs ``model.onnx`` with onnxruntime."""
+
+    platform = "onnxruntime_onnx"
+    artifact = "model.onnx"
+
+    def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.options.intra_op_threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        providers = providers_for(self.options.device, ort.get_available_providers())
+        try:
+            self._session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own unexported exception types
+            raise ModelLoadError(f"onnxruntime cannot load {path.name}: {exc}") from None
+        graph = Signature(
+            tuple(_tensor(arg, max_batch_size) for arg in self._session.get_inputs()),
+            tuple(_tensor(arg, max_batch_size) for arg in self._session.get_outputs()),
+        )
+        if declared is not None:
+            _check_declared(declared, graph)
+        self._output_names = [t.name for t in graph.outputs]
+        return declared or graph
+
+    def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = self._session.run(self._output_names, dict(batch))
+        return dict(zip(self._output_names, results, strict=True))
+
+
+def _tensor(arg: ort.NodeArg, max_batch_size: int) -> TensorConfig:
+    datatype = _ORT_TYPES.get(arg.type)
+    if datatype is None:
+        raise ModelLoadError(
+            f"tensor '{arg.name}' has type {arg.type}, which tensorgate cannot serve"
+        )
+    dims = [d if isinstance(d, int) and d > 0 else -1 for d in arg.shape]
+    if max_batch_size > 0:
+        if not dims:
+            raise ModelLoadError(
+                f"tensor '{arg.name}' is a scalar, but max_batch_size > 0 needs a batch dimension"
+            )
+        dims = dims[1:]
+    return TensorConfig.model_validate({"name": arg.name, "datatype": datatype, "shape": dims})
+
+
+def _check_declared(declared: Signature, graph: Signature) -> None:
+    for kind, mine, theirs in (
+        ("input", declared.inputs, graph.inputs),
+        ("output", declared.outputs, graph.outputs),
+    ):
+        graph_by_name = {t.name: t for t in theirs}
+        for tensor in mine:
+            actual = graph_by_name.get(tensor.name)
+            if actual is None:
+                raise ModelLoadError(
+                    f"{kind} '{tensor.name}' is declared but the graph has only "
+                    f"{sorted(graph_by_name)}"
+                )
+            if actual.datatype != tensor.datatype or not _compatible(tensor.shape, actual.shape):
+                raise ModelLoadError(
+                    f"{kind} '{tensor.name}': declared {tensor.datatype} {list(tensor.shape)}, "
+                    f"the graph has {actual.datatype} {list(actual.shape)}"
+                )
+        if kind == "input" and {t.name for t in mine} != set(graph_by_name):
+            raise ModelLoadError(
+                f"declared inputs {sorted(t.name for t in mine)} differ from the graph's "
+                f"{sorted(graph_by_name)}"
+            )
+
+
+def _compatible(declared: tuple[int, ...], actual: tuple[int, ...]) -> bool:
+    return len(declared) == len(actual) and all(
+        a == -1 or d == a for d, a in zip(declared, actual, strict=True)
+    )

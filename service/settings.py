@@ -1,0 +1,43 @@
+"""Server settings: one pydantic-settings class, env vars ``TG_*``; CLI flags override them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+class Settings(BaseSettings):
+    """Everything the server reads from its environment. Each field is ``TG_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="TG_", extra="ignore", protected_namespaces=())
+
+    host: str = "127.0.0.1"
+    """Address to listen on. Use 0.0.0.0 in a container."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port to listen on (0 picks a free one)."""
+    model_repository: Path = Path("models")
+    """The model repository: one folder a model, each with config.yaml and version folders."""
+    models: list[str] | None = None
+    """Load only these models from the repository (default: every model in it)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the server's own logs."""
+    access_log: bool = True
+    """Write one line per HTTP request."""
+    intra_op_threads: int = Field(default_factory=_default_threads, ge=1)
+    """Threads each model instance's runtime uses inside one operator (torch / onnxruntime)."""
+    preprocess_threads: int = Field(default_factory=_default_threads, ge=1)
+    """Threads that decode and preprocess request payloads, off the event loop."""
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    """Largest request body accepted; larger ones get 413 before they are read in full."""
+    strict_readiness: bool = True
+    """Ready only when every model meant to load is READY; false: when any model is READY."""
+    server_name: str = "tensorgate"
+    """The name reported in server metadata."""

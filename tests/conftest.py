@@ -1,0 +1,59 @@
+"""Fixtures shared by every test: the bundled models, real servers, real photos."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import skimage.data
+from PIL import Image
+
+from tests.server import MODELS, Server
+
+BUNDLED = ("efficientnet_lite0", "digits")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = [m for m in BUNDLED if not (MODELS / m / "1" / "manifest.json").exists()]
+    if missing:
+        raise pytest.UsageError(f"bundled models {missing} are not built: run `make models` first")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server on the bundled model repository, shared by the tests that only read."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    running = Server(MODELS, log_path=log)
+    try:
+        running.wait_until()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    """A fresh model repository holding copies of the bundled digits model (small, fast)."""
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    return root
+
+
+def encode(array: np.ndarray, fmt: str, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def chelsea_jpeg() -> bytes:
+    return encode(skimage.data.chelsea(), "JPEG", quality=95)
+
+
+@pytest.fixture(scope="session")
+def coffee_jpeg() -> bytes:
+    return encode(skimage.data.coffee(), "JPEG", quality=95)

@@ -1,0 +1,84 @@
+"""`tensorgate export` from a user's own module file, then `tensorgate serve` on the result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models import Mlp
+from tests.server import REPO_ROOT, Server
+
+pytestmark = pytest.mark.integration
+
+USER_CODE = """
+import torch
+from torch import nn
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.layers(x)
+
+def make():
+    return Mlp().eval()
+"""
+
+
+def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
+    (tmp_path / "usermodel.py").write_text(USER_CODE)
+    repository = tmp_path / "models"
+    command = [
+        sys.executable, "-m", "service", "export", "usermodel:make", "--name", "mlp",
+        "--repository", str(repository), "--input", "x:FP32:64", "--output", "y:FP32:10",
+        "--max-batch-size", "8",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((repository / "mlp" / "1" / "manifest.json").read_text())
+    assert manifest["artifacts"] == {"torchscript": "model.pt", "onnx": "model.onnx"}
+    assert manifest["parity"]["onnx"]["max_abs"] < 1e-4
+    assert (repository / "mlp" / "config.yaml").read_text().startswith("backend: onnx")
+
+    server = Server(repository, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+        body = {
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [3, 64], "data": x.ravel().tolist()}
+            ]
+        }
+        response = server.client.post("/v2/models/mlp/infer", json=body)
+        assert response.status_code == 200, response.text
+        with torch.no_grad():
+            expected = Mlp().eval()(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(
+            np.reshape(response.json()["outputs"][0]["data"], (3, 10)), expected, atol=1e-5
+        )
+        assert server.client.get("/v2/models/mlp").json()["verified"] is True
+    finally:
+        assert server.stop() == 0
+
+
+def test_export_refuses_a_factory_that_is_not_a_module(tmp_path: Path) -> None:
+    (tmp_path / "notamodel.py").write_text("def make():\n    return 42\n")
+    command = [
+        sys.executable, "-m", "service", "export", "notamodel:make", "--name", "m",
+        "--repository", str(tmp_path), "--input", "x:FP32:4", "--output", "y:FP32:4",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "notamodel:make gave int, not a torch.nn.Module" in done.stderr

@@ -1,0 +1,42 @@
+"""Tiny real PyTorch models that tests export and serve."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TrainModeNet(nn.Module):
+    """Dropout and BatchNorm: its output changes call to call unless eval() is in force."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4)
+        )
+        # Give BatchNorm running statistics unlike a batch's own, so train/eval differ visibly.
+        self.body[1].running_mean.fill_(0.3)
+        self.body[1].running_var.fill_(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class Mlp(nn.Module):
+    """64 → 256 → 10, the kind of tiny model whose serving cost is all overhead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class DropsARow(nn.Module):
+    """Breaks the batch contract: returns one row fewer than it was given."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[1:] * 2.0

@@ -1,0 +1,99 @@
+"""A real ``tensorgate serve`` process on 127.0.0.1, for integration tests.
+
+Started with the console script's own code path (``python -m service serve``), on a free port,
+polled until ready (never slept on), and stopped by its PID with SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS = REPO_ROOT / "models"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Server:
+    """One server process and an httpx client for it."""
+
+    def __init__(
+        self,
+        repository: Path,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        environment = {
+            **os.environ,
+            "TG_PORT": str(self.port),
+            "TG_HOST": "127.0.0.1",
+            "TG_MODEL_REPOSITORY": str(repository),
+            "TG_INTRA_OP_THREADS": "1",
+            "TG_PREPROCESS_THREADS": "2",
+            **(env or {}),
+        }
+        self._log: IO[bytes] | None = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"],
+            cwd=REPO_ROOT,
+            env=environment,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def wait_until(
+        self, path: str = "/v2/health/ready", status: int = 200, timeout: float = 120
+    ) -> None:
+        """Poll ``path`` until it answers ``status``; fail with the server's log if it never does."""
+        self.wait_for(lambda: self.client.get(path, timeout=2).status_code == status, timeout)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 120) -> None:
+        """Poll ``condition`` (connection errors count as false) until it holds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if condition():
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"condition never held within {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log captured)"
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> int:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+        return self.process.returncode

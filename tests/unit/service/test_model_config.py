@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import pytest
+
+from service.errors import ModelLoadError
+from service.model_config import VersionPolicy, load_model_config
+from service.repository import select_versions
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_minimal_config_names_only_the_backend(tmp_path: Path) -> None:
+    config = load_model_config(write(tmp_path, "backend: onnx\n"))
+    assert config.backend == "onnx"
+    assert config.max_batch_size == 0
+    assert config.version_policy.latest == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("backend: tensorflow\n", "backend: Input should be 'onnx' or 'torchscript'"),
+        ("max_batch_size: 4\n", "backend: Field required"),
+        ("backend: onnx\nmax_batch_size: -1\n", "max_batch_size: Input should be greater than"),
+        ("backend: onnx\nwarmup: {batch_sizes: [1, 0]}\n", "warmup.batch_sizes: Value error, batch sizes must be ≥ 1"),
+        ("backend: onnx\ninputs: [{name: x, datatype: FLOAT, shape: [3]}]\n", "inputs.0.datatype"),
+        ("backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [0]}]\n", "inputs.0.shape: Value error, each dim must be -1"),
+        ("backend: onnx\nbatch_size: 4\n", "batch_size: Extra inputs are not permitted"),
+        ("backend: onnx\npreprocessing: {kind: image, mean: [1, 2]}\n", "preprocessing.mean: Value error, has 2 values"),
+        ("backend: onnx\ndevice: gpu\n", "device: String should match pattern"),
+        ("- a list\n", "expected a mapping of settings, got list"),
+        ("backend: [unclosed\n", "cannot read YAML"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model_config(path)
+    assert str(caught.value).startswith(f"{path}: ")
+    assert message.split(":")[0] in str(caught.value)
+    assert message.split(": ", 1)[-1].split(" (")[0][:30] in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (VersionPolicy(latest=1), [7]),
+        (VersionPolicy(latest=2), [3, 7]),
+        (VersionPolicy(specific=(1, 3, 9)), [1, 3]),
+        (VersionPolicy(all=True), [1, 3, 7]),
+    ],
+)
+def test_version_policy_selects_versions(policy: VersionPolicy, expected: list[int]) -> None:
+    assert select_versions([1, 3, 7], policy) == expected

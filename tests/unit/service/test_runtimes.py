@@ -1,0 +1,94 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from service.errors import ModelLoadError
+from service.model_config import TensorConfig
+from service.runtimes import create_runtime, resolve_device
+from service.runtimes.base import RuntimeOptions, Signature
+from service.runtimes.onnx import providers_for
+from service.runtimes.torchscript import TorchScriptRuntime
+from tests.models import TrainModeNet
+
+SIGNATURE = Signature(
+    (TensorConfig(name="x", datatype="FP32", shape=(8,)),),
+    (TensorConfig(name="y", datatype="FP32", shape=(4,)),),
+)
+
+
+@pytest.fixture
+def train_mode_archive(tmp_path: Path) -> Path:
+    model = TrainModeNet().train()
+    path = tmp_path / "model.pt"
+    torch.jit.script(model).save(str(path))
+    return path
+
+
+def test_torchscript_runtime_enforces_eval_no_grad_and_inference_mode(
+    train_mode_archive: Path,
+) -> None:
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    runtime.load(train_mode_archive, SIGNATURE, max_batch_size=8)
+    module = runtime._module
+    assert not any(sub.training for sub in module.modules())
+    assert not any(p.requires_grad for p in module.parameters())
+    x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    first, second = runtime.run({"x": x})["y"], runtime.run({"x": x})["y"]
+    np.testing.assert_array_equal(first, second)
+    eager = TrainModeNet().eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(first, eager(torch.from_numpy(x)).numpy(), atol=1e-5)
+    with torch.inference_mode():
+        raw = module(torch.from_numpy(x))
+    assert raw.is_inference() and not raw.requires_grad and raw.grad_fn is None
+
+
+def test_torchscript_without_declared_signature_is_refused(train_mode_archive: Path) -> None:
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    with pytest.raises(ModelLoadError, match="carries no tensor datatypes"):
+        runtime.load(train_mode_archive, None, max_batch_size=8)
+
+
+def test_torchscript_on_absent_cuda_is_refused_clearly(train_mode_archive: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this check is for machines without CUDA; a GPU is present")
+    runtime = TorchScriptRuntime(RuntimeOptions("cuda", 1))
+    with pytest.raises(ModelLoadError, match="torch sees no CUDA device"):
+        runtime.load(train_mode_archive, SIGNATURE, max_batch_size=8)
+
+
+def test_onnx_providers_are_explicit_and_cuda_absent_is_refused() -> None:
+    assert providers_for("cpu", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    assert providers_for("cuda:1", ["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
+        "CUDAExecutionProvider",
+        "CPUExecutionProvider",
+    ]
+    with pytest.raises(ModelLoadError, match="no CUDAExecutionProvider.*install onnxruntime-gpu"):
+        providers_for("cuda", ["CPUExecutionProvider"])
+
+
+def test_auto_device_falls_back_to_cpu_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this check is for machines without CUDA; a GPU is present")
+    assert resolve_device("auto", "onnx") == "cpu"
+    assert resolve_device("auto", "torchscript") == "cpu"
+    assert resolve_device("cuda:0", "onnx") == "cuda:0"
+
+
+def test_onnx_runtime_reads_the_signature_from_the_graph(tmp_path: Path) -> None:
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(
+        TrainModeNet().eval(), (torch.zeros(2, 8),), str(path), input_names=["x"],
+        output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False,
+    )  # fmt: skip
+    runtime = create_runtime("onnx", RuntimeOptions("cpu", 1))
+    signature = runtime.load(path, None, max_batch_size=8)
+    assert signature == SIGNATURE
+    wrong = Signature((TensorConfig(name="x", datatype="FP64", shape=(8,)),), SIGNATURE.outputs)
+    with pytest.raises(ModelLoadError, match="declared FP64 \\[8\\], the graph has FP32 \\[8\\]"):
+        create_runtime("onnx", RuntimeOptions("cpu", 1)).load(path, wrong, max_batch_size=8)
+    (tmp_path / "broken.onnx").write_bytes(b"not onnx")
+    with pytest.raises(ModelLoadError, match="onnxruntime cannot load broken.onnx"):
+        create_runtime("onnx", RuntimeOptions("cpu", 1)).load(tmp_path / "broken.onnx", None, 8)

@@ -1,0 +1,238 @@
+"""The v2 codec against hand-built and tritonclient-built bodies, exhaustively and by property."""
+
+import contextlib
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as triton
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from tritonclient.http._utils import _get_inference_request
+
+from service.errors import InvalidInput
+from service.protocol.datatypes import TO_NUMPY
+from service.protocol.v2 import (
+    OutputTensor,
+    decode_request,
+    encode_response,
+    parse_header_length,
+)
+
+NUMERIC = [name for name in TO_NUMPY if name != "BYTES"]
+shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5)
+
+
+def arrays_of(datatype: str) -> st.SearchStrategy[np.ndarray]:
+    dtype = TO_NUMPY[datatype]
+    elements = None
+    if dtype.kind == "f":
+        elements = st.floats(width=dtype.itemsize * 8, allow_nan=False, allow_infinity=False)
+    return hnp.arrays(dtype, shapes, elements=elements)
+
+
+def triton_body(arrays: dict[str, np.ndarray], binary: bool) -> tuple[bytes, int | None]:
+    """The exact bytes tritonclient.http sends for these inputs."""
+    inputs = []
+    for name, array in arrays.items():
+        datatype = "BYTES" if array.dtype == object else triton.np_to_triton_dtype(array.dtype)
+        tensor = triton.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array, binary_data=binary)
+        inputs.append(tensor)
+    body, json_size = _get_inference_request(
+        inputs=inputs, request_id="r1", outputs=None, sequence_id=0, sequence_start=False,
+        sequence_end=False, priority=0, timeout=None, custom_parameters=None,
+    )  # fmt: skip
+    return (body if isinstance(body, bytes) else body.encode()), json_size
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(datatype=st.sampled_from(NUMERIC), data=st.data(), binary=st.booleans())
+def test_every_numeric_datatype_round_trips_from_tritonclient(
+    datatype: str, data: st.DataObject, binary: bool
+) -> None:
+    array = data.draw(arrays_of(datatype))
+    body, header_length = triton_body({"x": array}, binary)
+    request = decode_request(body, header_length)
+    (decoded,) = request.inputs
+    assert decoded.datatype == datatype
+    assert decoded.shape == array.shape
+    assert decoded.data.dtype == array.dtype
+    np.testing.assert_array_equal(decoded.data, array)
+    assert request.id == "r1"
+    assert request.binary_output is True  # tritonclient asks for binary outputs by default
+
+
+@given(
+    items=st.lists(st.binary(max_size=20), min_size=1, max_size=6),
+    binary=st.booleans(),
+)
+def test_bytes_round_trip_from_tritonclient(items: list[bytes], binary: bool) -> None:
+    if not binary:  # JSON carries BYTES as UTF-8 strings
+        items = [item.decode("latin-1").encode() for item in items]
+    array = np.array(items, dtype=object)
+    body, header_length = triton_body({"s": array}, binary)
+    (decoded,) = decode_request(body, header_length).inputs
+    assert list(decoded.data) == items
+
+
+@pytest.mark.parametrize("datatype", NUMERIC)
+def test_nested_and_flat_json_data_decode_alike(datatype: str) -> None:
+    flat = [1, 0, 1, 1, 0, 1]
+    nested = [[1, 0, 1], [1, 0, 1]]
+    values = [[bool(v) for v in flat], [[bool(v) for v in r] for r in nested]]
+    if datatype != "BOOL":
+        values = [flat, nested]
+    results = []
+    for data in values:
+        body = orjson.dumps(
+            {"inputs": [{"name": "x", "datatype": datatype, "shape": [2, 3], "data": data}]}
+        )
+        results.append(decode_request(body).inputs[0].data)
+    np.testing.assert_array_equal(results[0], results[1])
+    assert results[0].shape == (2, 3)
+
+
+@settings(max_examples=40)
+@given(datatype=st.sampled_from(NUMERIC), data=st.data())
+def test_responses_parse_with_tritonclients_own_reader(datatype: str, data: st.DataObject) -> None:
+    a = data.draw(arrays_of(datatype))
+    b = np.array([b"ab", b"", "é".encode()], dtype=object)
+    for binary in (False, True):
+        outputs = [OutputTensor("a", a, datatype, binary), OutputTensor("b", b, "BYTES", binary)]
+        body, headers = encode_response("m", "1", "id-7", {"k": 1}, outputs)
+        length = headers.get("Inference-Header-Content-Length")
+        result = triton.InferResult.from_response_body(
+            body, header_length=int(length) if length else None
+        )
+        got = result.as_numpy("a")
+        if binary or datatype != "FP16":
+            np.testing.assert_array_equal(got.astype(a.dtype).reshape(a.shape), a)
+        strings = [item if binary else item.decode() for item in b]  # JSON carries text
+        assert list(result.as_numpy("b")) == strings
+        assert result.get_response()["id"] == "id-7"
+        assert result.get_response()["parameters"] == {"k": 1}
+
+
+def _request(**tensor: Any) -> bytes:
+    base = {"name": "x", "datatype": "FP32", "shape": [2], "data": [1.0, 2.0]}
+    base.update(tensor)
+    return orjson.dumps({"inputs": [{k: v for k, v in base.items() if v is not ...}]})
+
+
+@pytest.mark.parametrize(
+    ("body", "header", "message"),
+    [
+        (b"", None, "request body is empty"),
+        (b"{not json", None, "not valid JSON"),
+        (b"[1, 2]", None, "must be a JSON object"),
+        (b'{"inputs": []}', None, "non-empty list"),
+        (b'{"inputs": [1]}', None, r"inputs\[0\] must be an object"),
+        (b'{"id": 5, "inputs": [{}]}', None, "'id' must be a string"),
+        (_request(name=...), None, "name must be a non-empty string"),
+        (_request(datatype="FLOAT"), None, "datatype must be one of"),
+        (_request(shape=[-1]), None, "shape dims must be integers ≥ 0"),
+        (_request(shape="2"), None, "'shape' must be a list"),
+        (_request(shape=[3]), None, r"shape \[3\] needs 3 elements, 'data' has 2"),
+        (_request(shape=[10**12, 10**12]), None, "needs 1000000000000000000000000 elements"),
+        (_request(data=["a", "b"]), None, "not a \\(nested\\) list of FP32"),
+        (_request(data=[[1.0], [2.0, 3.0]]), None, "not a \\(nested\\) list of FP32"),
+        (_request(data=...), None, "has no 'data' and no binary_data_size"),
+        (_request(datatype="UINT8", data=[1, 300]), None, "not a \\(nested\\) list of UINT8"),
+        (_request(datatype="BYTES", data=[1, 2]), None, "BYTES data must be strings"),
+        (_request(parameters=[1]), None, "'parameters' must be an object"),
+        (b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]},'
+         b'{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}', None, "more than once"),
+        (b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+         b'"outputs": [{"nome": "y"}]}', None, "string 'name'"),
+        (b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+         b'"parameters": {"binary_data_output": "yes"}}', None, "must be true or false"),
+    ],
+)  # fmt: skip
+def test_malformed_requests_say_what_is_wrong(
+    body: bytes, header: int | None, message: str
+) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        decode_request(body, header)
+
+
+def _binary_request(
+    size: int, payload: bytes, datatype: str = "FP32", shape: list[int] | None = None
+) -> tuple[bytes, int]:
+    header = orjson.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": shape or [2],
+                                       "parameters": {"binary_data_size": size}}]})  # fmt: skip
+    return header + payload, len(header)
+
+
+@pytest.mark.parametrize(
+    ("size", "payload", "datatype", "message"),
+    [
+        (8, b"\0" * 4, "FP32", "binary_data_size is 8 but only 4 bytes"),
+        (4, b"\0" * 4, "FP32", "2 FP32 elements need 8 bytes"),
+        (8, b"\0" * 12, "FP32", "binary part of the body has 12 bytes"),
+        (-1, b"", "FP32", "binary_data_size must be an integer"),
+        (6, struct.pack("<I", 9) + b"ab", "BYTES", "claims 9 bytes"),
+        (2, b"\1\0", "BYTES", "length is cut off"),
+        (5, struct.pack("<I", 1) + b"a", "BYTES", "needs 2 BYTES elements, binary data holds 1"),
+    ],
+)
+def test_malformed_binary_data_is_refused(
+    size: int, payload: bytes, datatype: str, message: str
+) -> None:
+    body, length = _binary_request(size, payload, datatype)
+    with pytest.raises(InvalidInput, match=message):
+        decode_request(body, length)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("abc", "must be an integer"), ("0", "but the body has"), ("999", "but the body has")],
+)
+def test_lying_header_length_is_refused(value: str, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        parse_header_length(value, 100)
+
+
+def test_header_length_that_cuts_json_short_is_refused() -> None:
+    body, length = _binary_request(8, b"\0" * 8)
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        decode_request(body, length - 3)
+
+
+@settings(max_examples=300)
+@given(body=st.binary(max_size=300), header=st.one_of(st.none(), st.integers(1, 300)))
+def test_arbitrary_bytes_never_raise_anything_but_invalid_input(
+    body: bytes, header: int | None
+) -> None:
+    with contextlib.suppress(InvalidInput):
+        length = parse_header_length(None if header is None else str(header), len(body))
+        decode_request(body, length)
+
+
+@settings(max_examples=200)
+@given(
+    tensor=st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.one_of(st.text(max_size=3), st.integers(), st.none()),
+            "datatype": st.sampled_from([*TO_NUMPY, "X", 3]),
+            "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), st.text(max_size=2)),
+            "data": st.recursive(
+                st.one_of(st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=3),
+                          st.booleans(), st.none()),
+                lambda children: st.lists(children, max_size=4), max_leaves=12,
+            ),
+            "parameters": st.one_of(
+                st.dictionaries(st.just("binary_data_size"), st.integers(-5, 50)), st.integers()
+            ),
+        },
+    )
+)  # fmt: skip
+def test_random_json_tensors_never_raise_anything_but_invalid_input(tensor: dict[str, Any]) -> None:
+    body = json.dumps({"inputs": [tensor]}).encode()
+    with contextlib.suppress(InvalidInput):
+        decode_request(body)
