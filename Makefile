@@ -32,14 +32,16 @@ models: $(ARTIFACTS)
 run: models
 	$(BIN)/tensorgate serve
 
+PY_DIRS := service preprocessing tests models bench
+
 lint: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check $(PY_DIRS)
+	$(BIN)/ruff format --check $(PY_DIRS)
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format .
-	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format $(PY_DIRS)
+	$(BIN)/ruff check --fix $(PY_DIRS)
 
 test: lint models
 	$(BIN)/pytest $(PYTEST_ARGS)
