@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
 from service.api import router
 from service.api.deps import json_response
 from service.dataplane import DataPlane
 from service.errors import TensorgateError
+from service.logs import REQUEST_ID
 from service.repository import ModelRepository
 from service.settings import Settings
 
@@ -55,9 +59,41 @@ def create_app(settings: Settings) -> FastAPI:
         summary="Open Inference Protocol (KServe v2) server for TorchScript and ONNX models",
         lifespan=lifespan,
     )
-    app.include_router(router())
+    app.include_router(router(settings))
     _install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
     return app
+
+
+class RequestIdMiddleware:
+    """Takes ``X-Request-ID`` (or makes one), returns it, and puts it in every log line.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which would buffer every body through a task.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _VALID_ID.match(given) else uuid.uuid4().hex
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        # Each request runs in its own task, so this value is the request's own; it is not
+        # reset so that Starlette's outermost error handler can still read it.
+        REQUEST_ID.set(request_id)
+        await self.app(scope, receive, send_with_id)
+
+
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def _load(repository: ModelRepository, started: float) -> None:
@@ -75,23 +111,28 @@ def _load(repository: ModelRepository, started: float) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TensorgateError)
     async def tensorgate_error(request: Request, exc: TensorgateError) -> Response:
-        if exc.status >= 500 and exc.status != 503:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
-        return json_response({"error": exc.message}, exc.status, exc.headers)
+        if exc.status == 500:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc.message,
+                      exc_info=exc.__cause__)  # fmt: skip
+        return _error(exc.message, exc.status, exc.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
-        return json_response({"error": str(message)}, exc.status_code, exc.headers)
+        return _error(str(message), exc.status_code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return json_response({"error": f"invalid request: {exc.errors()}"}, 400)
+        return _error(f"invalid request: {exc.errors()}", 400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        incident = uuid.uuid4().hex[:12]
-        log.exception("%s %s: internal error %s", request.method, request.url.path, incident)
-        return json_response(
-            {"error": f"internal server error (incident {incident}); see the server log"}, 500
+        log.exception("%s %s: internal error", request.method, request.url.path)
+        return _error(
+            f"internal server error (request {REQUEST_ID.get()}); see the server log", 500
         )
+
+
+def _error(message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:
+    """``{"error": ...}`` as the protocol says, plus the request id to find it in the logs."""
+    return json_response({"error": message, "request_id": REQUEST_ID.get()}, status, headers)

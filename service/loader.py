@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from preprocessing.image import ImagePipeline
-from service.errors import ModelLoadError
+from service.errors import ModelExecutionError, ModelLoadError, ModelNotReady, TensorgateError
 from service.manifest import (
     Manifest,
     Tolerance,
@@ -22,12 +24,13 @@ from service.manifest import (
     check_versions,
     read_manifest,
 )
-from service.model_config import ModelConfig
-from service.post import Classifier
+from service.model_config import ModelConfig, TensorConfig
+from service.post import CLASSIFICATION, Classifier
 from service.protocol.datatypes import TO_NUMPY
 from service.runtimes import create_runtime, resolve_device, runtime_versions
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from service.settings import Settings
+from service.stats import ModelStats, RequestTiming
 
 log = logging.getLogger("tensorgate.loader")
 
@@ -42,6 +45,7 @@ SKIPPED_WITHOUT_MANIFEST = (
 class LoadedModel:
     """A version that passed its gates and warmup, with what serving it needs."""
 
+    name: str
     config: ModelConfig
     runtime: Runtime
     signature: Signature
@@ -53,21 +57,87 @@ class LoadedModel:
     timings: dict[str, float]
     warmup_timings: dict[str, float]
     executor: ThreadPoolExecutor = field(repr=False)
+    stats: ModelStats = field(default_factory=ModelStats, repr=False)
+    closed: bool = False
+    _users: int = field(default=0, repr=False)
+    _idle: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     @property
     def verified(self) -> bool:
         """True when every manifest gate ran and passed."""
         return self.manifest is not None
 
-    async def execute(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    @property
+    def bytes_input(self) -> str | None:
+        """The name of the BYTES input that takes encoded images, for models with a pipeline."""
+        return f"{self.signature.inputs[0].name}_bytes" if self.pipeline is not None else None
+
+    def public_inputs(self) -> list[TensorConfig]:
+        """Inputs as clients see them: the model's, plus the encoded-image BYTES input."""
+        inputs = list(self.signature.inputs)
+        if self.bytes_input is not None:
+            inputs.append(TensorConfig(name=self.bytes_input, datatype="BYTES", shape=()))
+        return inputs
+
+    def public_outputs(self) -> list[TensorConfig]:
+        """Outputs as clients see them: the model's, plus top-k classification strings."""
+        outputs = list(self.signature.outputs)
+        if self.classifier is not None:
+            outputs.append(
+                TensorConfig(name=CLASSIFICATION, datatype="BYTES", shape=(self.classifier.top_k,))
+            )
+        return outputs
+
+    async def execute(
+        self, batch: Mapping[str, np.ndarray], timing: RequestTiming | None = None
+    ) -> dict[str, np.ndarray]:
         """Run one batch on this version's instance thread, never on the event loop.
 
         The one place requests reach the runtime: the scheduler takes this seam over.
         """
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.runtime.run, batch)
+        if self.closed:
+            raise ModelNotReady(f"model '{self.name}' was unloaded while the request waited")
+        submitted = time.perf_counter_ns()
 
-    def close(self) -> None:
+        def run() -> tuple[dict[str, np.ndarray], int, int]:
+            started = time.perf_counter_ns()
+            try:
+                outputs = self.runtime.run(batch)
+            except TensorgateError:
+                raise
+            except Exception as exc:
+                raise ModelExecutionError(f"model '{self.name}' failed: {exc}") from exc
+            return outputs, started - submitted, time.perf_counter_ns() - started
+
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.executor, run)
+        except RuntimeError:  # the executor shut down between the check above and now
+            raise ModelNotReady(f"model '{self.name}' was unloaded") from None
+        outputs, queue_ns, infer_ns = await future
+        rows = next(iter(batch.values())).shape[0] if self.config.max_batch_size > 0 else 1
+        self.stats.record_execution(int(rows), infer_ns)
+        if timing is not None:
+            timing.queue_ns += queue_ns
+            timing.compute_infer_ns += infer_ns
+        return outputs
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Held by each request from lookup to answer, so that close() waits for it."""
+        with self._idle:
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._users -= 1
+                self._idle.notify_all()
+
+    def close(self, drain_timeout_s: float = 60.0) -> None:
+        """Wait for requests in flight (up to the timeout), then release the runtime."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._users == 0, drain_timeout_s)
+            self.closed = True
         self.executor.shutdown(wait=True)
         self.runtime.close()
 
@@ -119,7 +189,7 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     log.info("model %s loaded from %s on %s: %s", name, path, device, _fmt(timings))
     executor = ThreadPoolExecutor(config.instances, thread_name_prefix=f"instance-{name}")
     return LoadedModel(
-        config, runtime, signature, device, pipeline, classifier, manifest, warnings,
+        name, config, runtime, signature, device, pipeline, classifier, manifest, warnings,
         timings, warmup_timings, executor,
     )  # fmt: skip
 
@@ -165,9 +235,8 @@ def _warm_up(runtime: Runtime, signature: Signature, config: ModelConfig) -> dic
                 f"warmup.batch_sizes has {size}, above max_batch_size {config.max_batch_size}"
             )
         batch = {
-            t.name: np.zeros(
-                ((size,) if size else ()) + tuple(1 if d == -1 else d for d in t.shape),
-                dtype=TO_NUMPY[t.datatype],
+            t.name: _zeros(
+                ((size,) if size else ()) + tuple(1 if d == -1 else d for d in t.shape), t
             )
             for t in signature.inputs
         }
@@ -178,6 +247,12 @@ def _warm_up(runtime: Runtime, signature: Signature, config: ModelConfig) -> dic
             raise ModelLoadError(f"warmup at batch size {size} failed: {exc}") from exc
         timings[f"batch_{size}"] = time.perf_counter() - started
     return timings
+
+
+def _zeros(shape: tuple[int, ...], tensor: TensorConfig) -> np.ndarray:
+    if tensor.datatype == "BYTES":
+        return np.full(shape, b"", dtype=object)
+    return np.zeros(shape, dtype=TO_NUMPY[tensor.datatype])
 
 
 def _fmt(timings: Mapping[str, float]) -> str:

@@ -95,6 +95,8 @@ class ModelConfig(_Strict):
     instances: int = Field(default=1, ge=1)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     version_policy: VersionPolicy = VersionPolicy(latest=1)
+    cast_inputs: bool = False
+    """Cast numeric inputs of another datatype to the declared one instead of refusing them."""
     tolerance_override: float | None = Field(default=None, gt=0)
     """Widen the manifest's golden tolerance explicitly (e.g. on another device)."""
 

@@ -41,12 +41,14 @@ class Classifier:
         self.top_k = config.top_k
         self.softmax = config.softmax
 
-    def __call__(self, row: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+    def __call__(
+        self, row: Mapping[str, np.ndarray], top_k: int | None = None
+    ) -> list[dict[str, Any]]:
         scores = row[self.output].astype(np.float64).reshape(-1)
         if self.softmax:
             scores = np.exp(scores - scores.max())
             scores /= scores.sum()
-        k = min(self.top_k, scores.size)
+        k = min(top_k or self.top_k, scores.size)
         top = np.argpartition(-scores, k - 1)[:k]
         top = top[np.argsort(-scores[top], kind="stable")]
         return [
@@ -57,3 +59,25 @@ class Classifier:
             }
             for i in top
         ]
+
+
+CLASSIFICATION = "classification"
+"""The virtual output a model with classification postprocessing offers over v2."""
+
+
+def classification_tensor(
+    classifier: Classifier, output: np.ndarray, top_k: int | None = None
+) -> np.ndarray:
+    """Rows of ``output`` → BYTES ``[rows, k]`` of ``"probability:index:label"``, best first.
+
+    The element format of Triton's classification extension, so its clients parse it as is.
+    """
+    rows = []
+    for row in output:
+        top = classifier({classifier.output: row}, top_k)
+        rows.append([f"{t['probability']:.6f}:{t['index']}:{t['label']}".encode() for t in top])
+    width = max((len(r) for r in rows), default=0)
+    array = np.empty((len(rows), width), dtype=object)
+    for i, row in enumerate(rows):
+        array[i, :] = row
+    return array

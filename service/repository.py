@@ -2,7 +2,9 @@
 
 A folder is a model when it holds ``config.yaml``; its numeric subfolders are versions, served
 per the config's ``version_policy``. A model or version that cannot be served is UNAVAILABLE
-with the reason, in its metadata and logs; the others serve on.
+with the reason, in its metadata and logs; the others serve on. Loading a model again swaps
+its new versions in only once they have passed their gates and warmup; the versions they
+replace finish their in-flight requests, then unload.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from service.errors import ModelLoadError, ModelNotFound, ModelNotReady
+from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelNotReady
 from service.loader import LoadedModel, load_version
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
 from service.settings import Settings
@@ -28,6 +31,7 @@ class ModelState(enum.StrEnum):
     LOADING = "LOADING"
     READY = "READY"
     UNAVAILABLE = "UNAVAILABLE"
+    UNLOADED = "UNLOADED"
 
 
 @dataclass(eq=False)
@@ -51,6 +55,8 @@ class ModelEntry:
     config: ModelConfig | None = None
     error: str = ""
     versions: dict[int, ModelVersion] = field(default_factory=dict)
+    unloaded: bool = False
+    """Unloaded on request: not served, and not counted against readiness."""
 
 
 class ModelRepository:
@@ -61,6 +67,9 @@ class ModelRepository:
         self.root = settings.model_repository
         self.models: dict[str, ModelEntry] = {}
         self.loading_done = threading.Event()
+        self._change = threading.Lock()  # one load/unload at a time
+
+    # -- discovery and loading --------------------------------------------------------------
 
     def scan(self) -> None:
         """Find models and the versions to serve; every version starts LOADING."""
@@ -68,47 +77,25 @@ class ModelRepository:
             raise ModelLoadError(f"model repository {self.root} is not a directory")
         wanted = set(self.settings.models) if self.settings.models else None
         for folder in sorted(p for p in self.root.iterdir() if (p / "config.yaml").is_file()):
-            if wanted is not None and folder.name not in wanted:
-                continue
-            self.models[folder.name] = self._scan_model(folder)
+            if wanted is None or folder.name in wanted:
+                self.models[folder.name] = _scan_model(folder)
         if wanted is not None and (missing := wanted - set(self.models)):
             raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
-
-    def _scan_model(self, folder: Path) -> ModelEntry:
-        entry = ModelEntry(folder.name, folder)
-        if not NAME_PATTERN.match(folder.name):
-            entry.error = f"model name {folder.name!r} must match {NAME_PATTERN.pattern}"
-            return entry
-        try:
-            entry.config = load_model_config(folder / "config.yaml")
-        except ModelLoadError as exc:
-            entry.error = str(exc)
-            log.error("model %s is unavailable: %s", folder.name, exc)
-            return entry
-        found = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
-        chosen = select_versions(found, entry.config.version_policy)
-        if not chosen:
-            entry.error = (
-                f"no version folder to serve in {folder} (found {found}, policy "
-                f"{entry.config.version_policy.model_dump(exclude_defaults=True)}); "
-                "run `make models` or export one"
-            )
-            log.error("model %s is unavailable: %s", folder.name, entry.error)
-        for number in chosen:
-            entry.versions[number] = ModelVersion(folder.name, number, folder / str(number))
-        return entry
 
     def load_all(self) -> None:
         """Load every discovered version, one after another (called off the event loop)."""
         try:
             for entry in self.models.values():
-                for version in entry.versions.values():
-                    assert entry.config is not None
-                    self._load(entry.config, version)
+                self._load_entry(entry)
         finally:
             self.loading_done.set()
 
-    def _load(self, config: ModelConfig, version: ModelVersion) -> None:
+    def _load_entry(self, entry: ModelEntry) -> None:
+        for version in entry.versions.values():
+            assert entry.config is not None
+            self._load_version(entry.config, version)
+
+    def _load_version(self, config: ModelConfig, version: ModelVersion) -> None:
         try:
             version.loaded = load_version(version.name, version.path, config, self.settings)
         except ModelLoadError as exc:
@@ -123,6 +110,46 @@ class ModelRepository:
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
 
+    def load_model(self, name: str) -> ModelEntry:
+        """(Re)load one model from its folder; swap its versions in once they are ready.
+
+        Blocking: call it off the event loop. Raises InvalidInput when nothing could be loaded.
+        """
+        folder = self._folder(name)
+        with self._change:
+            fresh = _scan_model(folder)
+            self._load_entry(fresh)
+            old = self.models.get(name)
+            if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
+                reasons = fresh.error or {v.version: v.reason for v in fresh.versions.values()}
+                for version in fresh.versions.values():
+                    if version.loaded is not None:
+                        version.loaded.close()
+                raise InvalidInput(f"failed to load '{name}': {reasons}")
+            self.models[name] = fresh  # one assignment: requests see the old or the new entry
+            log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
+        if old is not None:
+            _retire(old)
+        return fresh
+
+    def unload_model(self, name: str) -> None:
+        """Stop serving a model; in-flight requests finish first. Blocking."""
+        entry = self.entry(name)
+        with self._change:
+            self.models[name] = ModelEntry(name, entry.path, entry.config, unloaded=True)
+        _retire(entry)
+        log.info("model %s unloaded", name)
+
+    def _folder(self, name: str) -> Path:
+        if not NAME_PATTERN.match(name):
+            raise ModelNotFound(f"model name {name!r} is not valid (letters, digits, _ . -)")
+        folder = (self.root / name).resolve()
+        if folder.parent != self.root.resolve() or not (folder / "config.yaml").is_file():
+            raise ModelNotFound(f"no model '{name}' in the repository (no {name}/config.yaml)")
+        return folder
+
+    # -- lookup ---------------------------------------------------------------------------
+
     def entry(self, name: str) -> ModelEntry:
         """The model called ``name``, or 404."""
         entry = self.models.get(name) if NAME_PATTERN.match(name) else None
@@ -131,8 +158,12 @@ class ModelRepository:
         return entry
 
     def version(self, name: str, version: str | None = None) -> ModelVersion:
-        """A version of a model (the newest READY one by default), or 404."""
+        """A version of a model (the newest READY one by default), or 404/503."""
         entry = self.entry(name)
+        if entry.unloaded:
+            raise ModelNotReady(
+                f"model '{name}' is unloaded; load it again to serve it", retry_after_s=30
+            )
         if version is None:
             ready = [v for v in entry.versions.values() if v.state is ModelState.READY]
             if ready:
@@ -161,25 +192,93 @@ class ModelRepository:
             )
         return found, found.loaded
 
+    def loaded_versions(self) -> list[tuple[ModelVersion, LoadedModel]]:
+        return [
+            (v, v.loaded)
+            for entry in self.models.values()
+            for v in entry.versions.values()
+            if v.loaded is not None and v.state is ModelState.READY
+        ]
+
+    # -- state ----------------------------------------------------------------------------
+
     def all_ready(self) -> bool:
         """Whether every model meant to load is READY."""
-        return self.loading_done.is_set() and all(
-            not entry.error
-            and entry.versions
-            and all(v.state is ModelState.READY for v in entry.versions.values())
-            for entry in self.models.values()
-        )
+        return self.loading_done.is_set() and not self.problems()
 
     def any_ready(self) -> bool:
-        return any(
-            v.state is ModelState.READY for e in self.models.values() for v in e.versions.values()
-        )
+        return bool(self.loaded_versions())
+
+    def problems(self) -> dict[str, Any]:
+        """Each model meant to load that is not READY, with why."""
+        problems: dict[str, Any] = {}
+        for name, entry in self.models.items():
+            if entry.unloaded:
+                continue
+            if entry.error or not entry.versions:
+                problems[name] = entry.error or "no versions"
+            elif bad := {
+                v.version: v.reason or v.state.value
+                for v in entry.versions.values()
+                if v.state is not ModelState.READY
+            }:
+                problems[name] = bad
+        return problems
+
+    def index(self) -> list[dict[str, Any]]:
+        """One row per model version (or per model without versions), as the OIP index shows."""
+        rows: list[dict[str, Any]] = []
+        for name, entry in sorted(self.models.items()):
+            if entry.unloaded:
+                rows.append(
+                    {"name": name, "state": ModelState.UNLOADED.value, "reason": "unloaded"}
+                )
+            elif not entry.versions:
+                rows.append(
+                    {"name": name, "state": ModelState.UNAVAILABLE.value, "reason": entry.error}
+                )
+            for number, version in sorted(entry.versions.items()):
+                rows.append(
+                    {"name": name, "version": str(number), "state": version.state.value,
+                     "reason": version.reason}
+                )  # fmt: skip
+        return rows
 
     def close(self) -> None:
         for entry in self.models.values():
-            for version in entry.versions.values():
-                if version.loaded is not None:
-                    version.loaded.close()
+            _retire(entry)
+
+
+def _scan_model(folder: Path) -> ModelEntry:
+    entry = ModelEntry(folder.name, folder)
+    if not NAME_PATTERN.match(folder.name):
+        entry.error = f"model name {folder.name!r} must match {NAME_PATTERN.pattern}"
+        return entry
+    try:
+        entry.config = load_model_config(folder / "config.yaml")
+    except ModelLoadError as exc:
+        entry.error = str(exc)
+        log.error("model %s is unavailable: %s", folder.name, exc)
+        return entry
+    found = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+    chosen = select_versions(found, entry.config.version_policy)
+    if not chosen:
+        entry.error = (
+            f"no version folder to serve in {folder} (found {found}, policy "
+            f"{entry.config.version_policy.model_dump(exclude_defaults=True)}); "
+            "run `make models` or export one"
+        )
+        log.error("model %s is unavailable: %s", folder.name, entry.error)
+    for number in chosen:
+        entry.versions[number] = ModelVersion(folder.name, number, folder / str(number))
+    return entry
+
+
+def _retire(entry: ModelEntry) -> None:
+    """Close an entry's loaded versions after their in-flight requests finish."""
+    for version in entry.versions.values():
+        if version.loaded is not None:
+            version.loaded.close()
 
 
 def select_versions(found: list[int], policy: VersionPolicy) -> list[int]:

@@ -39,5 +39,7 @@ class Settings(BaseSettings):
     """Largest request body accepted; larger ones get 413 before they are read in full."""
     strict_readiness: bool = True
     """Ready only when every model meant to load is READY; false: when any model is READY."""
+    admin_token: str | None = None
+    """Bearer token for the model repository routes (load/unload/index); they exist only if set."""
     server_name: str = "tensorgate"
     """The name reported in server metadata."""

@@ -71,19 +71,22 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}:\n{self.log(5000)}"
+                )
             try:
                 if condition():
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        raise TimeoutError(f"condition never held within {timeout}s:\n{self.log()}")
+        raise TimeoutError(f"condition never held within {timeout}s:\n{self.log(5000)}")
 
-    def log(self) -> str:
+    def log(self, tail: int | None = None) -> str:
         if self.log_path is None or not self.log_path.exists():
             return "(no log captured)"
-        return self.log_path.read_text(errors="replace")[-5000:]
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:] if tail else text
 
     def stop(self) -> int:
         self.client.close()

@@ -3,12 +3,15 @@ business logic to :class:`service.dataplane.DataPlane`."""
 
 from fastapi import APIRouter
 
-from service.api import health, infer, metadata
+from service.api import health, infer, metadata, repository
+from service.settings import Settings
 
 
-def router() -> APIRouter:
-    """Every route of the server."""
+def router(settings: Settings) -> APIRouter:
+    """Every route of the server; the repository routes only when an admin token is set."""
     root = APIRouter()
     for module in (health, metadata, infer):
         root.include_router(module.router)
+    if settings.admin_token is not None:
+        root.include_router(repository.router)
     return root

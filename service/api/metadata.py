@@ -1,4 +1,4 @@
-"""Server and model metadata."""
+"""Server and model metadata, model configuration and statistics."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
+from service import metadata
 from service.api.deps import DataPlaneDep, json_response
 
 router = APIRouter(tags=["metadata"])
@@ -31,14 +32,27 @@ class ModelMetadata(BaseModel):
     inputs: list[TensorMetadata]
     outputs: list[TensorMetadata]
     state: str
+    version: str | None = None
     reason: str | None = None
     verified: bool | None = None
-    extra: dict[str, Any] | None = None
+    device: str | None = None
+    warnings: list[str] | None = None
+    load_timings_s: dict[str, float] | None = None
+    warmup_timings_s: dict[str, float] | None = None
+
+
+class ModelStatistics(BaseModel):
+    model_stats: list[dict[str, Any]]
 
 
 @router.get("/v2", response_model=ServerMetadata)
 async def server_metadata(dataplane: DataPlaneDep) -> Response:
-    return json_response(dataplane.server_metadata())
+    return json_response(metadata.server(dataplane.settings))
+
+
+@router.get("/v2/models/stats", response_model=ModelStatistics)
+async def all_statistics(dataplane: DataPlaneDep) -> Response:
+    return json_response(metadata.statistics(dataplane.repository, None, None))
 
 
 @router.get("/v2/models/{name}", response_model=ModelMetadata)
@@ -46,4 +60,18 @@ async def server_metadata(dataplane: DataPlaneDep) -> Response:
 async def model_metadata(
     dataplane: DataPlaneDep, name: str, version: str | None = None
 ) -> Response:
-    return json_response(dataplane.model_metadata(name, version))
+    return json_response(metadata.model(dataplane.repository, name, version))
+
+
+@router.get("/v2/models/{name}/config")
+@router.get("/v2/models/{name}/versions/{version}/config")
+async def model_config(dataplane: DataPlaneDep, name: str, version: str | None = None) -> Response:
+    return json_response(metadata.config(dataplane.repository, name, version))
+
+
+@router.get("/v2/models/{name}/stats", response_model=ModelStatistics)
+@router.get("/v2/models/{name}/versions/{version}/stats", response_model=ModelStatistics)
+async def model_statistics(
+    dataplane: DataPlaneDep, name: str, version: str | None = None
+) -> Response:
+    return json_response(metadata.statistics(dataplane.repository, name, version))

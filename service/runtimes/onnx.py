@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from service.errors import ModelLoadError
+from service.errors import InvalidInput, ModelLoadError
 from service.model_config import TensorConfig
 from service.runtimes.base import Runtime, Signature
 
@@ -68,8 +68,22 @@ class OnnxRuntime(Runtime):
         return declared or graph
 
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        results = self._session.run(self._output_names, dict(batch))
+        feed = {name: _text(name, a) if a.dtype == object else a for name, a in batch.items()}
+        results = self._session.run(self._output_names, feed)
         return dict(zip(self._output_names, results, strict=True))
+
+
+def _text(name: str, array: np.ndarray) -> np.ndarray:
+    """onnxruntime string tensors take str: it would turn bytes into their repr ``"b'...'"``."""
+    text = np.empty(array.shape, dtype=object)
+    try:
+        for index, item in np.ndenumerate(array):
+            text[index] = item.decode() if isinstance(item, bytes) else item
+    except UnicodeDecodeError:
+        raise InvalidInput(
+            f"input '{name}': onnxruntime string tensors hold UTF-8 text, and an element is not"
+        ) from None
+    return text
 
 
 def _tensor(arg: ort.NodeArg, max_batch_size: int) -> TensorConfig:

@@ -28,8 +28,8 @@ def test_health_and_metadata(client: triton.InferenceServerClient) -> None:
     model = client.get_model_metadata("efficientnet_lite0")
     assert model["platform"] == "onnxruntime_onnx"
     assert model["versions"] == ["1"]
-    assert model["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 224, 224]}]
-    assert model["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 1000]}]
+    assert model["inputs"][0] == {"name": "input", "datatype": "FP32", "shape": [-1, 3, 224, 224]}
+    assert model["outputs"][0] == {"name": "logits", "datatype": "FP32", "shape": [-1, 1000]}
     assert client.get_model_metadata("digits", "1")["platform"] == "pytorch_libtorch"
 
 

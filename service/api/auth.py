@@ -1,0 +1,26 @@
+"""Bearer-token checks, compared in constant time."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from service.errors import Unauthorized
+
+
+def check_bearer(request: Request, token: str | None, realm: str) -> None:
+    """Pass when no token is configured or the request carries it; 401 otherwise."""
+    if token is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        raise Unauthorized(
+            f"this route needs 'Authorization: Bearer <{realm} token>'",
+            headers={"WWW-Authenticate": f'Bearer realm="{realm}"'},
+        )
+
+
+async def require_admin(request: Request) -> None:
+    check_bearer(request, request.app.state.dataplane.settings.admin_token, "admin")

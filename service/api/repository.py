@@ -1,0 +1,29 @@
+"""The model_repository extension: index, load and unload. Mounted only with an admin token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from service.api.auth import require_admin
+from service.api.deps import DataPlaneDep, json_response, read_body
+
+router = APIRouter(tags=["repository"], dependencies=[Depends(require_admin)])
+
+
+@router.post("/v2/repository/index")
+async def index(dataplane: DataPlaneDep) -> Response:
+    return json_response(dataplane.repository.index())
+
+
+@router.post("/v2/repository/models/{name}/load")
+async def load(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+    await read_body(request, 1024 * 1024)  # parameters are accepted and not needed
+    await dataplane.load_model(name)
+    return json_response({})
+
+
+@router.post("/v2/repository/models/{name}/unload")
+async def unload(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+    await read_body(request, 1024 * 1024)
+    await dataplane.unload_model(name)
+    return json_response({})

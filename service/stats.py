@@ -1,0 +1,86 @@
+"""Per-version inference statistics, in the shape of Triton's statistics extension.
+
+Durations are cumulative nanoseconds with counts, so that a client computes averages over any
+interval by subtracting two snapshots, as Triton's clients do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Nanoseconds one request spent in each phase; filled in as it travels."""
+
+    started_ns: int = field(default_factory=time.perf_counter_ns)
+    compute_input_ns: int = 0
+    queue_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+class ModelStats:
+    """Counters for one model version; safe to update from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self._phases = {phase: [0, 0] for phase in PHASES}
+        self._batches: dict[int, dict[str, list[int]]] = {}
+
+    def record_execution(self, batch_size: int, infer_ns: int) -> None:
+        """One run of the model on a batch of ``batch_size`` rows."""
+        with self._lock:
+            self.execution_count += 1
+            batch = self._batches.setdefault(batch_size, {"compute_infer": [0, 0]})
+            batch["compute_infer"][0] += 1
+            batch["compute_infer"][1] += infer_ns
+
+    def record_success(self, rows: int, timing: RequestTiming) -> None:
+        total = time.perf_counter_ns() - timing.started_ns
+        with self._lock:
+            self.inference_count += rows
+            self.last_inference_ms = time.time_ns() // 1_000_000
+            for phase, ns in (
+                ("success", total),
+                ("queue", timing.queue_ns),
+                ("compute_input", timing.compute_input_ns),
+                ("compute_infer", timing.compute_infer_ns),
+                ("compute_output", timing.compute_output_ns),
+            ):
+                self._phases[phase][0] += 1
+                self._phases[phase][1] += ns
+
+    def record_failure(self, timing: RequestTiming) -> None:
+        with self._lock:
+            self._phases["fail"][0] += 1
+            self._phases["fail"][1] += time.perf_counter_ns() - timing.started_ns
+
+    def snapshot(self, name: str, version: str) -> dict[str, Any]:
+        """This version's entry of ``model_stats``, with Triton's field names."""
+        with self._lock:
+            return {
+                "name": name,
+                "version": version,
+                "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count,
+                "execution_count": self.execution_count,
+                "inference_stats": {
+                    phase: {"count": count, "ns": ns} for phase, (count, ns) in self._phases.items()
+                },
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        **{k: {"count": c, "ns": ns} for k, (c, ns) in phases.items()},
+                    }
+                    for size, phases in sorted(self._batches.items())
+                ],
+            }

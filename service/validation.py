@@ -1,0 +1,122 @@
+"""Requests against a model's signature: pure checks that run before anything is queued.
+
+A request that fails here never reaches a model, so it can never fail a batch it would have
+joined. Every error names the input and says what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import numpy as np
+
+from service.errors import InvalidInput
+from service.model_config import ModelConfig, TensorConfig
+from service.protocol.datatypes import TO_NUMPY
+from service.protocol.v2 import InputTensor
+from service.runtimes.base import Signature
+
+
+def check_inputs(
+    inputs: list[InputTensor], signature: Signature, config: ModelConfig, name: str
+) -> dict[str, np.ndarray]:
+    """Inputs that fit the signature → the batch to run (cast only where the config opts in)."""
+    declared = {t.name: t for t in signature.inputs}
+    given = {t.name: t for t in inputs}
+    if unknown := sorted(set(given) - set(declared)):
+        raise InvalidInput(
+            f"model '{name}' has no input {unknown}; its inputs are {sorted(declared)}"
+        )
+    if missing := sorted(set(declared) - set(given)):
+        raise InvalidInput(f"missing input {missing}; model '{name}' takes {sorted(declared)}")
+    batched = config.max_batch_size > 0
+    rows: set[int] = set()
+    batch = {}
+    for spec in signature.inputs:
+        tensor = given[spec.name]
+        want = ((-1,) if batched else ()) + spec.shape
+        data = tensor.data
+        if tensor.datatype != spec.datatype and _castable(config, tensor.datatype, spec.datatype):
+            data = data.astype(TO_NUMPY[spec.datatype])
+        elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
+            raise InvalidInput(
+                f"input '{spec.name}': expected {spec.datatype} {list(want)}, "
+                f"got {tensor.datatype} {list(tensor.shape)}"
+            )
+        if not shape_fits(want, tensor.shape):
+            raise InvalidInput(
+                f"input '{spec.name}': expected shape {list(want)}, got {list(tensor.shape)}"
+            )
+        if batched:
+            rows.add(tensor.shape[0])
+        batch[spec.name] = data
+    if len(rows) > 1:
+        raise InvalidInput(f"inputs have different batch sizes {sorted(rows)}")
+    if rows:
+        check_rows(rows.pop(), config, name)
+    return batch
+
+
+def _castable(config: ModelConfig, given: str, wanted: str) -> bool:
+    return config.cast_inputs and "BYTES" not in (given, wanted)
+
+
+def check_rows(rows: int, config: ModelConfig, name: str) -> None:
+    limit = config.max_batch_size
+    if rows < 1:
+        raise InvalidInput(f"model '{name}': a request needs at least 1 row (got 0)")
+    if limit and rows > limit:
+        raise InvalidInput(f"model '{name}': {rows} rows is above its max_batch_size {limit}")
+
+
+def shape_fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:
+    return len(want) == len(got) and all(w in (-1, g) for w, g in zip(want, got, strict=True))
+
+
+def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
+    """v1 rows → one tensor per input: plain rows feed the only input, objects name their inputs."""
+    if all(isinstance(item, dict) for item in instances):
+        columns = {t.name: [item.get(t.name) for item in instances] for t in specs}
+    elif len(specs) == 1:
+        columns = {specs[0].name: instances}
+    else:
+        raise InvalidInput(
+            f"the model takes {len(specs)} inputs; send each instance as an object naming them "
+            f"({[t.name for t in specs]})"
+        )
+    tensors = []
+    for spec in specs:
+        try:
+            array = np.asarray(columns[spec.name], dtype=TO_NUMPY[spec.datatype])
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InvalidInput(
+                f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "
+                f"{list(spec.shape)}: {exc}"
+            ) from None
+        tensors.append(InputTensor(spec.name, spec.datatype, array.shape, array))
+    return tensors
+
+
+def b64_image(item: Any, index: int) -> bytes:
+    if not isinstance(item, dict) or not isinstance(item.get("b64"), str):
+        raise InvalidInput(f'instances[{index}] must be {{"b64": "<base64 image>"}}')
+    try:
+        return base64.b64decode(item["b64"], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"instances[{index}].b64 is not valid base64: {exc}") from None
+
+
+def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
+    """The encoded images of a BYTES input: one element per row ([N] or [N, 1])."""
+    if (
+        tensor.datatype != "BYTES"
+        or len(tensor.shape) not in (1, 2)
+        or (len(tensor.shape) == 2 and tensor.shape[1] != 1)
+    ):
+        raise InvalidInput(
+            f"input '{tensor.name}': expected BYTES [-1] or [-1, 1] (one encoded image a row), "
+            f"got {tensor.datatype} {list(tensor.shape)}"
+        )
+    return [bytes(item) for item in tensor.data.reshape(-1)]
