@@ -59,3 +59,8 @@ lock:
 
 clean:
 	rm -rf $(VENV) models/*/[0-9]*/ .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# Benchmarks: loopback only, bounded in time; reports go to bench/results/ (git-ignored).
+bench: models
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	$(BIN)/python -m bench.protocol

@@ -96,7 +96,9 @@ class DataPlane:
     ) -> tuple[bytes, dict[str, str]]:
         timing = RequestTiming()
         try:
-            request = await self._offload(len(body), v2.decode_request, body, header_length)
+            # Only the JSON part costs anything to decode; binary tensors are views of the body.
+            json_size = header_length if header_length is not None else len(body)
+            request = await self._offload(json_size, v2.decode_request, body, header_length)
             batch = await self._request_batch(request, loaded, name)
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
             outputs = await self._run(loaded, batch, name, timing)

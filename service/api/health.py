@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from service.api.deps import DataPlaneDep, json_response
+from service.api.deps import dataplane_of, json_response
 
 router = APIRouter(tags=["health"])
 
@@ -32,13 +32,15 @@ _NOT_READY: dict[int | str, dict[str, Any]] = {
 
 
 @router.get("/v2/health/live", response_model=LiveResponse)
-async def live(dataplane: DataPlaneDep) -> Response:
+async def live(request: Request) -> Response:
+    dataplane = dataplane_of(request)
     ok = dataplane.live()
     return json_response({"live": ok}, 200 if ok else 503)
 
 
 @router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)
-async def ready(dataplane: DataPlaneDep) -> Response:
+async def ready(request: Request) -> Response:
+    dataplane = dataplane_of(request)
     ok, reason = dataplane.ready()
     if ok:
         return json_response({"ready": True})
@@ -51,6 +53,7 @@ async def ready(dataplane: DataPlaneDep) -> Response:
     response_model=ModelReadyResponse,
     responses=_NOT_READY,
 )
-async def model_ready(dataplane: DataPlaneDep, name: str, version: str | None = None) -> Response:
+async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
+    dataplane = dataplane_of(request)
     ok = dataplane.model_ready(name, version)
     return json_response({"name": name, "ready": ok}, 200 if ok else 503)

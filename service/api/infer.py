@@ -7,7 +7,7 @@ import io
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from service.api.deps import DataPlaneDep, json_response, read_body
+from service.api.deps import dataplane_of, json_response, read_body
 from service.protocol.v2 import HEADER_LENGTH, parse_header_length
 
 router = APIRouter(tags=["inference"])
@@ -25,9 +25,8 @@ _INFER_BODY = {
 
 @router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
-async def infer(
-    request: Request, dataplane: DataPlaneDep, name: str, version: str | None = None
-) -> Response:
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
     content, headers = await dataplane.infer(name, version, body, header_length)
@@ -46,7 +45,8 @@ _V1_BODY = {
 
 
 @router.post("/v1/models/{name}:predict", openapi_extra=_V1_BODY)
-async def predict(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+async def predict(request: Request, name: str) -> Response:
+    dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")
     return json_response(await dataplane.predict(name, body, content_type))
@@ -57,8 +57,9 @@ async def predict(request: Request, dataplane: DataPlaneDep, name: str) -> Respo
     openapi_extra=_V1_BODY,
     responses={200: {"content": {"application/x-npz": {}}, "description": "tensors as .npz"}},
 )
-async def preprocess(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+async def preprocess(request: Request, name: str) -> Response:
     """The tensors predict would feed the model, as an .npz archive: to debug preprocessing."""
+    dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")
     tensors = await dataplane.preprocess(name, body, content_type)

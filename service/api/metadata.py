@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from service import metadata
-from service.api.deps import DataPlaneDep, json_response
+from service.api.deps import dataplane_of, json_response
 
 router = APIRouter(tags=["metadata"])
 
@@ -46,32 +46,34 @@ class ModelStatistics(BaseModel):
 
 
 @router.get("/v2", response_model=ServerMetadata)
-async def server_metadata(dataplane: DataPlaneDep) -> Response:
+@router.get("/v2/", response_model=ServerMetadata, include_in_schema=False)
+async def server_metadata(request: Request) -> Response:
+    dataplane = dataplane_of(request)
     return json_response(metadata.server(dataplane.settings))
 
 
 @router.get("/v2/models/stats", response_model=ModelStatistics)
-async def all_statistics(dataplane: DataPlaneDep) -> Response:
+async def all_statistics(request: Request) -> Response:
+    dataplane = dataplane_of(request)
     return json_response(metadata.statistics(dataplane.repository, None, None))
 
 
 @router.get("/v2/models/{name}", response_model=ModelMetadata)
 @router.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata)
-async def model_metadata(
-    dataplane: DataPlaneDep, name: str, version: str | None = None
-) -> Response:
+async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
+    dataplane = dataplane_of(request)
     return json_response(metadata.model(dataplane.repository, name, version))
 
 
 @router.get("/v2/models/{name}/config")
 @router.get("/v2/models/{name}/versions/{version}/config")
-async def model_config(dataplane: DataPlaneDep, name: str, version: str | None = None) -> Response:
+async def model_config(request: Request, name: str, version: str | None = None) -> Response:
+    dataplane = dataplane_of(request)
     return json_response(metadata.config(dataplane.repository, name, version))
 
 
 @router.get("/v2/models/{name}/stats", response_model=ModelStatistics)
 @router.get("/v2/models/{name}/versions/{version}/stats", response_model=ModelStatistics)
-async def model_statistics(
-    dataplane: DataPlaneDep, name: str, version: str | None = None
-) -> Response:
+async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
+    dataplane = dataplane_of(request)
     return json_response(metadata.statistics(dataplane.repository, name, version))

@@ -5,25 +5,28 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 
 from service.api.auth import require_admin
-from service.api.deps import DataPlaneDep, json_response, read_body
+from service.api.deps import dataplane_of, json_response, read_body
 
 router = APIRouter(tags=["repository"], dependencies=[Depends(require_admin)])
 
 
 @router.post("/v2/repository/index")
-async def index(dataplane: DataPlaneDep) -> Response:
+async def index(request: Request) -> Response:
+    dataplane = dataplane_of(request)
     return json_response(dataplane.repository.index())
 
 
 @router.post("/v2/repository/models/{name}/load")
-async def load(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+async def load(request: Request, name: str) -> Response:
+    dataplane = dataplane_of(request)
     await read_body(request, 1024 * 1024)  # parameters are accepted and not needed
     await dataplane.load_model(name)
     return json_response({})
 
 
 @router.post("/v2/repository/models/{name}/unload")
-async def unload(request: Request, dataplane: DataPlaneDep, name: str) -> Response:
+async def unload(request: Request, name: str) -> Response:
+    dataplane = dataplane_of(request)
     await read_body(request, 1024 * 1024)
     await dataplane.unload_model(name)
     return json_response({})

@@ -53,6 +53,9 @@ class OnnxRuntime(Runtime):
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Idle intra-op threads spin by default, burning the cores that the event loop and
+        # preprocessing need between batches; measured in bench/protocol.py.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = providers_for(self.options.device, ort.get_available_providers())
         try:
             self._session = ort.InferenceSession(str(path), options, providers=providers)

@@ -1,0 +1,99 @@
+"""Shared pieces of the benchmarks: servers on 127.0.0.1, wrk runs, result tables."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WRK_SCRIPT = """
+wrk.method = "POST"
+local f = io.open(os.getenv("TG_BENCH_BODY"), "rb")
+wrk.body = f:read("*all")
+f:close()
+wrk.headers["Content-Type"] = os.getenv("TG_BENCH_CONTENT_TYPE")
+local header = os.getenv("TG_BENCH_HEADER_LENGTH")
+if header ~= nil and header ~= "" then
+  wrk.headers["Inference-Header-Content-Length"] = header
+end
+"""
+
+
+@dataclass
+class WrkResult:
+    requests_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    requests: int
+    errors: int
+
+
+def require_wrk() -> str:
+    path = shutil.which("wrk")
+    if path is None:
+        raise SystemExit("wrk is not installed: `apt-get install wrk` (make bench does it)")
+    return path
+
+
+def wrk(
+    url: str,
+    body: bytes,
+    content_type: str,
+    *,
+    connections: int,
+    seconds: int,
+    header_length: int | None = None,
+) -> WrkResult:
+    """POST ``body`` to ``url`` from ``connections`` keep-alive connections for ``seconds``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        body_path = Path(tmp) / "body"
+        body_path.write_bytes(body)
+        script = Path(tmp) / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        env = {
+            "TG_BENCH_BODY": str(body_path),
+            "TG_BENCH_CONTENT_TYPE": content_type,
+            "TG_BENCH_HEADER_LENGTH": "" if header_length is None else str(header_length),
+            "PATH": "/usr/bin:/bin",
+        }
+        command = [
+            require_wrk(), "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
+            "--timeout", "30s", "-s", str(script), url,
+        ]  # fmt: skip
+        out = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=seconds + 60, check=True
+        ).stdout
+    return parse_wrk(out)
+
+
+def parse_wrk(out: str) -> WrkResult:
+    def latency(pct: str) -> float:
+        match = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", out, re.MULTILINE)
+        if match is None:
+            return float("nan")
+        value, unit = float(match.group(1)), match.group(2)
+        return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    total = re.search(r"(\d+) requests in", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    errors = int(non2xx.group(1)) if non2xx else 0
+    if socket:
+        errors += sum(int(g) for g in socket.groups())
+    return WrkResult(
+        float(rps.group(1)) if rps else 0.0,
+        latency("50"), latency("90"), latency("99"),
+        int(total.group(1)) if total else 0, errors,
+    )  # fmt: skip
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
