@@ -49,8 +49,9 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await asyncio.shield(loading)
+            # close() waits on schedulers running in this loop: it must run off the loop.
+            await asyncio.to_thread(repository.close)
             pool.shutdown(wait=True)
-            repository.close()
             log.info("stopped")
 
     app = FastAPI(

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 
 from preprocessing.image import PreprocessingError
-from service.errors import InvalidInput, ModelExecutionError, UnsupportedMediaType
+from service.errors import InvalidInput, UnsupportedMediaType
 from service.loader import LoadedModel
 from service.post import CLASSIFICATION, classification_tensor
 from service.protocol import v2
@@ -55,8 +55,21 @@ class DataPlane:
 
     # -- health ---------------------------------------------------------------------------------
 
-    def live(self) -> bool:
-        return True
+    def live(self) -> tuple[bool, str]:
+        """False only when an instance has been stuck on one batch past the limit: busy is fine."""
+        limit = self.settings.stuck_instance_s
+        now = time.monotonic()
+        for version, loaded in self.repository.loaded_versions():
+            scheduler = loaded.scheduler
+            if scheduler is None:
+                continue
+            for instance, since in enumerate(scheduler.busy_since):
+                if since is not None and now - since > limit:
+                    return False, (
+                        f"model '{version.name}' version {version.version} instance {instance} "
+                        f"has run one batch for {now - since:.0f} s (limit {limit:g} s)"
+                    )
+        return True, ""
 
     def ready(self) -> tuple[bool, str]:
         """Whether the server takes traffic, and if not, why."""
@@ -84,15 +97,26 @@ class DataPlane:
     # -- inference --------------------------------------------------------------------------------
 
     async def infer(
-        self, name: str, version: str | None, body: bytes, header_length: int | None
+        self,
+        name: str,
+        version: str | None,
+        body: bytes,
+        header_length: int | None,
+        timeout_s: float | None = None,
     ) -> tuple[bytes, dict[str, str]]:
         """An Open Inference Protocol request body → response body and headers."""
         found, loaded = self.repository.ready_model(name, version)
         with loaded.in_use():
-            return await self._infer(found.version, loaded, name, body, header_length)
+            return await self._infer(found.version, loaded, name, body, header_length, timeout_s)
 
     async def _infer(
-        self, version: int, loaded: LoadedModel, name: str, body: bytes, header_length: int | None
+        self,
+        version: int,
+        loaded: LoadedModel,
+        name: str,
+        body: bytes,
+        header_length: int | None,
+        timeout_s: float | None,
     ) -> tuple[bytes, dict[str, str]]:
         timing = RequestTiming()
         try:
@@ -101,7 +125,8 @@ class DataPlane:
             request = await self._offload(json_size, v2.decode_request, body, header_length)
             batch = await self._request_batch(request, loaded, name)
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
-            outputs = await self._run(loaded, batch, name, timing)
+            deadline = self.deadline(timeout_s, request.parameters)
+            outputs = await loaded.execute(batch, timing, deadline)
             encode_started = time.perf_counter_ns()
             tensors = _output_tensors(request, loaded, outputs, name)
             response = v2.encode_response(
@@ -114,20 +139,27 @@ class DataPlane:
         loaded.stats.record_success(_rows(batch, loaded), timing)
         return response
 
-    async def predict(self, name: str, body: bytes, content_type: str) -> dict[str, Any]:
+    async def predict(
+        self, name: str, body: bytes, content_type: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         """v1 predict: a raw image body or ``{"instances": [...]}`` → ``{"predictions": [...]}``."""
         _, loaded = self.repository.ready_model(name)
         with loaded.in_use():
-            return await self._predict(loaded, name, body, content_type)
+            return await self._predict(loaded, name, body, content_type, timeout_s)
 
     async def _predict(
-        self, loaded: LoadedModel, name: str, body: bytes, content_type: str
+        self,
+        loaded: LoadedModel,
+        name: str,
+        body: bytes,
+        content_type: str,
+        timeout_s: float | None,
     ) -> dict[str, Any]:
         timing = RequestTiming()
         try:
             batch = await self._v1_batch(loaded, name, body, content_type)
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
-            outputs = await self._run(loaded, batch, name, timing)
+            outputs = await loaded.execute(batch, timing, self.deadline(timeout_s))
             encode_started = time.perf_counter_ns()
             predictions = _predictions(loaded, outputs)
             timing.compute_output_ns = time.perf_counter_ns() - encode_started
@@ -220,19 +252,15 @@ class DataPlane:
         stacked = np.stack(rows)
         return {first.name: stacked if loaded.config.max_batch_size > 0 else stacked[0]}
 
-    async def _run(
-        self, loaded: LoadedModel, batch: dict[str, np.ndarray], name: str, timing: RequestTiming
-    ) -> dict[str, np.ndarray]:
-        outputs = await loaded.execute(batch, timing)
-        if loaded.config.max_batch_size > 0:
-            rows = _rows(batch, loaded)
-            for output, array in outputs.items():
-                if array.ndim == 0 or array.shape[0] != rows:
-                    raise ModelExecutionError(
-                        f"model '{name}' returned {array.shape[0] if array.ndim else 0} rows of "
-                        f"output '{output}' for a batch of {rows} (batch size mismatch)"
-                    )
-        return outputs
+    def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
+        """When a request must have started: the header's timeout, else OIP ``parameters.timeout``
+        (microseconds, as Triton reads it), else the server's default."""
+        if timeout_s is None and parameters and "timeout" in parameters:
+            micros = parameters["timeout"]
+            if not isinstance(micros, int | float) or isinstance(micros, bool) or micros <= 0:
+                raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
+            timeout_s = micros / 1e6
+        return time.monotonic() + (timeout_s or self.settings.request_timeout_s)
 
 
 def _rows(batch: dict[str, np.ndarray], loaded: LoadedModel) -> int:

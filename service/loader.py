@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from preprocessing.image import ImagePipeline
-from service.errors import ModelExecutionError, ModelLoadError, ModelNotReady, TensorgateError
+from service.errors import ModelLoadError, ModelNotReady
 from service.manifest import (
     Manifest,
     Tolerance,
@@ -29,6 +28,7 @@ from service.post import CLASSIFICATION, Classifier
 from service.protocol.datatypes import TO_NUMPY
 from service.runtimes import create_runtime, resolve_device, runtime_versions
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
+from service.scheduler import Scheduler, SchedulerConfig
 from service.settings import Settings
 from service.stats import ModelStats, RequestTiming
 
@@ -56,8 +56,9 @@ class LoadedModel:
     warnings: list[str]
     timings: dict[str, float]
     warmup_timings: dict[str, float]
-    executor: ThreadPoolExecutor = field(repr=False)
     stats: ModelStats = field(default_factory=ModelStats, repr=False)
+    scheduler: Scheduler | None = field(default=None, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     closed: bool = False
     _users: int = field(default=0, repr=False)
     _idle: threading.Condition = field(default_factory=threading.Condition, repr=False)
@@ -89,37 +90,25 @@ class LoadedModel:
         return outputs
 
     async def execute(
-        self, batch: Mapping[str, np.ndarray], timing: RequestTiming | None = None
+        self,
+        batch: Mapping[str, np.ndarray],
+        timing: RequestTiming | None = None,
+        deadline: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run one batch on this version's instance thread, never on the event loop.
+        """Queue one request on this version's scheduler; its outputs once its batch ran.
 
-        The one place requests reach the runtime: the scheduler takes this seam over.
+        The one place requests reach the runtime. The scheduler starts on first use, in the
+        event loop that serves requests.
         """
         if self.closed:
             raise ModelNotReady(f"model '{self.name}' was unloaded while the request waited")
-        submitted = time.perf_counter_ns()
-
-        def run() -> tuple[dict[str, np.ndarray], int, int]:
-            started = time.perf_counter_ns()
-            try:
-                outputs = self.runtime.run(batch)
-            except TensorgateError:
-                raise
-            except Exception as exc:
-                raise ModelExecutionError(f"model '{self.name}' failed: {exc}") from exc
-            return outputs, started - submitted, time.perf_counter_ns() - started
-
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self.executor, run)
-        except RuntimeError:  # the executor shut down between the check above and now
-            raise ModelNotReady(f"model '{self.name}' was unloaded") from None
-        outputs, queue_ns, infer_ns = await future
-        rows = next(iter(batch.values())).shape[0] if self.config.max_batch_size > 0 else 1
-        self.stats.record_execution(int(rows), infer_ns)
-        if timing is not None:
-            timing.queue_ns += queue_ns
-            timing.compute_infer_ns += infer_ns
-        return outputs
+        if self.scheduler is None:
+            self._loop = asyncio.get_running_loop()
+            self.scheduler = Scheduler(
+                self.name, _scheduler_config(self.config), self.runtime.run, self.stats
+            )
+            self.scheduler.start()
+        return await self.scheduler.submit(dict(batch), timing, deadline)
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
@@ -134,11 +123,16 @@ class LoadedModel:
                 self._idle.notify_all()
 
     def close(self, drain_timeout_s: float = 60.0) -> None:
-        """Wait for requests in flight (up to the timeout), then release the runtime."""
+        """Wait for requests in flight (up to the timeout), then release the runtime.
+
+        Called from a worker thread, never from the event loop that runs the scheduler.
+        """
         with self._idle:
             self._idle.wait_for(lambda: self._users == 0, drain_timeout_s)
             self.closed = True
-        self.executor.shutdown(wait=True)
+        if self.scheduler is not None and self._loop is not None and not self._loop.is_closed():
+            stopping = asyncio.run_coroutine_threadsafe(self.scheduler.stop(), self._loop)
+            stopping.result(timeout=drain_timeout_s)
         self.runtime.close()
 
 
@@ -187,11 +181,20 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         "total_s": done - started,
     }
     log.info("model %s loaded from %s on %s: %s", name, path, device, _fmt(timings))
-    executor = ThreadPoolExecutor(config.instances, thread_name_prefix=f"instance-{name}")
     return LoadedModel(
         name, config, runtime, signature, device, pipeline, classifier, manifest, warnings,
-        timings, warmup_timings, executor,
+        timings, warmup_timings,
     )  # fmt: skip
+
+
+def _scheduler_config(config: ModelConfig) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_batch_size=config.max_batch_size,
+        preferred_batch_sizes=config.batching.preferred_batch_sizes,
+        max_queue_delay_s=config.batching.max_queue_delay_ms / 1000,
+        max_queue_size=config.batching.max_queue_size,
+        instances=config.instances,
+    )
 
 
 def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:

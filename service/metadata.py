@@ -54,6 +54,12 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
             metadata["warnings"] = loaded.warnings
         metadata["load_timings_s"] = loaded.timings
         metadata["warmup_timings_s"] = loaded.warmup_timings
+        scheduler = loaded.scheduler
+        metadata["queue"] = {
+            "pending": scheduler.pending if scheduler else 0,
+            "busy_instances": sum(b is not None for b in scheduler.busy_since) if scheduler else 0,
+            "instances": loaded.config.instances,
+        }
     return metadata
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from preprocessing.spec import PreprocessingSpec
 from service.errors import ModelLoadError
@@ -72,6 +72,17 @@ class WarmupConfig(_Strict):
         return sizes
 
 
+class BatchingConfig(_Strict):
+    """How the dynamic batcher forms batches (max_batch_size > 0)."""
+
+    max_queue_delay_ms: float = Field(default=0.0, ge=0)
+    """Wait at most this long after a batch's oldest request for more; 0 = run what is there."""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    """Run a batch at once when its rows reach one of these sizes."""
+    max_queue_size: int = Field(default=256, ge=1)
+    """Requests waiting beyond this get 503 with Retry-After."""
+
+
 class VersionPolicy(_Strict):
     """Which version folders to serve: the latest N (default 1), or exactly these."""
 
@@ -91,6 +102,7 @@ class ModelConfig(_Strict):
     outputs: tuple[TensorConfig, ...] | None = None
     preprocessing: PreprocessingSpec | None = None
     postprocessing: ClassificationConfig | None = None
+    batching: BatchingConfig = BatchingConfig()
     warmup: WarmupConfig = WarmupConfig()
     instances: int = Field(default=1, ge=1)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
@@ -99,6 +111,16 @@ class ModelConfig(_Strict):
     """Cast numeric inputs of another datatype to the declared one instead of refusing them."""
     tolerance_override: float | None = Field(default=None, gt=0)
     """Widen the manifest's golden tolerance explicitly (e.g. on another device)."""
+
+    @model_validator(mode="after")
+    def _sizes_fit(self) -> ModelConfig:
+        for size in self.batching.preferred_batch_sizes:
+            if not 1 <= size <= max(self.max_batch_size, 1):
+                raise ValueError(
+                    f"batching.preferred_batch_sizes has {size}, outside 1..max_batch_size "
+                    f"({self.max_batch_size})"
+                )
+        return self
 
 
 def load_model_config(path: Path) -> ModelConfig:

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     """Threads that decode and preprocess request payloads, off the event loop."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413 before they are read in full."""
+    request_timeout_s: float = Field(default=60.0, gt=0)
+    """A request that has not started running this long after it arrived is answered 504.
+    Per request: header ``X-Request-Timeout`` (seconds) or OIP ``parameters.timeout`` (µs)."""
+    stuck_instance_s: float = Field(default=60.0, gt=0)
+    """/v2/health/live fails when one batch has run longer than this (a wedged instance)."""
     strict_readiness: bool = True
     """Ready only when every model meant to load is READY; false: when any model is READY."""
     admin_token: str | None = None

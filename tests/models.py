@@ -40,3 +40,18 @@ class DropsARow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x[1:] * 2.0
+
+
+class Slow(nn.Module):
+    """Spends a while on every batch (a chain of small ops), to fill queues in tests."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.register_buffer("w", torch.eye(16) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(self.steps):
+            y = torch.tanh(y @ self.w) + x
+        return y

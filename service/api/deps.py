@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request, Response
 
 from service.dataplane import DataPlane
-from service.errors import PayloadTooLarge
+from service.errors import InvalidInput, PayloadTooLarge
+
+T = TypeVar("T")
 
 
 def dataplane_of(request: Request) -> DataPlane:
@@ -48,3 +52,47 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+CLIENT_GONE = Response(status_code=499)
+"""What a route returns when its client disconnected: nobody reads it (nginx's 499)."""
+
+
+def request_timeout(request: Request) -> float | None:
+    """``X-Request-Timeout`` in seconds, when the client set one."""
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 86_400:
+        raise InvalidInput(f"X-Request-Timeout must be seconds > 0 (got {raw!r})")
+    return value
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Await ``work``; if the client disconnects first, cancel it and return None.
+
+    Cancelling drops the request from its model's queue, so a batch never runs for a client
+    that is gone.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next message the server sends is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

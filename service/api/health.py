@@ -14,6 +14,7 @@ router = APIRouter(tags=["health"])
 
 class LiveResponse(BaseModel):
     live: bool
+    reason: str | None = None
 
 
 class ReadyResponse(BaseModel):
@@ -31,11 +32,17 @@ _NOT_READY: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.get("/v2/health/live", response_model=LiveResponse)
+@router.get(
+    "/v2/health/live",
+    response_model=LiveResponse,
+    responses={503: {"model": LiveResponse, "description": "An instance is stuck"}},
+)
 async def live(request: Request) -> Response:
     dataplane = dataplane_of(request)
-    ok = dataplane.live()
-    return json_response({"live": ok}, 200 if ok else 503)
+    ok, reason = dataplane.live()
+    if ok:
+        return json_response({"live": True})
+    return json_response({"live": False, "reason": reason}, 503)
 
 
 @router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)

@@ -7,7 +7,14 @@ import io
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from service.api.deps import dataplane_of, json_response, read_body
+from service.api.deps import (
+    CLIENT_GONE,
+    dataplane_of,
+    json_response,
+    read_body,
+    request_timeout,
+    until_disconnect,
+)
 from service.protocol.v2 import HEADER_LENGTH, parse_header_length
 
 router = APIRouter(tags=["inference"])
@@ -29,7 +36,12 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
-    content, headers = await dataplane.infer(name, version, body, header_length)
+    answer = await until_disconnect(
+        request, dataplane.infer(name, version, body, header_length, request_timeout(request))
+    )
+    if answer is None:
+        return CLIENT_GONE
+    content, headers = answer
     return Response(content, headers=headers)
 
 
@@ -49,7 +61,10 @@ async def predict(request: Request, name: str) -> Response:
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")
-    return json_response(await dataplane.predict(name, body, content_type))
+    answer = await until_disconnect(
+        request, dataplane.predict(name, body, content_type, request_timeout(request))
+    )
+    return CLIENT_GONE if answer is None else json_response(answer)
 
 
 @router.post(

@@ -39,6 +39,7 @@ class ModelMetadata(BaseModel):
     warnings: list[str] | None = None
     load_timings_s: dict[str, float] | None = None
     warmup_timings_s: dict[str, float] | None = None
+    queue: dict[str, int] | None = None
 
 
 class ModelStatistics(BaseModel):

@@ -1,0 +1,319 @@
+"""Dynamic batching: one scheduler per model version, a bounded queue, N instance workers.
+
+Batch formation is pure (:func:`plan`, :func:`collate`, :func:`split`), so tests can drive it
+exhaustively with plain lists; :class:`Scheduler` only adds the asyncio plumbing around it.
+
+Rules, after Triton's dynamic batcher:
+- a batch holds requests whose non-batch shapes and dtypes match the oldest request's, and at
+  most ``max_batch_size`` rows (the sum of the requests' batch dims);
+- it runs at once when it is full, or has reached a preferred size; otherwise it waits up to
+  ``max_queue_delay`` after its oldest request arrived, then runs with what it has;
+- a request past its deadline is answered 504 before it runs; a cancelled one is dropped;
+- a request with more rows than ``max_batch_size`` is split into chunks and reassembled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.errors import DeadlineExceeded, ModelExecutionError, ServerBusy, TensorgateError
+from service.stats import ModelStats, RequestTiming
+
+log = logging.getLogger("tensorgate.scheduler")
+
+Batch = dict[str, np.ndarray]
+ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def shape_key(inputs: Mapping[str, np.ndarray], batched: bool) -> ShapeKey:
+    """What must match for two requests to share a batch: names, dtypes, non-batch shapes."""
+    return tuple(
+        (name, array.dtype.str, array.shape[1:] if batched else array.shape)
+        for name, array in sorted(inputs.items())
+    )
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request (or one chunk of an oversize request) waiting in the queue."""
+
+    inputs: Batch
+    rows: int
+    key: ShapeKey
+    enqueued: float
+    deadline: float | None
+    future: asyncio.Future[Batch]
+    timing: RequestTiming | None = None
+
+    @property
+    def dropped(self) -> bool:
+        return self.future.done()  # cancelled (client gone) or already answered
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Run the first ``take`` queued requests of the head's group now, or wait ``wait_s``."""
+
+    take: tuple[int, ...] = ()
+    wait_s: float | None = None
+
+
+def plan(
+    queue: Sequence[tuple[int, ShapeKey, float]],
+    max_rows: int,
+    preferred: Sequence[int],
+    max_delay_s: float,
+    now: float,
+) -> Plan:
+    """Decide the next batch from ``(rows, key, enqueued)`` entries, oldest first.
+
+    Returns the indices to take (all sharing the oldest entry's key, FIFO within it), or how
+    long to wait for more. ``max_rows`` 0 means the model takes no batch: one at a time.
+    """
+    if not queue:
+        return Plan(wait_s=None)
+    if max_rows == 0:
+        return Plan(take=(0,))
+    _, head_key, head_enqueued = queue[0]
+    group: list[int] = []
+    rows = 0
+    for index, (count, key, _) in enumerate(queue):
+        if key != head_key:
+            continue
+        if rows + count > max_rows:
+            break
+        group.append(index)
+        rows += count
+    if rows >= max_rows:
+        return Plan(take=tuple(group))
+    target = _preferred_cut(group, queue, preferred)
+    if target is not None:
+        return Plan(take=target)
+    waited = now - head_enqueued
+    if waited >= max_delay_s:
+        return Plan(take=tuple(group))
+    return Plan(wait_s=max_delay_s - waited)
+
+
+def _preferred_cut(
+    group: list[int], queue: Sequence[tuple[int, ShapeKey, float]], preferred: Sequence[int]
+) -> tuple[int, ...] | None:
+    """The longest prefix of ``group`` whose rows are a preferred size: Triton runs it at once."""
+    if not preferred:
+        return None
+    rows = 0
+    best: tuple[int, ...] | None = None
+    for position, index in enumerate(group):
+        rows += queue[index][0]
+        if rows in preferred:
+            best = tuple(group[: position + 1])
+    return best
+
+
+def collate(items: Sequence[Pending]) -> Batch:
+    """Concatenate requests' inputs along the batch dim."""
+    if len(items) == 1:
+        return items[0].inputs
+    return {name: np.concatenate([p.inputs[name] for p in items]) for name in items[0].inputs}
+
+
+def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int], model: str) -> list[Batch]:
+    """Cut a batch's outputs back into one dict per request; every output must have the rows."""
+    total = sum(rows)
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            got = array.shape[0] if array.ndim else 0
+            raise ModelExecutionError(
+                f"model '{model}' returned {got} rows of output '{name}' for a batch of {total} "
+                "(batch size mismatch)"
+            )
+    if len(rows) == 1:
+        return [dict(outputs)]
+    parts = []
+    offset = 0
+    for count in rows:
+        parts.append({name: array[offset : offset + count] for name, array in outputs.items()})
+        offset += count
+    return parts
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_s: float = 0.0
+    max_queue_size: int = 256
+    instances: int = 1
+
+
+@dataclass(eq=False)
+class Scheduler:
+    """The queue and instance workers of one model version."""
+
+    model: str
+    config: SchedulerConfig
+    run: Callable[[Batch], dict[str, np.ndarray]]
+    stats: ModelStats
+    queue: deque[Pending] = field(default_factory=deque)
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    _workers: list[asyncio.Task[None]] = field(default_factory=list)
+    _executors: list[ThreadPoolExecutor] = field(default_factory=list)
+    busy_since: list[float | None] = field(default_factory=list)
+    """Per instance: when its current batch started (None when idle); liveness reads it."""
+
+    def start(self) -> None:
+        for instance in range(self.config.instances):
+            executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.model}-instance-{instance}")
+            self._executors.append(executor)
+            self.busy_since.append(None)
+            self._workers.append(asyncio.create_task(self._worker(instance, executor)))
+
+    async def submit(
+        self, inputs: Batch, timing: RequestTiming | None, deadline: float | None
+    ) -> dict[str, np.ndarray]:
+        """Queue one request; its outputs once the batch it joined has run."""
+        batched = self.config.max_batch_size > 0
+        rows = int(next(iter(inputs.values())).shape[0]) if batched else 1
+        limit = self.config.max_batch_size
+        chunks = [inputs] if not batched or rows <= limit else _chunks(inputs, rows, limit)
+        if len(self.queue) + len(chunks) > self.config.max_queue_size:
+            raise ServerBusy(
+                f"model '{self.model}' has {len(self.queue)} requests queued (limit "
+                f"{self.config.max_queue_size}); retry shortly"
+            )
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        key = shape_key(inputs, batched)
+        pending = [
+            Pending(chunk, _rows(chunk, batched), key, now, deadline, loop.create_future(), timing)
+            for chunk in chunks
+        ]
+        self.queue.extend(pending)
+        self._arrived.set()
+        try:
+            results = [await p.future for p in pending]
+        except asyncio.CancelledError:
+            for p in pending:
+                p.future.cancel()  # the client went away: drop what has not run
+            raise
+        if len(results) == 1:
+            return results[0]
+        return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+    async def _worker(self, instance: int, executor: ThreadPoolExecutor) -> None:
+        while True:
+            batch = await self._next_batch()
+            await self._execute(instance, executor, batch)
+
+    async def _next_batch(self) -> list[Pending]:
+        while True:
+            self._expire(time.monotonic())
+            entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
+            decision = plan(
+                entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
+                self.config.max_queue_delay_s, time.monotonic(),
+            )  # fmt: skip
+            if decision.take:
+                chosen = [self.queue[i] for i in decision.take]
+                for index in sorted(decision.take, reverse=True):
+                    del self.queue[index]
+                return chosen
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), decision.wait_s)
+
+    def _expire(self, now: float) -> None:
+        """Drop cancelled requests; answer 504 to those past their deadline."""
+        if not any(p.dropped or (p.deadline is not None and now > p.deadline) for p in self.queue):
+            return
+        kept: deque[Pending] = deque()
+        for p in self.queue:
+            if p.dropped:
+                continue
+            if p.deadline is not None and now > p.deadline:
+                waited = now - p.enqueued
+                p.future.set_exception(
+                    DeadlineExceeded(
+                        f"model '{self.model}': the request waited {waited * 1000:.0f} ms in the "
+                        "queue, past its deadline, and was not run"
+                    )
+                )
+                continue
+            kept.append(p)
+        self.queue = kept
+
+    async def _execute(
+        self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]
+    ) -> None:
+        batch = collate(items)
+
+        def work() -> tuple[dict[str, np.ndarray], float, int]:
+            started = time.monotonic()
+            self.busy_since[instance] = started
+            clock = time.perf_counter_ns()
+            try:
+                return self.run(batch), started, time.perf_counter_ns() - clock
+            finally:
+                self.busy_since[instance] = None
+
+        loop = asyncio.get_running_loop()
+        try:
+            outputs, started, infer_ns = await loop.run_in_executor(executor, work)
+            parts = split(outputs, [p.rows for p in items], self.model)
+        except TensorgateError as exc:
+            _fail(items, exc)
+            return
+        except Exception as exc:
+            log.exception("model %s failed on a batch of %d rows", self.model, len(items))
+            _fail(items, ModelExecutionError(f"model '{self.model}' failed: {exc}"))
+            return
+        self.stats.record_execution(sum(p.rows for p in items), infer_ns)
+        for p, part in zip(items, parts, strict=True):
+            if p.future.done():
+                continue
+            if p.timing is not None:
+                p.timing.queue_ns += int((started - p.enqueued) * 1e9)
+                p.timing.compute_infer_ns += infer_ns
+            p.future.set_result(part)
+
+    async def stop(self) -> None:
+        """Answer what is still queued with 503, stop the workers, release the threads."""
+        for p in self.queue:
+            if not p.future.done():
+                p.future.set_exception(ServerBusy(f"model '{self.model}' is shutting down"))
+        self.queue.clear()
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        for executor in self._executors:
+            executor.shutdown(wait=True)
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+
+def _fail(items: Sequence[Pending], exc: Exception) -> None:
+    for p in items:
+        if not p.future.done():
+            p.future.set_exception(exc)
+
+
+def _rows(inputs: Batch, batched: bool) -> int:
+    return int(next(iter(inputs.values())).shape[0]) if batched else 1
+
+
+def _chunks(inputs: Batch, rows: int, limit: int) -> list[Batch]:
+    return [
+        {name: array[start : start + limit] for name, array in inputs.items()}
+        for start in range(0, rows, limit)
+    ]

@@ -1,0 +1,275 @@
+"""Batch formation as pure functions, and the Scheduler driven with a real (tiny) model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.errors import DeadlineExceeded, ModelExecutionError, ServerBusy
+from service.scheduler import Plan, Scheduler, SchedulerConfig, collate, plan, shape_key, split
+from service.stats import ModelStats
+
+A = (("x", "<f4", (3,)),)
+B = (("x", "<f4", (5,)),)
+
+
+def q(*entries: tuple[int, tuple[object, ...], float]) -> list[tuple[int, object, float]]:
+    return list(entries)
+
+
+def test_an_empty_queue_waits_for_an_arrival() -> None:
+    assert plan([], 8, (), 0.01, now=1.0) == Plan(wait_s=None)
+
+
+def test_rows_not_requests_count_toward_max_batch_size() -> None:
+    queue = [(3, A, 0.0), (3, A, 0.0), (3, A, 0.0)]
+    assert plan(queue, 8, (), 1.0, now=0.0).take == ()  # 6 rows fit, the 9th would not: wait
+    assert plan(queue, 6, (), 1.0, now=0.0).take == (0, 1)  # full at 6 rows: run now
+
+
+def test_delay_zero_takes_what_is_there() -> None:
+    assert plan([(1, A, 5.0), (2, A, 5.0)], 32, (), 0.0, now=5.0).take == (0, 1)
+
+
+def test_the_oldest_request_waits_at_most_the_delay() -> None:
+    queue = [(1, A, 10.0), (1, A, 10.002)]
+    assert plan(queue, 8, (), 0.005, now=10.003) == Plan(wait_s=pytest.approx(0.002))
+    assert plan(queue, 8, (), 0.005, now=10.005).take == (0, 1)
+
+
+def test_a_preferred_size_runs_at_once_and_the_largest_reachable_wins() -> None:
+    queue = [(2, A, 0.0), (2, A, 0.0), (4, A, 0.0), (1, A, 0.0)]
+    assert plan(queue, 32, (4, 8), 1.0, now=0.0).take == (0, 1, 2)  # 8 rows
+    assert plan(queue[:2], 32, (4, 8), 1.0, now=0.0).take == (0, 1)  # 4 rows
+    assert plan(queue[:1], 32, (4, 8), 1.0, now=0.0).wait_s == pytest.approx(1.0)
+
+
+def test_requests_of_other_shapes_are_never_concatenated() -> None:
+    queue = [(1, A, 0.0), (1, B, 0.0), (1, A, 0.0), (1, B, 0.0)]
+    assert plan(queue, 8, (), 0.0, now=0.0).take == (0, 2)
+    assert plan(queue[1:2] + queue[3:], 8, (), 0.0, now=0.0).take == (0, 1)
+
+
+def test_a_model_without_batching_runs_one_request_at_a_time() -> None:
+    assert plan([(1, A, 0.0), (1, A, 0.0)], 0, (), 1.0, now=0.0).take == (0,)
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 8), st.sampled_from([A, B]), st.floats(0, 0.5)), max_size=20),
+    st.integers(1, 16),
+    st.lists(st.integers(1, 16), max_size=3),
+    st.floats(0, 0.01),
+)
+def test_every_plan_respects_the_rules(
+    queue: list[tuple[int, object, float]], max_rows: int, preferred: list[int], delay: float
+) -> None:
+    queue = [(min(rows, max_rows), key, t) for rows, key, t in queue]
+    decision = plan(queue, max_rows, preferred, delay, now=0.5)
+    if not queue:
+        assert decision == Plan(wait_s=None)
+        return
+    if decision.take:
+        taken = [queue[i] for i in decision.take]
+        assert decision.take[0] == 0  # FIFO: the oldest always goes first
+        assert {key for _, key, _ in taken} == {queue[0][1]}
+        assert sum(rows for rows, _, _ in taken) <= max_rows
+        assert list(decision.take) == sorted(decision.take)
+    else:
+        assert decision.wait_s is not None and 0 < decision.wait_s <= delay
+
+
+def test_collate_and_split_round_trip_per_request() -> None:
+    class P:
+        def __init__(self, x: np.ndarray) -> None:
+            self.inputs = {"x": x}
+
+    parts = [np.full((n, 2), n, np.float32) for n in (1, 3, 2)]
+    batch = collate([P(x) for x in parts])  # type: ignore[misc]
+    assert batch["x"].shape == (6, 2)
+    back = split({"y": batch["x"] * 2}, [1, 3, 2], "m")
+    for original, answer in zip(parts, back, strict=True):
+        np.testing.assert_array_equal(answer["y"], original * 2)
+
+
+def test_split_refuses_a_batch_size_mismatch_naming_the_model() -> None:
+    with pytest.raises(
+        ModelExecutionError, match="model 'm' returned 5 rows of output 'y' for a batch of 6"
+    ):
+        split({"y": np.zeros((5, 1))}, [3, 3], "m")
+
+
+def test_shape_key_ignores_the_batch_dim_only() -> None:
+    a = shape_key({"x": np.zeros((2, 3), np.float32)}, batched=True)
+    assert a == shape_key({"x": np.zeros((7, 3), np.float32)}, batched=True)
+    assert a != shape_key({"x": np.zeros((2, 4), np.float32)}, batched=True)
+    assert a != shape_key({"x": np.zeros((2, 3), np.float64)}, batched=True)
+
+
+# -- the Scheduler, driven in an event loop with a real function as the model ---------------
+
+
+def scheduler(
+    run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], **config: object
+) -> Scheduler:
+    settings = SchedulerConfig(**{"max_batch_size": 8, **config})  # type: ignore[arg-type]
+    return Scheduler("m", settings, run, ModelStats())
+
+
+def doubling(batches: list[int]) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        batches.append(batch["x"].shape[0])
+        return {"y": batch["x"] * 2}
+
+    return run
+
+
+def test_concurrent_requests_each_get_their_own_rows_back() -> None:
+    async def main() -> list[int]:
+        sizes: list[int] = []
+        s = scheduler(doubling(sizes), max_queue_delay_s=0.05)
+        s.start()
+        inputs = [np.full((n, 2), i, np.float32) for i, n in enumerate([1, 2, 3, 1, 1])]
+        answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
+        for x, answer in zip(inputs, answers, strict=True):
+            np.testing.assert_array_equal(answer["y"], x * 2)
+        await s.stop()
+        return sizes
+
+    sizes = asyncio.run(main())
+    assert sum(sizes) == 8
+    assert max(sizes) > 1  # they were batched together
+
+
+def test_an_oversize_request_is_split_into_chunks_and_reassembled() -> None:
+    async def main() -> list[int]:
+        sizes: list[int] = []
+        s = scheduler(doubling(sizes), max_batch_size=4)
+        s.start()
+        x = np.arange(22, dtype=np.float32).reshape(11, 2)
+        answer = await s.submit({"x": x}, None, None)
+        np.testing.assert_array_equal(answer["y"], x * 2)
+        await s.stop()
+        return sizes
+
+    assert asyncio.run(main()) == [4, 4, 3]
+
+
+def _blocking() -> tuple[threading.Event, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]]:
+    release = threading.Event()
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        release.wait(10)
+        return {"y": batch["x"]}
+
+    return release, run
+
+
+async def busy(s: Scheduler) -> None:
+    """Until the (only) instance has started a batch: polled, bounded."""
+    for _ in range(1000):
+        if s.busy_since[0] is not None:
+            return
+        await asyncio.sleep(0.005)
+    raise TimeoutError("the instance never started a batch")
+
+
+def test_a_full_queue_answers_503_with_retry_after() -> None:
+    async def main() -> None:
+        release, run = _blocking()
+        s = scheduler(run, max_queue_size=2, max_batch_size=1)
+        s.start()
+        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+        await busy(s)
+        queued = [
+            asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None)) for _ in range(2)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(ServerBusy) as refused:
+            await s.submit({"x": np.zeros((1, 1))}, None, None)
+        assert refused.value.headers["Retry-After"] == "1"
+        release.set()
+        await asyncio.gather(first, *queued)
+        await s.stop()
+
+    asyncio.run(main())
+
+
+def test_a_request_past_its_deadline_gets_504_and_never_runs() -> None:
+    async def main() -> list[int]:
+        release, run = _blocking()
+        seen: list[int] = []
+
+        def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            seen.append(int(batch["x"][0, 0]))
+            return run(batch)
+
+        s = scheduler(tracking, max_batch_size=1)
+        s.start()
+        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+        await busy(s)
+        late = asyncio.ensure_future(
+            s.submit({"x": np.ones((1, 1))}, None, deadline=time.monotonic() + 0.01)
+        )
+        await asyncio.sleep(0.05)  # time passes beyond the late request's deadline
+        release.set()
+        await first
+        with pytest.raises(DeadlineExceeded, match="past its deadline"):
+            await late
+        await s.stop()
+        return seen
+
+    assert asyncio.run(main()) == [0]
+
+
+def test_a_cancelled_request_is_dropped_before_it_runs() -> None:
+    async def main() -> list[int]:
+        release, run = _blocking()
+        seen: list[int] = []
+
+        def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            seen.extend(int(v) for v in batch["x"][:, 0])
+            return run(batch)
+
+        s = scheduler(tracking, max_batch_size=1)
+        s.start()
+        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+        await busy(s)
+        gone = asyncio.ensure_future(s.submit({"x": np.ones((1, 1))}, None, None))
+        kept = asyncio.ensure_future(s.submit({"x": np.full((1, 1), 2.0)}, None, None))
+        await asyncio.sleep(0)
+        gone.cancel()
+        release.set()
+        await asyncio.gather(first, kept)
+        await s.stop()
+        return seen
+
+    assert asyncio.run(main()) == [0, 2]
+
+
+def test_a_failing_model_fails_only_its_batch_and_the_scheduler_goes_on() -> None:
+    async def main() -> None:
+        calls = 0
+
+        def flaky(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("boom")
+            return {"y": batch["x"]}
+
+        s = scheduler(flaky, max_batch_size=1)
+        s.start()
+        with pytest.raises(ModelExecutionError, match="model 'm' failed: boom"):
+            await s.submit({"x": np.zeros((1, 1))}, None, None)
+        answer = await s.submit({"x": np.ones((1, 1))}, None, None)
+        assert answer["y"][0, 0] == 1
+        await s.stop()
+
+    asyncio.run(main())
