@@ -64,3 +64,4 @@ clean:
 bench: models
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(BIN)/python -m bench.protocol
+	$(BIN)/python -m bench.batching

@@ -8,6 +8,7 @@ Start: scan the repository â†’ load every version in the background (artifact â†
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import time
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
-from service.api import router
+from service.api import routers
 from service.api.deps import json_response
 from service.dataplane import DataPlane
 from service.errors import TensorgateError
@@ -60,7 +61,8 @@ def create_app(settings: Settings) -> FastAPI:
         summary="Open Inference Protocol (KServe v2) server for TorchScript and ONNX models",
         lifespan=lifespan,
     )
-    app.include_router(router(settings))
+    for routes in routers(settings):
+        app.include_router(routes)
     _install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     return app
@@ -80,7 +82,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("x-request-id", "")
-        request_id = given if _VALID_ID.match(given) else uuid.uuid4().hex
+        request_id = given if _VALID_ID.match(given) else _next_id()
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -92,6 +94,15 @@ class RequestIdMiddleware:
         # reset so that Starlette's outermost error handler can still read it.
         REQUEST_ID.set(request_id)
         await self.app(scope, receive, send_with_id)
+
+
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
+
+def _next_id() -> str:
+    """Unique per process start and request, without a syscall (uuid4 reads os.urandom)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")

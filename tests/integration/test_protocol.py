@@ -240,6 +240,6 @@ def test_request_ids_are_taken_returned_and_put_in_error_bodies(server: Server) 
     assert response.headers["x-request-id"] == "trace-42"
     assert response.json()["request_id"] == "trace-42"
     generated = server.client.get("/v2/health/live").headers["x-request-id"]
-    assert len(generated) == 32
+    assert len(generated) == 32 and generated != server.client.get("/v2").headers["x-request-id"]
     odd = server.client.get("/v2", headers={"X-Request-ID": "bad id\twith spaces"})
     assert odd.headers["x-request-id"] != "bad id\twith spaces"
