@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODELS := efficientnet_lite0 digits
+MODELS := efficientnet_lite0 digits minilm
 ARTIFACTS := $(foreach m,$(MODELS),models/$(m)/1/manifest.json)
 PYTEST_ARGS ?=
 
@@ -24,7 +24,7 @@ venv: $(STAMP)
 
 # A model's artifacts are rebuilt when its build script, config or the export code changes.
 models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py \
-		preprocessing/image.py preprocessing/spec.py | $(STAMP)
+		preprocessing/image.py preprocessing/text.py preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1
 
 models: $(ARTIFACTS)
@@ -65,3 +65,4 @@ bench: models
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(BIN)/python -m bench.protocol
 	$(BIN)/python -m bench.batching
+	$(BIN)/python -m bench.warmup

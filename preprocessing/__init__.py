@@ -6,6 +6,10 @@ model saw in training is what it sees in production, byte for byte.
 """
 
 from preprocessing.image import ImagePipeline, PreprocessingError
-from preprocessing.spec import ImageSpec, PreprocessingSpec, spec_hash
+from preprocessing.spec import ImageSpec, PreprocessingSpec, TextSpec, spec_hash
+from preprocessing.text import TextPipeline, TokenBatch
 
-__all__ = ["ImagePipeline", "ImageSpec", "PreprocessingError", "PreprocessingSpec", "spec_hash"]
+__all__ = [
+    "ImagePipeline", "ImageSpec", "PreprocessingError", "PreprocessingSpec", "TextPipeline",
+    "TextSpec", "TokenBatch", "spec_hash",
+]  # fmt: skip

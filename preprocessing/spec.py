@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -53,8 +53,36 @@ class ImageSpec(BaseModel):
         return 1 if self.color == "L" else 3
 
 
-PreprocessingSpec = ImageSpec
-"""Every kind of spec the server knows; a discriminated union on ``kind`` once text lands."""
+class TextSpec(BaseModel):
+    """UTF-8 text → token ids and attention mask, padded to the smallest bucket that fits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["text"] = "text"
+    tokenizer: str = "tokenizer.json"
+    """A ``tokenizers`` JSON file in the model's version folder."""
+    tokenizer_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """The file's sha256: part of the spec, so that a changed tokenizer changes the hash."""
+    max_length: int = Field(gt=1)
+    """Longest sequence in tokens, special tokens included."""
+    buckets: tuple[int, ...]
+    """Sequence lengths batches are padded to; the largest must equal max_length."""
+    truncate: bool = True
+    """Cut longer texts at max_length (and report it); false: refuse them with 400."""
+    pad_id: int = Field(default=0, ge=0)
+
+    @field_validator("buckets")
+    @classmethod
+    def _ascending(cls, buckets: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"must be ascending lengths ≥ 1 (got {list(buckets)})")
+        if buckets[-1] != info.data.get("max_length"):
+            raise ValueError(f"the largest ({buckets[-1]}) must equal max_length")
+        return buckets
+
+
+PreprocessingSpec = Annotated[ImageSpec | TextSpec, Field(discriminator="kind")]
+"""Every kind of spec the server knows, told apart by ``kind``."""
 
 
 def spec_hash(spec: BaseModel) -> str:

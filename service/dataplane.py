@@ -10,12 +10,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import orjson
 
-from preprocessing.image import PreprocessingError
+from preprocessing.image import ImagePipeline, PreprocessingError
+from preprocessing.text import TextPipeline
 from service.errors import InvalidInput, UnsupportedMediaType
 from service.loader import LoadedModel
 from service.post import CLASSIFICATION, classification_tensor
@@ -29,6 +31,7 @@ from service.validation import (
     check_rows,
     encoded_items,
     instance_tensors,
+    pad_to_buckets,
     shape_fits,
 )
 
@@ -89,7 +92,10 @@ class DataPlane:
 
     async def load_model(self, name: str) -> None:
         """Load (or reload) a model; its new versions serve once their gates and warmup pass."""
-        await asyncio.to_thread(self.repository.load_model, name)
+        entry = await asyncio.to_thread(self.repository.load_model, name)
+        for version in entry.versions.values():
+            if version.loaded is not None:
+                version.loaded.start()
 
     async def unload_model(self, name: str) -> None:
         await asyncio.to_thread(self.repository.unload_model, name)
@@ -123,14 +129,16 @@ class DataPlane:
             # Only the JSON part costs anything to decode; binary tensors are views of the body.
             json_size = header_length if header_length is not None else len(body)
             request = await self._offload(json_size, v2.decode_request, body, header_length)
-            batch = await self._request_batch(request, loaded, name)
+            prepared = await self._request_batch(request, loaded, name)
+            batch = prepared.batch
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
             deadline = self.deadline(timeout_s, request.parameters)
             outputs = await loaded.execute(batch, timing, deadline)
             encode_started = time.perf_counter_ns()
             tensors = _output_tensors(request, loaded, outputs, name)
+            parameters = {**request.parameters, **prepared.parameters}
             response = v2.encode_response(
-                name, str(version), request.id, request.parameters or None, tensors
+                name, str(version), request.id, parameters or None, tensors
             )
             timing.compute_output_ns = time.perf_counter_ns() - encode_started
         except Exception:
@@ -157,47 +165,54 @@ class DataPlane:
     ) -> dict[str, Any]:
         timing = RequestTiming()
         try:
-            batch = await self._v1_batch(loaded, name, body, content_type)
+            prepared = await self._v1_batch(loaded, name, body, content_type)
+            batch = prepared.batch
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
             outputs = await loaded.execute(batch, timing, self.deadline(timeout_s))
             encode_started = time.perf_counter_ns()
-            predictions = _predictions(loaded, outputs)
+            answer: dict[str, Any] = {"predictions": _predictions(loaded, outputs)}
+            if prepared.parameters:
+                answer["parameters"] = prepared.parameters
             timing.compute_output_ns = time.perf_counter_ns() - encode_started
         except Exception:
             loaded.stats.record_failure(timing)
             raise
         loaded.stats.record_success(_rows(batch, loaded), timing)
-        return {"predictions": predictions}
+        return answer
 
     async def preprocess(self, name: str, body: bytes, content_type: str) -> dict[str, np.ndarray]:
         """What predict would feed the model for this body: the tensors, not the answer."""
         _, loaded = self.repository.ready_model(name)
         with loaded.in_use():
-            return await self._v1_batch(loaded, name, body, content_type)
+            return (await self._v1_batch(loaded, name, body, content_type)).batch
 
     async def _request_batch(
         self, request: v2.InferenceRequest, loaded: LoadedModel, name: str
-    ) -> dict[str, np.ndarray]:
+    ) -> Prepared:
         encoded = loaded.bytes_input
         if encoded is not None and any(t.name == encoded for t in request.inputs):
             if len(request.inputs) != 1:
                 raise InvalidInput(
-                    f"input '{encoded}' carries encoded images: send it alone, not with "
+                    f"input '{encoded}' feeds the model's preprocessing: send it alone, not with "
                     f"{[t.name for t in request.inputs if t.name != encoded]}"
                 )
-            return await self._encoded_batch(loaded, name, encoded_items(request.inputs[0], name))
-        return check_inputs(request.inputs, loaded.signature, loaded.config, name)
+            items = encoded_items(request.inputs[0], name)
+            if isinstance(loaded.pipeline, TextPipeline):
+                return await self._text_batch(loaded, name, _utf8(items, encoded))
+            return await self._image_batch(loaded, name, items)
+        batch = check_inputs(request.inputs, loaded.signature, loaded.config, name)
+        return Prepared(pad_to_buckets(batch, loaded.signature, loaded.config, name))
 
     async def _v1_batch(
         self, loaded: LoadedModel, name: str, body: bytes, content_type: str
-    ) -> dict[str, np.ndarray]:
+    ) -> Prepared:
         if not body:
             raise InvalidInput(
                 f"request body is empty; send an image or JSON instances to '{name}'"
             )
         media = content_type.split(";")[0].strip().lower()
         if media.startswith("image/") or media == "application/octet-stream":
-            return await self._encoded_batch(loaded, name, [body])
+            return await self._image_batch(loaded, name, [body])
         if media == "application/json" or not media:
             return await self._instances(loaded, name, body)
         raise UnsupportedMediaType(
@@ -205,9 +220,7 @@ class DataPlane:
             'image/png, ...) or application/json with {"instances": [...]}'
         )
 
-    async def _instances(
-        self, loaded: LoadedModel, name: str, body: bytes
-    ) -> dict[str, np.ndarray]:
+    async def _instances(self, loaded: LoadedModel, name: str, body: bytes) -> Prepared:
         try:
             payload = await self._offload(len(body), orjson.loads, body)
         except orjson.JSONDecodeError as exc:
@@ -217,17 +230,32 @@ class DataPlane:
             raise InvalidInput(
                 'expected a JSON object {"instances": [...]} with at least one instance'
             )
+        if isinstance(loaded.pipeline, TextPipeline):
+            if not all(isinstance(item, str) for item in instances):
+                raise InvalidInput(f"model '{name}' takes text: instances must be strings")
+            return await self._text_batch(loaded, name, instances)
         if loaded.pipeline is not None:
             images = [b64_image(item, i) for i, item in enumerate(instances)]
-            return await self._encoded_batch(loaded, name, images)
+            return await self._image_batch(loaded, name, images)
         tensors = instance_tensors(instances, loaded.signature.inputs)
-        return check_inputs(tensors, loaded.signature, loaded.config, name)
+        batch = check_inputs(tensors, loaded.signature, loaded.config, name)
+        return Prepared(pad_to_buckets(batch, loaded.signature, loaded.config, name))
 
-    async def _encoded_batch(
-        self, loaded: LoadedModel, name: str, images: list[bytes]
-    ) -> dict[str, np.ndarray]:
+    async def _text_batch(self, loaded: LoadedModel, name: str, texts: list[str]) -> Prepared:
         pipeline = loaded.pipeline
-        if pipeline is None:
+        assert isinstance(pipeline, TextPipeline)
+        check_rows(len(texts), loaded.config, name)
+        loop = asyncio.get_running_loop()
+        try:
+            tokens = await loop.run_in_executor(self.pool, pipeline, texts)
+        except PreprocessingError as exc:
+            raise InvalidInput(f"model '{name}': {exc}") from None
+        batch = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+        return Prepared(batch, {"truncated": tokens.truncated} if any(tokens.truncated) else {})
+
+    async def _image_batch(self, loaded: LoadedModel, name: str, images: list[bytes]) -> Prepared:
+        pipeline = loaded.pipeline
+        if not isinstance(pipeline, ImagePipeline):
             raise UnsupportedMediaType(
                 f"model '{name}' has no image preprocessing; send JSON tensors to "
                 f'/v2/models/{name}/infer or {{"instances": [...]}} rows'
@@ -250,7 +278,7 @@ class DataPlane:
         if len({row.shape for row in rows}) > 1:
             raise InvalidInput(f"model '{name}': images preprocess to different shapes; set crop")
         stacked = np.stack(rows)
-        return {first.name: stacked if loaded.config.max_batch_size > 0 else stacked[0]}
+        return Prepared({first.name: stacked if loaded.config.max_batch_size > 0 else stacked[0]})
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: the header's timeout, else OIP ``parameters.timeout``
@@ -261,6 +289,21 @@ class DataPlane:
                 raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
             timeout_s = micros / 1e6
         return time.monotonic() + (timeout_s or self.settings.request_timeout_s)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request turned into model inputs, plus what the response should report about it."""
+
+    batch: dict[str, np.ndarray]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _utf8(items: list[bytes], name: str) -> list[str]:
+    try:
+        return [item.decode() for item in items]
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"input '{name}': text must be UTF-8 ({exc})") from None
 
 
 def _rows(batch: dict[str, np.ndarray], loaded: LoadedModel) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import threading
 import time
@@ -12,8 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
-from preprocessing.image import ImagePipeline
+from preprocessing.image import ImagePipeline, PreprocessingError
+from preprocessing.spec import TextSpec
+from preprocessing.text import TextPipeline
 from service.errors import ModelLoadError, ModelNotReady
 from service.manifest import (
     Manifest,
@@ -28,12 +32,13 @@ from service.post import CLASSIFICATION, Classifier
 from service.protocol.datatypes import TO_NUMPY
 from service.runtimes import create_runtime, resolve_device, runtime_versions
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
-from service.scheduler import Scheduler, SchedulerConfig
+from service.scheduler import BatchShape, Scheduler, SchedulerConfig, batch_shape
 from service.settings import Settings
 from service.stats import ModelStats, RequestTiming
 
 log = logging.getLogger("tensorgate.loader")
 
+TEXT_INPUTS = ("input_ids", "attention_mask")
 SKIPPED_WITHOUT_MANIFEST = (
     "version gate skipped: no manifest.json",
     "golden replay skipped: no manifest.json",
@@ -50,12 +55,14 @@ class LoadedModel:
     runtime: Runtime
     signature: Signature
     device: str
-    pipeline: ImagePipeline | None
+    pipeline: ImagePipeline | TextPipeline | None
     classifier: Classifier | None
     manifest: Manifest | None
     warnings: list[str]
     timings: dict[str, float]
     warmup_timings: dict[str, float]
+    warmed: set[BatchShape]
+    """The batch shapes warmup ran; a batch of any other shape counts as unwarmed."""
     stats: ModelStats = field(default_factory=ModelStats, repr=False)
     scheduler: Scheduler | None = field(default=None, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
@@ -70,7 +77,9 @@ class LoadedModel:
 
     @property
     def bytes_input(self) -> str | None:
-        """The name of the BYTES input that takes encoded images, for models with a pipeline."""
+        """The BYTES input a pipeline takes: encoded images, or UTF-8 text (``text``)."""
+        if isinstance(self.pipeline, TextPipeline):
+            return "text"
         return f"{self.signature.inputs[0].name}_bytes" if self.pipeline is not None else None
 
     def public_inputs(self) -> list[TensorConfig]:
@@ -102,13 +111,19 @@ class LoadedModel:
         """
         if self.closed:
             raise ModelNotReady(f"model '{self.name}' was unloaded while the request waited")
+        return await self.start().submit(dict(batch), timing, deadline)
+
+    def start(self) -> Scheduler:
+        """Start this version's scheduler in the running loop (once); called when it is ready,
+        so that the first request does not pay for it."""
         if self.scheduler is None:
             self._loop = asyncio.get_running_loop()
             self.scheduler = Scheduler(
-                self.name, _scheduler_config(self.config), self.runtime.run, self.stats
-            )
+                self.name, _scheduler_config(self.config), self.runtime.run, self.stats,
+                warmed=self.warmed,
+            )  # fmt: skip
             self.scheduler.start()
-        return await self.scheduler.submit(dict(batch), timing, deadline)
+        return self.scheduler
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
@@ -164,7 +179,8 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
             tolerance = Tolerance(atol=config.tolerance_override, rtol=tolerance.rtol)
             warnings.append(f"golden tolerance widened by config to atol={tolerance.atol:g}")
         check_golden(path, runtime.run, tolerance)
-    pipeline = _pipeline(config, signature)
+    pipeline = _pipeline(config, signature, path)
+    _warm_pipeline(pipeline)
     classifier = (
         Classifier(config.postprocessing, path.parent, signature.outputs)
         if config.postprocessing is not None
@@ -172,7 +188,7 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     )
     gated_at = time.perf_counter()
 
-    warmup_timings = _warm_up(runtime, signature, config)
+    warmup_timings, warmed = _warm_up(runtime, signature, config)
     done = time.perf_counter()
     timings = {
         "load_s": loaded_at - started,
@@ -183,13 +199,14 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     log.info("model %s loaded from %s on %s: %s", name, path, device, _fmt(timings))
     return LoadedModel(
         name, config, runtime, signature, device, pipeline, classifier, manifest, warnings,
-        timings, warmup_timings,
+        timings, warmup_timings, warmed,
     )  # fmt: skip
 
 
 def _scheduler_config(config: ModelConfig) -> SchedulerConfig:
     return SchedulerConfig(
         max_batch_size=config.max_batch_size,
+        pad_to=config.warmup_batch_sizes() if config.warmup.pad_batches else (),
         preferred_batch_sizes=config.batching.preferred_batch_sizes,
         max_queue_delay_s=config.batching.max_queue_delay_ms / 1000,
         max_queue_size=config.batching.max_queue_size,
@@ -207,10 +224,15 @@ def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | Non
     return None
 
 
-def _pipeline(config: ModelConfig, signature: Signature) -> ImagePipeline | None:
-    if config.preprocessing is None:
+def _pipeline(
+    config: ModelConfig, signature: Signature, folder: Path
+) -> ImagePipeline | TextPipeline | None:
+    spec = config.preprocessing
+    if spec is None:
         return None
-    pipeline = ImagePipeline(config.preprocessing)
+    if isinstance(spec, TextSpec):
+        return _text_pipeline(spec, signature, folder)
+    pipeline = ImagePipeline(spec)
     first = signature.inputs[0]
     produced = pipeline.output_shape
     if produced is not None and not (
@@ -221,35 +243,76 @@ def _pipeline(config: ModelConfig, signature: Signature) -> ImagePipeline | None
             f"preprocessing produces {list(produced)} per image, but input '{first.name}' is "
             f"{list(first.shape)}"
         )
-    if np.dtype(config.preprocessing.dtype) != TO_NUMPY[first.datatype]:
+    if np.dtype(spec.dtype) != TO_NUMPY[first.datatype]:
         raise ModelLoadError(
-            f"preprocessing produces {config.preprocessing.dtype}, input '{first.name}' is "
-            f"{first.datatype}"
+            f"preprocessing produces {spec.dtype}, input '{first.name}' is {first.datatype}"
         )
     return pipeline
 
 
-def _warm_up(runtime: Runtime, signature: Signature, config: ModelConfig) -> dict[str, float]:
-    sizes = config.warmup.batch_sizes if config.max_batch_size > 0 else (0,)
+def _warm_pipeline(pipeline: ImagePipeline | TextPipeline | None) -> None:
+    """Run the preprocessing once: its first call pays for lazy set-up (tokenizer threads,
+    codec tables) that no request should."""
+    if isinstance(pipeline, TextPipeline):
+        pipeline(["warm up the tokenizer"])
+    elif isinstance(pipeline, ImagePipeline):
+        buffer = io.BytesIO()
+        Image.new("RGB", (512, 384), (128, 64, 32)).save(buffer, format="JPEG")
+        pipeline(buffer.getvalue())
+
+
+def _text_pipeline(spec: TextSpec, signature: Signature, folder: Path) -> TextPipeline:
+    names = {t.name: t for t in signature.inputs}
+    for name in TEXT_INPUTS:
+        tensor = names.get(name)
+        if tensor is None or tensor.datatype != "INT64" or tensor.shape != (-1,):
+            raise ModelLoadError(
+                f"text preprocessing feeds INT64 [-1, -1] inputs {list(TEXT_INPUTS)}; the model "
+                f"takes {[f'{t.name} {t.datatype} {list(t.shape)}' for t in signature.inputs]}"
+            )
+    if set(names) != set(TEXT_INPUTS):
+        raise ModelLoadError(f"text models take exactly {list(TEXT_INPUTS)}, not {sorted(names)}")
+    try:
+        return TextPipeline(spec, folder)
+    except PreprocessingError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def _warm_up(
+    runtime: Runtime, signature: Signature, config: ModelConfig
+) -> tuple[dict[str, float], set[BatchShape]]:
+    """Run every batch size × bucket; return the timings and the shapes now warm."""
+    batched = config.max_batch_size > 0
+    sizes = config.warmup_batch_sizes() if batched else (0,)
+    dynamic = any(-1 in t.shape for t in signature.inputs)
+    buckets: tuple[int | None, ...] = config.shape_buckets() if dynamic else ()
     timings: dict[str, float] = {}
+    warmed: set[BatchShape] = set()
     for size in sizes:
         if size > config.max_batch_size > 0:
             raise ModelLoadError(
                 f"warmup.batch_sizes has {size}, above max_batch_size {config.max_batch_size}"
             )
-        batch = {
-            t.name: _zeros(
-                ((size,) if size else ()) + tuple(1 if d == -1 else d for d in t.shape), t
-            )
-            for t in signature.inputs
-        }
-        started = time.perf_counter()
-        try:
-            runtime.warmup(batch)
-        except Exception as exc:
-            raise ModelLoadError(f"warmup at batch size {size} failed: {exc}") from exc
-        timings[f"batch_{size}"] = time.perf_counter() - started
-    return timings
+        for bucket in buckets or (None,):
+            batch = {
+                t.name: _zeros(
+                    ((size,) if size else ())
+                    + tuple(bucket or 1 if d == -1 else d for d in t.shape),
+                    t,
+                )
+                for t in signature.inputs
+            }
+            started = time.perf_counter()
+            try:
+                runtime.warmup(batch)
+            except Exception as exc:
+                where = f"batch size {size}" + (f", length {bucket}" if bucket else "")
+                raise ModelLoadError(f"warmup at {where} failed: {exc}") from exc
+            label = f"batch_{size}" + (f"_len_{bucket}" if bucket else "")
+            timings[label] = time.perf_counter() - started
+            warmed.add(batch_shape(batch))
+            log.debug("warmed %s in %.1f ms", label, timings[label] * 1000)
+    return timings, warmed
 
 
 def _zeros(shape: tuple[int, ...], tensor: TensorConfig) -> np.ndarray:

@@ -26,6 +26,9 @@ Datatype = Literal[
 ]  # fmt: skip
 
 
+PREPROCESSING_KINDS = ("image", "text")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,14 +63,18 @@ class ClassificationConfig(_Strict):
 
 
 class WarmupConfig(_Strict):
-    """Shapes run at load, on every instance, before the model reports ready."""
+    """Shapes run at load, before the model reports ready: every batch size × every bucket."""
 
-    batch_sizes: tuple[int, ...] = (1,)
+    batch_sizes: tuple[int, ...] | Literal["all"] = (1,)
+    """Batch sizes to run, or ``all`` for every size from 1 to max_batch_size."""
+    pad_batches: bool = False
+    """Pad each batch's rows up to the next warmed batch size, so no batch meets a new shape
+    (for runtimes that compile per shape; costs compute on ones that do not)."""
 
     @field_validator("batch_sizes")
     @classmethod
-    def _positive(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        if any(size < 1 for size in sizes):
+    def _positive(cls, sizes: tuple[int, ...] | str) -> tuple[int, ...] | str:
+        if not isinstance(sizes, str) and any(size < 1 for size in sizes):
             raise ValueError(f"batch sizes must be ≥ 1 (got {list(sizes)})")
         return sizes
 
@@ -97,12 +104,17 @@ class ModelConfig(_Strict):
     backend: Literal["onnx", "torchscript"]
     max_batch_size: int = Field(default=0, ge=0)
     """Most rows in one inference; 0 = the model takes no batch dimension."""
+    max_request_rows: int = Field(default=1024, ge=1)
+    """Most rows one request may carry; above max_batch_size it runs as several batches."""
     inputs: tuple[TensorConfig, ...] | None = None
     """Optional for ONNX (read from the graph) and exported artifacts (from the manifest)."""
     outputs: tuple[TensorConfig, ...] | None = None
     preprocessing: PreprocessingSpec | None = None
     postprocessing: ClassificationConfig | None = None
     batching: BatchingConfig = BatchingConfig()
+    buckets: tuple[int, ...] = ()
+    """Lengths that every dynamic (-1) non-batch dim of an input is padded up to; a longer
+    input is refused. A text pipeline's buckets apply when this is empty."""
     warmup: WarmupConfig = WarmupConfig()
     instances: int = Field(default=1, ge=1)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
@@ -121,6 +133,18 @@ class ModelConfig(_Strict):
                     f"({self.max_batch_size})"
                 )
         return self
+
+    def warmup_batch_sizes(self) -> tuple[int, ...]:
+        sizes = self.warmup.batch_sizes
+        if sizes == "all":
+            return tuple(range(1, self.max_batch_size + 1)) if self.max_batch_size else (1,)
+        return tuple(sizes)
+
+    def shape_buckets(self) -> tuple[int, ...]:
+        if self.buckets:
+            return self.buckets
+        spec = self.preprocessing
+        return spec.buckets if spec is not None and spec.kind == "text" else ()
 
 
 def load_model_config(path: Path) -> ModelConfig:
@@ -141,7 +165,15 @@ def describe_validation_error(exc: ValidationError) -> str:
     """``field.path: message (got value)`` for each error, joined with ``; ``."""
     parts = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        loc = [str(part) for part in error["loc"]]
+        # A tagged union adds its tag to the path (preprocessing.image.mean): not a key the
+        # user wrote, so it is left out.
+        loc = [
+            p
+            for i, p in enumerate(loc)
+            if not (i and loc[i - 1] == "preprocessing" and p in PREPROCESSING_KINDS)
+        ]
+        where = ".".join(loc) or "(top level)"
         got = f" (got {error['input']!r})" if error["type"] != "missing" else ""
         parts.append(f"{where}: {error['msg']}{got}")
     return "; ".join(parts)

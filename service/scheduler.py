@@ -34,6 +34,25 @@ Batch = dict[str, np.ndarray]
 ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
+BatchShape = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def batch_shape(batch: Mapping[str, np.ndarray]) -> BatchShape:
+    """The full shapes of a batch's inputs: what a runtime may compile for."""
+    return tuple(sorted((name, tuple(array.shape)) for name, array in batch.items()))
+
+
+def pad_rows(batch: Batch, rows: int, sizes: Sequence[int]) -> Batch:
+    """Pad ``rows`` up to the smallest of ``sizes`` that holds them (repeating the last row)."""
+    target = min((s for s in sizes if s >= rows), default=rows)
+    if target == rows:
+        return batch
+    return {
+        name: np.concatenate([array, np.repeat(array[-1:], target - rows, axis=0)])
+        for name, array in batch.items()
+    }
+
+
 def shape_key(inputs: Mapping[str, np.ndarray], batched: bool) -> ShapeKey:
     """What must match for two requests to share a batch: names, dtypes, non-batch shapes."""
     return tuple(
@@ -153,6 +172,8 @@ class SchedulerConfig:
     max_queue_delay_s: float = 0.0
     max_queue_size: int = 256
     instances: int = 1
+    pad_to: tuple[int, ...] = ()
+    """Warmed batch sizes to pad each batch's rows up to (empty: no padding)."""
 
 
 @dataclass(eq=False)
@@ -163,6 +184,8 @@ class Scheduler:
     config: SchedulerConfig
     run: Callable[[Batch], dict[str, np.ndarray]]
     stats: ModelStats
+    warmed: set[BatchShape] | None = None
+    """Shapes run at warmup; a batch of another shape is counted in stats.unwarmed."""
     queue: deque[Pending] = field(default_factory=deque)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
@@ -254,7 +277,13 @@ class Scheduler:
     async def _execute(
         self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]
     ) -> None:
+        rows = sum(p.rows for p in items)
         batch = collate(items)
+        if self.config.pad_to and self.config.max_batch_size > 0:
+            batch = pad_rows(batch, rows, self.config.pad_to)
+        if self.warmed is not None and batch_shape(batch) not in self.warmed:
+            self.stats.record_unwarmed(len(items))
+            log.warning("model %s met an unwarmed shape %s", self.model, batch_shape(batch))
 
         def work() -> tuple[dict[str, np.ndarray], float, int]:
             started = time.monotonic()
@@ -268,6 +297,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         try:
             outputs, started, infer_ns = await loop.run_in_executor(executor, work)
+            if self.config.pad_to and self.config.max_batch_size > 0:
+                outputs = {name: array[:rows] for name, array in outputs.items()}
             parts = split(outputs, [p.rows for p in items], self.model)
         except TensorgateError as exc:
             _fail(items, exc)

@@ -33,6 +33,7 @@ class ModelStats:
         self.inference_count = 0
         self.execution_count = 0
         self.last_inference_ms = 0
+        self.unwarmed_count = 0
         self._phases = {phase: [0, 0] for phase in PHASES}
         self._batches: dict[int, dict[str, list[int]]] = {}
 
@@ -43,6 +44,11 @@ class ModelStats:
             batch = self._batches.setdefault(batch_size, {"compute_infer": [0, 0]})
             batch["compute_infer"][0] += 1
             batch["compute_infer"][1] += infer_ns
+
+    def record_unwarmed(self, requests: int) -> None:
+        """Requests whose batch had a shape that warmup did not run (should stay 0)."""
+        with self._lock:
+            self.unwarmed_count += requests
 
     def record_success(self, rows: int, timing: RequestTiming) -> None:
         total = time.perf_counter_ns() - timing.started_ns
@@ -73,6 +79,7 @@ class ModelStats:
                 "last_inference": self.last_inference_ms,
                 "inference_count": self.inference_count,
                 "execution_count": self.execution_count,
+                "unwarmed_shape_count": self.unwarmed_count,
                 "inference_stats": {
                     phase: {"count": count, "ns": ns} for phase, (count, ns) in self._phases.items()
                 },

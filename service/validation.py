@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, PayloadTooLarge
 from service.model_config import ModelConfig, TensorConfig
 from service.protocol.datatypes import TO_NUMPY
 from service.protocol.v2 import InputTensor
@@ -64,11 +64,15 @@ def _castable(config: ModelConfig, given: str, wanted: str) -> bool:
 
 
 def check_rows(rows: int, config: ModelConfig, name: str) -> None:
-    limit = config.max_batch_size
+    """At least one row, and no more than one request may carry (the scheduler splits a
+    request above max_batch_size across batches; this bounds the work one request asks for)."""
     if rows < 1:
         raise InvalidInput(f"model '{name}': a request needs at least 1 row (got 0)")
-    if limit and rows > limit:
-        raise InvalidInput(f"model '{name}': {rows} rows is above its max_batch_size {limit}")
+    if rows > config.max_request_rows:
+        raise PayloadTooLarge(
+            f"model '{name}': {rows} rows is above the {config.max_request_rows} one request may "
+            "carry (max_request_rows)"
+        )
 
 
 def shape_fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:
@@ -120,3 +124,31 @@ def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
             f"got {tensor.datatype} {list(tensor.shape)}"
         )
     return [bytes(item) for item in tensor.data.reshape(-1)]
+
+
+def pad_to_buckets(
+    batch: dict[str, np.ndarray], signature: Signature, config: ModelConfig, name: str
+) -> dict[str, np.ndarray]:
+    """Pad every dynamic non-batch dim up to the smallest configured bucket that holds it."""
+    buckets = config.shape_buckets()
+    if not buckets:
+        return batch
+    offset = 1 if config.max_batch_size > 0 else 0
+    padded = dict(batch)
+    for spec in signature.inputs:
+        array = batch[spec.name]
+        widths = [(0, 0)] * array.ndim
+        for index, dim in enumerate(spec.shape):
+            if dim != -1:
+                continue
+            length = array.shape[index + offset]
+            bucket = next((b for b in buckets if b >= length), None)
+            if bucket is None:
+                raise InvalidInput(
+                    f"input '{spec.name}': dim {index + offset} is {length}, above model "
+                    f"'{name}''s largest bucket {buckets[-1]}"
+                )
+            widths[index + offset] = (0, bucket - length)
+        if any(after for _, after in widths):
+            padded[spec.name] = np.pad(array, widths)
+    return padded

@@ -14,7 +14,7 @@ from PIL import Image
 
 from tests.server import MODELS, Server
 
-BUNDLED = ("efficientnet_lite0", "digits")
+BUNDLED = ("efficientnet_lite0", "digits", "minilm")
 
 
 def pytest_configure(config: pytest.Config) -> None:

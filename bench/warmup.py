@@ -1,0 +1,88 @@
+"""First request after ready vs steady state, per sequence bucket (issue: dynamic shapes).
+
+    .venv/bin/python -m bench.warmup [--steady 10]
+
+For minilm served from its ONNX and its TorchScript artifact, each with the bundled warmup and
+with none: start a fresh server, wait for ready, then per bucket send one text of exactly that
+many tokens (the first request of that shape) and then ``--steady`` more; report the first
+latency, the median of the rest, and their ratio (target ≤ 1.5 with warmup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from bench.common import RESULTS, table
+from tests.server import MODELS, Server
+
+BUCKETS = (16, 32, 64, 128, 256)
+
+
+def repository(root: Path, backend: str, warm: bool) -> None:
+    folder = root / "minilm"
+    folder.mkdir(parents=True)
+    (folder / "1").symlink_to(MODELS / "minilm" / "1")
+    config = yaml.safe_load((MODELS / "minilm" / "config.yaml").read_text())
+    config["backend"] = backend
+    if not warm:
+        config["warmup"] = {"batch_sizes": []}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def latency(client: httpx.Client, text: str) -> float:
+    started = time.perf_counter()
+    response = client.post("/v1/models/minilm:predict", json={"instances": [text]})
+    elapsed = time.perf_counter() - started
+    response.raise_for_status()
+    return elapsed * 1000
+
+
+def measure(backend: str, warm: bool, steady: int) -> list[list[str]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "models"
+        repository(root, backend, warm)
+        server = Server(root, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning",
+                                   "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
+        try:
+            server.wait_until(timeout=300)
+            for bucket in BUCKETS:
+                text = "word " * (bucket - 2)  # + [CLS] and [SEP] = exactly `bucket` tokens
+                first = latency(server.client, text)
+                rest = statistics.median(latency(server.client, text) for _ in range(steady))
+                rows.append([backend, "yes" if warm else "no", str(bucket), f"{first:.1f}",
+                             f"{rest:.1f}", f"{first / rest:.2f}"])  # fmt: skip
+        finally:
+            server.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steady", type=int, default=10)
+    args = parser.parse_args()
+    rows = []
+    for backend in ("onnx", "torchscript"):
+        for warm in (True, False):
+            rows += measure(backend, warm, args.steady)
+    text = (
+        "# Warmup benchmark: minilm, batch of 1\n\n"
+        + table(
+            rows, ["backend", "warmup", "tokens", "first ms", "steady p50 ms", "first / steady"]
+        )
+        + "\n"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "warmup.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
