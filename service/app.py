@@ -46,9 +46,14 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.dataplane = DataPlane(repository, settings, pool)
         loading = asyncio.create_task(asyncio.to_thread(_load, repository))
         loading.add_done_callback(lambda _: start_schedulers(repository))
+        polling = None
+        if settings.poll_interval_s is not None:
+            polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
         try:
             yield
         finally:
+            if polling is not None:
+                polling.cancel()
             await asyncio.shield(loading)
             # close() waits on schedulers running in this loop: it must run off the loop.
             await asyncio.to_thread(repository.close)
@@ -106,6 +111,25 @@ def _next_id() -> str:
 
 
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+async def _poll(dataplane: DataPlane, interval_s: float) -> None:
+    """``--poll``: load models whose folder changed (new versions swap in once ready)."""
+    repository = dataplane.repository
+    while True:
+        await asyncio.sleep(interval_s)
+        if not repository.loading_done.is_set():
+            continue
+        changed, gone = await asyncio.to_thread(repository.changes)
+        for name in changed:
+            try:
+                await dataplane.load_model(name)
+                log.info("poll: model %s reloaded", name)
+            except TensorgateError as exc:
+                log.error("poll: model %s did not load: %s", name, exc.message)
+        for name in gone:
+            await dataplane.unload_model(name)
+            log.info("poll: model %s unloaded (its folder is gone)", name)
 
 
 def start_schedulers(repository: ModelRepository) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-repository", type=Path, help="model repository (TG_MODEL_REPOSITORY, ./models)"
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--poll", type=float, metavar="SECONDS", dest="poll_interval_s",
+        help="watch the repository and load changed models every SECONDS (TG_POLL_INTERVAL_S)",
+    )  # fmt: skip
 
     export = commands.add_parser("export", help="export a PyTorch module into a model repository")
     export.add_argument("factory", help="module:callable returning the torch.nn.Module")
@@ -62,6 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service import logs
     from service.app import create_app
+    from service.server import DrainingServer
     from service.settings import Settings
 
     overrides: dict[str, Any] = {
@@ -71,23 +75,22 @@ def _serve(args: argparse.Namespace) -> int:
             "port": args.port,
             "model_repository": args.model_repository,
             "log_level": args.log_level,
+            "poll_interval_s": args.poll_interval_s,
         }.items()
         if value is not None
     }
     settings = Settings(**overrides)
     logs.configure(settings.log_level)
-    # uvicorn drains on SIGTERM, then raises SIGTERM again against the handler it found at
-    # start, so that by default the process dies "killed by SIGTERM". A drained server has
-    # stopped cleanly: with this handler in place the re-raise is a no-op and we exit 0.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,
-        access_log=settings.access_log,
+        access_log=False,  # tensorgate writes its own structured line per inference request
         loop="auto",
         http="auto",
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),
     )
+    DrainingServer(config, app, settings).run()
     return 0

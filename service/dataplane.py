@@ -7,9 +7,11 @@ HTTP; everything that decides anything lives here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -18,8 +20,9 @@ import orjson
 
 from preprocessing.image import ImagePipeline, PreprocessingError
 from preprocessing.text import TextPipeline
-from service.errors import InvalidInput, UnsupportedMediaType
+from service.errors import InvalidInput, ServerBusy, TensorgateError, UnsupportedMediaType
 from service.loader import LoadedModel
+from service.metrics import Metrics, outcome
 from service.post import CLASSIFICATION, classification_tensor
 from service.protocol import v2
 from service.repository import ModelRepository, ModelState
@@ -36,6 +39,7 @@ from service.validation import (
 )
 
 T = TypeVar("T")
+access = logging.getLogger("tensorgate.access")
 
 # Decoding a body this large (or larger) moves to the thread pool; below it the hop costs more.
 _OFFLOAD_BYTES = 32 * 1024
@@ -50,6 +54,12 @@ class DataPlane:
         self.repository = repository
         self.settings = settings
         self.pool = pool
+        self.metrics = Metrics(repository)
+        self.draining = False
+        """SIGTERM arrived: readiness is false, inference still served (pre-stop)."""
+        self.refusing = False
+        """Past pre-stop: new inference requests get 503 while the accepted ones finish."""
+        self.in_flight = 0
 
     async def _offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         if size < _OFFLOAD_BYTES:
@@ -77,6 +87,8 @@ class DataPlane:
     def ready(self) -> tuple[bool, str]:
         """Whether the server takes traffic, and if not, why."""
         repository = self.repository
+        if self.draining:
+            return False, "draining: the server is shutting down"
         if not repository.loading_done.is_set():
             return False, "models are loading"
         if repository.all_ready():
@@ -87,6 +99,52 @@ class DataPlane:
 
     def model_ready(self, name: str, version: str | None) -> bool:
         return self.repository.version(name, version).state is ModelState.READY
+
+    @contextmanager
+    def _observed(self, protocol: str, name: str, version: str | None) -> Iterator[Observation]:
+        """Count, time and log one inference request, whatever its outcome."""
+        if self.refusing:
+            raise ServerBusy("the server is shutting down; send this request elsewhere")
+        observation = Observation(version or "")
+        self.in_flight += 1
+        status = 500
+        try:
+            yield observation
+            status = 200
+        except TensorgateError as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.in_flight -= 1
+            self._record(protocol, name, observation, status)
+
+    def _record(self, protocol: str, name: str, observation: Observation, status: int) -> None:
+        timing = observation.timing
+        model = name if name in self.repository.models else ""  # bounded label values
+        elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
+        metrics = self.metrics
+        metrics.requests.labels(model, observation.version, protocol, outcome(status)).inc()
+        metrics.duration.labels(model, protocol).observe(elapsed)
+        if status == 200:
+            metrics.queue.labels(model).observe(timing.queue_ns / 1e9)
+            metrics.compute.labels(model).observe(timing.compute_infer_ns / 1e9)
+            metrics.preprocess.labels(model).observe(timing.compute_input_ns / 1e9)
+            metrics.postprocess.labels(model).observe(timing.compute_output_ns / 1e9)
+        if self.settings.access_log:
+            access.info(
+                "%s %s %d", protocol, name, status,
+                extra={
+                    "model": name, "version": observation.version, "protocol": protocol,
+                    "status": status, "duration_ms": round(elapsed * 1000, 3),
+                    "preprocess_ms": round(timing.compute_input_ns / 1e6, 3),
+                    "queue_ms": round(timing.queue_ns / 1e6, 3),
+                    "compute_ms": round(timing.compute_infer_ns / 1e6, 3),
+                    "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
+                },
+            )  # fmt: skip
 
     # -- repository -------------------------------------------------------------------------------
 
@@ -111,9 +169,14 @@ class DataPlane:
         timeout_s: float | None = None,
     ) -> tuple[bytes, dict[str, str]]:
         """An Open Inference Protocol request body → response body and headers."""
-        found, loaded = self.repository.ready_model(name, version)
-        with loaded.in_use():
-            return await self._infer(found.version, loaded, name, body, header_length, timeout_s)
+        with self._observed("v2", name, version) as observation:
+            found, loaded = self.repository.ready_model(name, version)
+            observation.version = str(found.version)
+            with loaded.in_use():
+                return await self._infer(
+                    found.version, loaded, name, body, header_length, timeout_s,
+                    observation.timing,
+                )  # fmt: skip
 
     async def _infer(
         self,
@@ -123,12 +186,15 @@ class DataPlane:
         body: bytes,
         header_length: int | None,
         timeout_s: float | None,
+        timing: RequestTiming,
     ) -> tuple[bytes, dict[str, str]]:
-        timing = RequestTiming()
         try:
             # Only the JSON part costs anything to decode; binary tensors are views of the body.
             json_size = header_length if header_length is not None else len(body)
-            request = await self._offload(json_size, v2.decode_request, body, header_length)
+            request = await self._offload(
+                json_size, v2.decode_request, body, header_length,
+                self.settings.max_tensor_elements,
+            )  # fmt: skip
             prepared = await self._request_batch(request, loaded, name)
             batch = prepared.batch
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
@@ -151,9 +217,13 @@ class DataPlane:
         self, name: str, body: bytes, content_type: str, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """v1 predict: a raw image body or ``{"instances": [...]}`` → ``{"predictions": [...]}``."""
-        _, loaded = self.repository.ready_model(name)
-        with loaded.in_use():
-            return await self._predict(loaded, name, body, content_type, timeout_s)
+        with self._observed("v1", name, None) as observation:
+            found, loaded = self.repository.ready_model(name)
+            observation.version = str(found.version)
+            with loaded.in_use():
+                return await self._predict(
+                    loaded, name, body, content_type, timeout_s, observation.timing
+                )
 
     async def _predict(
         self,
@@ -162,8 +232,8 @@ class DataPlane:
         body: bytes,
         content_type: str,
         timeout_s: float | None,
+        timing: RequestTiming,
     ) -> dict[str, Any]:
-        timing = RequestTiming()
         try:
             prepared = await self._v1_batch(loaded, name, body, content_type)
             batch = prepared.batch
@@ -289,6 +359,14 @@ class DataPlane:
                 raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
             timeout_s = micros / 1e6
         return time.monotonic() + (timeout_s or self.settings.request_timeout_s)
+
+
+@dataclass(slots=True)
+class Observation:
+    """What the metrics and the access log learn about a request as it travels."""
+
+    version: str
+    timing: RequestTiming = field(default_factory=RequestTiming)
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ class ModelRepository:
         self.models: dict[str, ModelEntry] = {}
         self.loading_done = threading.Event()
         self._change = threading.Lock()  # one load/unload at a time
+        self._fingerprints: dict[str, tuple[object, ...]] = {}
 
     # -- discovery and loading --------------------------------------------------------------
 
@@ -79,6 +80,7 @@ class ModelRepository:
         for folder in sorted(p for p in self.root.iterdir() if (p / "config.yaml").is_file()):
             if wanted is None or folder.name in wanted:
                 self.models[folder.name] = _scan_model(folder)
+                self._fingerprints[folder.name] = fingerprint(folder)
         if wanted is not None and (missing := wanted - set(self.models)):
             raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
 
@@ -117,6 +119,8 @@ class ModelRepository:
         """
         folder = self._folder(name)
         with self._change:
+            # Recorded first: a model that fails is retried by --poll only when it changes.
+            self._fingerprints[name] = fingerprint(folder)
             fresh = _scan_model(folder)
             self._load_entry(fresh)
             old = self.models.get(name)
@@ -139,6 +143,19 @@ class ModelRepository:
             self.models[name] = ModelEntry(name, entry.path, entry.config, unloaded=True)
         _retire(entry)
         log.info("model %s unloaded", name)
+
+    def changes(self) -> tuple[list[str], list[str]]:
+        """Models whose folder changed since they were loaded, and models whose folder is gone
+        (for ``--poll``). A model that failed to load is retried only when its folder changes."""
+        on_disk = {p.name: p for p in self.root.iterdir() if (p / "config.yaml").is_file()}
+        if self.settings.models:
+            on_disk = {n: p for n, p in on_disk.items() if n in self.settings.models}
+        changed = [
+            name for name, folder in sorted(on_disk.items())
+            if NAME_PATTERN.match(name) and self._fingerprints.get(name) != fingerprint(folder)
+        ]  # fmt: skip
+        gone = [n for n, e in self.models.items() if n not in on_disk and not e.unloaded]
+        return changed, gone
 
     def _folder(self, name: str) -> Path:
         if not NAME_PATTERN.match(name):
@@ -272,6 +289,16 @@ def _scan_model(folder: Path) -> ModelEntry:
     for number in chosen:
         entry.versions[number] = ModelVersion(folder.name, number, folder / str(number))
     return entry
+
+
+def fingerprint(folder: Path) -> tuple[object, ...]:
+    """What changes when a model's config or any file of its versions does."""
+    entries: list[object] = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            stat = path.stat()
+            entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
 
 
 def _retire(entry: ModelEntry) -> None:

@@ -37,6 +37,15 @@ class Settings(BaseSettings):
     """Threads that decode and preprocess request payloads, off the event loop."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413 before they are read in full."""
+    max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
+    """Most elements one input tensor may hold; more is a 413."""
+    drain_pre_stop_s: float = Field(default=5.0, ge=0)
+    """After SIGTERM: how long readiness is false while requests are still served, so that
+    load balancers stop sending before the server stops accepting."""
+    drain_grace_s: float = Field(default=30.0, gt=0)
+    """After SIGTERM: how long accepted requests get to finish before the process exits anyway."""
+    poll_interval_s: float | None = Field(default=None, gt=0)
+    """Watch the repository and load changed models every this many seconds (off: None)."""
     request_timeout_s: float = Field(default=60.0, gt=0)
     """A request that has not started running this long after it arrived is answered 504.
     Per request: header ``X-Request-Timeout`` (seconds) or OIP ``parameters.timeout`` (µs)."""
@@ -44,6 +53,11 @@ class Settings(BaseSettings):
     """/v2/health/live fails when one batch has run longer than this (a wedged instance)."""
     strict_readiness: bool = True
     """Ready only when every model meant to load is READY; false: when any model is READY."""
+    api_token: str | None = None
+    """Bearer token for inference and model routes (health and metrics stay open unless
+    protect_health_and_metrics). Unset: those routes are open."""
+    protect_health_and_metrics: bool = False
+    """Ask for the API token on /v2/health/* and /metrics too."""
     admin_token: str | None = None
     """Bearer token for the model repository routes (load/unload/index); they exist only if set."""
     server_name: str = "tensorgate"

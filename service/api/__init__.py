@@ -3,7 +3,7 @@ business logic to :class:`service.dataplane.DataPlane`."""
 
 from fastapi import APIRouter
 
-from service.api import health, infer, metadata, repository
+from service.api import health, infer, metadata, metrics, repository
 from service.settings import Settings
 
 
@@ -13,7 +13,7 @@ def routers(settings: Settings) -> list[APIRouter]:
     Included into the app one level deep: each level of nested routers costs every request
     another matching pass. Inference routes come first, as the hottest.
     """
-    chosen = [infer.router, health.router, metadata.router]
+    chosen = [infer.router, health.router, metadata.router, metrics.router]
     if settings.admin_token is not None:
         chosen.append(repository.router)
     return chosen

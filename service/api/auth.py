@@ -24,3 +24,8 @@ def check_bearer(request: Request, token: str | None, realm: str) -> None:
 
 async def require_admin(request: Request) -> None:
     check_bearer(request, request.app.state.dataplane.settings.admin_token, "admin")
+
+
+def require_api(request: Request) -> None:
+    """The API token check, called at the top of each protected route (no Depends: see deps)."""
+    check_bearer(request, request.app.state.dataplane.settings.api_token, "api")

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
+from service.api.auth import require_api
 from service.api.deps import dataplane_of, json_response
 
 router = APIRouter(tags=["health"])
@@ -39,6 +40,8 @@ _NOT_READY: dict[int | str, dict[str, Any]] = {
 )
 async def live(request: Request) -> Response:
     dataplane = dataplane_of(request)
+    if dataplane.settings.protect_health_and_metrics:
+        require_api(request)
     ok, reason = dataplane.live()
     if ok:
         return json_response({"live": True})
@@ -48,6 +51,8 @@ async def live(request: Request) -> Response:
 @router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)
 async def ready(request: Request) -> Response:
     dataplane = dataplane_of(request)
+    if dataplane.settings.protect_health_and_metrics:
+        require_api(request)
     ok, reason = dataplane.ready()
     if ok:
         return json_response({"ready": True})
@@ -62,5 +67,7 @@ async def ready(request: Request) -> Response:
 )
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     dataplane = dataplane_of(request)
+    if dataplane.settings.protect_health_and_metrics:
+        require_api(request)
     ok = dataplane.model_ready(name, version)
     return json_response({"name": name, "ready": ok}, 200 if ok else 503)

@@ -7,6 +7,7 @@ import io
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from service.api.auth import require_api
 from service.api.deps import (
     CLIENT_GONE,
     dataplane_of,
@@ -33,6 +34,7 @@ _INFER_BODY = {
 @router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
@@ -58,6 +60,7 @@ _V1_BODY = {
 
 @router.post("/v1/models/{name}:predict", openapi_extra=_V1_BODY)
 async def predict(request: Request, name: str) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")
@@ -74,6 +77,7 @@ async def predict(request: Request, name: str) -> Response:
 )
 async def preprocess(request: Request, name: str) -> Response:
     """The tensors predict would feed the model, as an .npz archive: to debug preprocessing."""
+    require_api(request)
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")

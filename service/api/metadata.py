@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from service import metadata
+from service.api.auth import require_api
 from service.api.deps import dataplane_of, json_response
 
 router = APIRouter(tags=["metadata"])
@@ -49,12 +50,14 @@ class ModelStatistics(BaseModel):
 @router.get("/v2", response_model=ServerMetadata)
 @router.get("/v2/", response_model=ServerMetadata, include_in_schema=False)
 async def server_metadata(request: Request) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     return json_response(metadata.server(dataplane.settings))
 
 
 @router.get("/v2/models/stats", response_model=ModelStatistics)
 async def all_statistics(request: Request) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     return json_response(metadata.statistics(dataplane.repository, None, None))
 
@@ -62,6 +65,7 @@ async def all_statistics(request: Request) -> Response:
 @router.get("/v2/models/{name}", response_model=ModelMetadata)
 @router.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata)
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     return json_response(metadata.model(dataplane.repository, name, version))
 
@@ -69,6 +73,7 @@ async def model_metadata(request: Request, name: str, version: str | None = None
 @router.get("/v2/models/{name}/config")
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     return json_response(metadata.config(dataplane.repository, name, version))
 
@@ -76,5 +81,6 @@ async def model_config(request: Request, name: str, version: str | None = None) 
 @router.get("/v2/models/{name}/stats", response_model=ModelStatistics)
 @router.get("/v2/models/{name}/versions/{version}/stats", response_model=ModelStatistics)
 async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
+    require_api(request)
     dataplane = dataplane_of(request)
     return json_response(metadata.statistics(dataplane.repository, name, version))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, PayloadTooLarge
 from service.protocol.datatypes import TO_NUMPY
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -70,7 +70,9 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
-def decode_request(body: bytes, header_length: int | None = None) -> InferenceRequest:
+def decode_request(
+    body: bytes, header_length: int | None = None, max_elements: int | None = None
+) -> InferenceRequest:
     """A request body (JSON, or JSON header + binary tensors) → :class:`InferenceRequest`."""
     if not body:
         raise InvalidInput("request body is empty; expected an inference request in JSON")
@@ -95,7 +97,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> InferenceRe
     inputs: list[InputTensor] = []
     offset = 0
     for index, raw in enumerate(raw_inputs):
-        tensor, used = _decode_input(raw, index, binary[offset:])
+        tensor, used = _decode_input(raw, index, binary[offset:], max_elements)
         offset += used
         inputs.append(tensor)
     if offset != len(binary):
@@ -114,7 +116,9 @@ def decode_request(body: bytes, header_length: int | None = None) -> InferenceRe
     return InferenceRequest(request_id, parameters, inputs, outputs, binary_output)
 
 
-def _decode_input(raw: Any, index: int, binary: memoryview) -> tuple[InputTensor, int]:
+def _decode_input(
+    raw: Any, index: int, binary: memoryview, max_elements: int | None
+) -> tuple[InputTensor, int]:
     if not isinstance(raw, dict):
         raise InvalidInput(f"inputs[{index}] must be an object, got {_kind(raw)}")
     name = raw.get("name")
@@ -128,6 +132,10 @@ def _decode_input(raw: Any, index: int, binary: memoryview) -> tuple[InputTensor
     shape = _shape(raw.get("shape"), f"input '{name}'")
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
     count = math.prod(shape)
+    if max_elements is not None and count > max_elements:
+        raise PayloadTooLarge(
+            f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
+        )
     size = parameters.get("binary_data_size")
     if size is not None:
         if "data" in raw:

@@ -1,0 +1,147 @@
+"""Prometheus metrics, all named ``tensorgate_*``, on a registry of the app's own.
+
+Per-request observations (durations, outcomes) are recorded as they happen; per-model counters
+that :class:`~service.stats.ModelStats` already keeps (executions, rows, unwarmed shapes) and
+states (queue depth, model state, warmup time) are read at scrape time by a collector, so the
+two views can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from service.repository import ModelRepository, ModelState
+
+# Millisecond-scale inference: 0.5 ms to 10 s.
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+OUTCOMES = {200: "success", 400: "bad_request", 401: "unauthorized", 404: "not_found",
+            413: "too_large", 415: "unsupported", 499: "client_gone", 503: "unavailable",
+            504: "timeout"}  # fmt: skip
+
+
+def outcome(status: int) -> str:
+    return OUTCOMES.get(status, "error" if status >= 500 else "client_error")
+
+
+class Metrics:
+    """The server's metrics; one instance per app."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "tensorgate_requests", "Requests answered, by model, version, protocol and outcome.",
+            ["model", "version", "protocol", "outcome"], registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "tensorgate_request_duration_seconds", "Time from request body to answer.",
+            ["model", "protocol"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = self._stage("queue", "Time a request waited in its model's queue.")
+        self.compute = self._stage("compute", "Time the model ran the batch a request was in.")
+        self.preprocess = self._stage("preprocess", "Decoding, preprocessing and validation.")
+        self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
+        ProcessCollector(namespace="tensorgate", registry=r)
+        r.register(_RepositoryCollector(repository))
+
+    def _stage(self, stage: str, help_text: str) -> Histogram:
+        return Histogram(
+            f"tensorgate_{stage}_duration_seconds", help_text, ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+
+
+class _RepositoryCollector(Collector):
+    """Model state, queue depth, warmup time and the counters ModelStats keeps, at scrape time."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "tensorgate_model_state", "1 for the state each model version is in.",
+            labels=["model", "version", "state"],
+        )  # fmt: skip
+        pending = GaugeMetricFamily(
+            "tensorgate_pending_requests",
+            "Requests waiting in the queue plus batches running, per model.",
+            labels=["model"],
+        )
+        warmup = GaugeMetricFamily(
+            "tensorgate_warmup_duration_seconds", "Time warmup took at load.",
+            labels=["model", "version"],
+        )  # fmt: skip
+        executions = CounterMetricFamily(
+            "tensorgate_executions", "Batches run by the model.", labels=["model", "version"]
+        )
+        rows = CounterMetricFamily(
+            "tensorgate_inference_rows", "Rows inferred (over executions: the batch ratio).",
+            labels=["model", "version"],
+        )  # fmt: skip
+        unwarmed = CounterMetricFamily(
+            "tensorgate_unwarmed_shape_requests",
+            "Requests whose batch had a shape warmup did not run (should stay 0).",
+            labels=["model", "version"],
+        )
+        for name, entry in self.repository.models.items():
+            for number, version in entry.versions.items():
+                labels = [name, str(number)]
+                for candidate in ModelState:
+                    state.add_metric([*labels, candidate.value], float(version.state is candidate))
+                loaded = version.loaded
+                if loaded is None:
+                    continue
+                warmup.add_metric(labels, loaded.timings["warmup_s"])
+                executions.add_metric(labels, loaded.stats.execution_count)
+                rows.add_metric(labels, loaded.stats.inference_count)
+                unwarmed.add_metric(labels, loaded.stats.unwarmed_count)
+                scheduler = loaded.scheduler
+                if scheduler is not None:
+                    busy = sum(b is not None for b in scheduler.busy_since)
+                    pending.add_metric([name], scheduler.pending + busy)
+        yield from (state, pending, warmup, executions, rows, unwarmed)
+        yield self._batch_sizes()
+
+    def _batch_sizes(self) -> Metric:
+        """Rows per execution, as a histogram built from the exact per-size counts."""
+        family = HistogramMetricFamily(
+            "tensorgate_batch_size", "Rows per model execution.", labels=["model", "version"]
+        )
+        for version, loaded in self.repository.loaded_versions():
+            sizes = {b["batch_size"]: b["compute_infer"]["count"]
+                     for b in loaded.stats.snapshot(version.name, "")["batch_stats"]}  # fmt: skip
+            buckets = [
+                (str(bound), float(sum(n for size, n in sizes.items() if size <= bound)))
+                for bound in BATCH_BUCKETS
+            ]
+            total = float(sum(sizes.values()))
+            buckets.append(("+Inf", total))
+            rows = float(sum(size * n for size, n in sizes.items()))
+            family.add_metric([version.name, str(version.version)], buckets, rows)
+        return family
