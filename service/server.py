@@ -23,6 +23,7 @@ from service.dataplane import DataPlane
 from service.settings import Settings
 
 log = logging.getLogger("tensorgate.server")
+QUIET_S = 0.5
 
 
 class DrainingServer(uvicorn.Server):
@@ -64,7 +65,17 @@ class DrainingServer(uvicorn.Server):
             return
         dataplane.refusing = True
         deadline = time.monotonic() + self._settings.drain_grace_s
-        while dataplane.in_flight > 0 and time.monotonic() < deadline:
+        quiet_since: float | None = None
+        # Stop once nothing has been in flight for QUIET_S: a request still between the socket
+        # and the app when in_flight first reads 0 gets its 503 instead of a closed connection.
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if dataplane.in_flight > 0:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= QUIET_S:
+                break
             if self._now.wait(0.01):
                 return
         left = dataplane.in_flight
