@@ -9,7 +9,7 @@ MODELS := efficientnet_lite0 digits minilm
 ARTIFACTS := $(foreach m,$(MODELS),models/$(m)/1/manifest.json)
 PYTEST_ARGS ?=
 
-.PHONY: all venv run models test lint format bench lock clean
+.PHONY: all venv run models test lint format bench lock clean check-deploy
 
 all: test
 
@@ -32,7 +32,7 @@ models: $(ARTIFACTS)
 run: models
 	$(BIN)/tensorgate serve
 
-PY_DIRS := service preprocessing tests models bench
+PY_DIRS := service preprocessing tests models bench deploy
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(PY_DIRS)
@@ -43,12 +43,25 @@ format: $(STAMP)
 	$(BIN)/ruff format $(PY_DIRS)
 	$(BIN)/ruff check --fix $(PY_DIRS)
 
-test: lint models
+test: lint models check-deploy
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The deploy checks' own environment: checkov pins versions that would fight the server's.
+DEPLOY_VENV := .venv-deploy
+$(DEPLOY_VENV)/.installed: requirements/deploy.txt
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/pip install --quiet --upgrade pip
+	$(DEPLOY_VENV)/bin/pip install --quiet -r requirements/deploy.txt
+	touch $@
+
+# hadolint, the Compose schema, kustomize + Kubernetes schemas, checkov. The consistency tests
+# and the entrypoint smoke test are in tests/e2e (run by pytest).
+check-deploy: $(DEPLOY_VENV)/.installed
+	$(DEPLOY_VENV)/bin/python deploy/check.py
 
 # Rebuild requirements/*.txt from requirements/*.in in throwaway environments.
 lock:
-	@for f in cpu dev; do \
+	@for f in cpu dev deploy; do \
 	  rm -rf /tmp/tensorgate-lock-$$f && $(PYTHON) -m venv /tmp/tensorgate-lock-$$f && \
 	  /tmp/tensorgate-lock-$$f/bin/pip install --quiet --upgrade pip && \
 	  /tmp/tensorgate-lock-$$f/bin/pip install --quiet -r requirements/$$f.in && \
@@ -58,7 +71,7 @@ lock:
 	done
 
 clean:
-	rm -rf $(VENV) models/*/[0-9]*/ .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(DEPLOY_VENV) models/*/[0-9]*/ .mypy_cache .ruff_cache .pytest_cache .hypothesis
 
 # Benchmarks: loopback only, bounded in time; reports go to bench/results/ (git-ignored).
 bench: models

@@ -31,6 +31,7 @@ from service.errors import TensorgateError
 from service.logs import REQUEST_ID
 from service.repository import ModelRepository
 from service.settings import Settings
+from service.versions import check_pinned
 
 log = logging.getLogger("tensorgate.app")
 
@@ -40,6 +41,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        check_pinned(settings)
         repository = ModelRepository(settings)
         repository.scan()
         pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")

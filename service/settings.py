@@ -60,5 +60,11 @@ class Settings(BaseSettings):
     """Ask for the API token on /v2/health/* and /metrics too."""
     admin_token: str | None = None
     """Bearer token for the model repository routes (load/unload/index); they exist only if set."""
+    expect_torch: str | None = None
+    """Refuse to start unless this is the torch version running (set by the image)."""
+    expect_onnxruntime: str | None = None
+    """Refuse to start unless this is the onnxruntime version running (set by the image)."""
+    expect_cuda: str | None = None
+    """Refuse to start unless torch is built for this CUDA, e.g. 12.8 (set by the GPU image)."""
     server_name: str = "tensorgate"
     """The name reported in server metadata."""

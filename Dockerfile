@@ -1,0 +1,92 @@
+# syntax=docker/dockerfile:1.7
+# tensorgate images. Two targets:
+#   docker build -t tensorgate:gpu .               (default: CUDA 12.8 + cuDNN 9 runtime)
+#   docker build -t tensorgate:cpu --target cpu .  (slim Python, no CUDA)
+# Versions are pinned here and checked again by the server at start (TG_EXPECT_*): see
+# docs/deploy.md for the CUDA / torch / onnxruntime matrix.
+
+# ---------------------------------------------------------------------------------------------
+# build: install the locked export/test environment and build the bundled models' artifacts.
+FROM python:3.11.14-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY requirements/ requirements/
+# The CPU build of torch (the lock pins 2.13.0; PyPI's default wheel is the multi-GB CUDA one).
+RUN python -m venv /opt/build \
+ && /opt/build/bin/pip install --extra-index-url https://download.pytorch.org/whl/cpu \
+      -r requirements/dev.txt
+COPY pyproject.toml README.md ./
+COPY preprocessing/ preprocessing/
+COPY service/ service/
+COPY models/ models/
+RUN /opt/build/bin/pip install --no-deps . \
+ && /opt/build/bin/python models/efficientnet_lite0/build.py \
+ && /opt/build/bin/python models/digits/build.py \
+ && /opt/build/bin/python models/minilm/build.py \
+ && find models -name build.py -delete
+
+# ---------------------------------------------------------------------------------------------
+# cpu: the server alone, on slim Python, from the CPU lock.
+FROM python:3.11.14-slim-bookworm AS cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
+COPY requirements/cpu.txt /tmp/cpu.txt
+COPY pyproject.toml README.md /src/
+COPY preprocessing/ /src/preprocessing/
+COPY service/ /src/service/
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --extra-index-url https://download.pytorch.org/whl/cpu \
+      -r /tmp/cpu.txt \
+ && /opt/venv/bin/pip install --no-deps /src \
+ && rm -rf /src /tmp/cpu.txt \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tensorgate
+COPY --from=build --chown=10001:10001 /src/models /models
+ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
+    TG_EXPECT_TORCH=2.13.0+cpu TG_EXPECT_ONNXRUNTIME=1.32.0 \
+    HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
+USER 10001:10001
+EXPOSE 8000
+VOLUME ["/models"]
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2).status != 200)"]
+ENTRYPOINT ["tensorgate"]
+CMD ["serve"]
+
+# ---------------------------------------------------------------------------------------------
+# gpu (default): CUDA 12.8 + cuDNN 9 runtime, torch and onnxruntime-gpu built for CUDA 12.
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04 AS gpu
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
+# Packages from the distribution and the deadsnakes PPA float within their release: the image
+# is pinned by its base tag, torch and onnxruntime by the lock.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends software-properties-common gpg-agent \
+ && add-apt-repository -y ppa:deadsnakes/ppa \
+ && apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+ && apt-get purge -y software-properties-common gpg-agent \
+ && apt-get autoremove -y \
+ && rm -rf /var/lib/apt/lists/*
+COPY requirements/gpu.txt /tmp/gpu.txt
+COPY pyproject.toml README.md /src/
+COPY preprocessing/ /src/preprocessing/
+COPY service/ /src/service/
+RUN python3.11 -m venv /opt/venv \
+ && /opt/venv/bin/pip install -r /tmp/gpu.txt \
+ && /opt/venv/bin/pip install --no-deps /src \
+ && rm -rf /src /tmp/gpu.txt \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tensorgate
+COPY --from=build --chown=10001:10001 /src/models /models
+ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
+    TG_EXPECT_TORCH=2.13.0+cu128 TG_EXPECT_ONNXRUNTIME=1.32.0 TG_EXPECT_CUDA=12.8 \
+    HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
+USER 10001:10001
+EXPOSE 8000
+VOLUME ["/models"]
+STOPSIGNAL SIGTERM
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2).status != 200)"]
+ENTRYPOINT ["tensorgate"]
+CMD ["serve"]

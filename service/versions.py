@@ -1,0 +1,59 @@
+"""The versions the server runs with, checked against the ones its image pinned.
+
+The image sets ``TG_EXPECT_TORCH``, ``TG_EXPECT_ONNXRUNTIME`` and ``TG_EXPECT_CUDA``; at start the
+server logs what it really runs and refuses to start when any differs: a drifted runtime is the
+trap where a model exported and verified with one build is served by another.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+from service.settings import Settings
+
+log = logging.getLogger("tensorgate.versions")
+
+
+class VersionDrift(RuntimeError):
+    """The running versions are not the ones the image pinned."""
+
+
+def running_versions() -> dict[str, str | None]:
+    """torch / onnxruntime (from installed metadata: no heavy import) and torch's CUDA build."""
+    versions: dict[str, str | None] = {}
+    for package in ("torch", "onnxruntime", "onnxruntime-gpu"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    torch_version = versions["torch"] or ""
+    local = torch_version.partition("+")[2]
+    versions["cuda"] = (
+        f"{local[2:-1]}.{local[-1]}" if local.startswith("cu") and len(local) > 3 else None
+    )
+    return versions
+
+
+def check_pinned(settings: Settings) -> dict[str, str | None]:
+    """Log the running versions; raise VersionDrift naming each that differs from its pin."""
+    running = running_versions()
+    onnxruntime = running["onnxruntime"] or running["onnxruntime-gpu"]
+    expected = {
+        "torch": (settings.expect_torch, running["torch"]),
+        "onnxruntime": (settings.expect_onnxruntime, onnxruntime),
+        "cuda": (settings.expect_cuda, running["cuda"]),
+    }
+    log.info(
+        "running torch %s, onnxruntime %s, CUDA build %s",
+        running["torch"], onnxruntime, running["cuda"] or "none",
+        extra={"versions": running},
+    )  # fmt: skip
+    drift = [
+        f"{name} {have or 'missing'} (image pinned {want})"
+        for name, (want, have) in expected.items()
+        if want is not None and want != have
+    ]
+    if drift:
+        raise VersionDrift("runtime versions drifted from the image's pins: " + "; ".join(drift))
+    return running
