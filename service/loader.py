@@ -164,7 +164,20 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         check_versions(manifest, config.backend, runtime_versions(config.backend))
 
     device = resolve_device(config.device, config.backend)
-    runtime = create_runtime(config.backend, RuntimeOptions(device, settings.intra_op_threads))
+    if config.precision != "fp32" and config.backend != "torchscript":
+        raise ModelLoadError(
+            f"precision {config.precision} is for TorchScript models; export the ONNX graph in "
+            "half precision instead"
+        )
+    if config.precision != "fp32" and manifest is not None and config.tolerance_override is None:
+        raise ModelLoadError(
+            f"precision {config.precision} changes the outputs the golden file holds (made in "
+            "fp32): set tolerance_override (e.g. 0.05) to widen the golden tolerance explicitly"
+        )
+    options = RuntimeOptions(
+        device, settings.intra_op_threads, config.precision, config.gpu, cache_dir=path
+    )
+    runtime = create_runtime(config.backend, options)
     artifact = path / runtime.artifact
     if not artifact.is_file():
         raise ModelLoadError(f"{artifact} is missing; run `make models` or export the model")

@@ -109,6 +109,11 @@ class _RepositoryCollector(Collector):
             "Requests whose batch had a shape warmup did not run (should stay 0).",
             labels=["model", "version"],
         )
+        out_of_memory = CounterMetricFamily(
+            "tensorgate_out_of_memory",
+            "Batches that ran out of device memory (retried in halves, down to one request).",
+            labels=["model", "version"],
+        )
         for name, entry in self.repository.models.items():
             for number, version in entry.versions.items():
                 labels = [name, str(number)]
@@ -121,11 +126,12 @@ class _RepositoryCollector(Collector):
                 executions.add_metric(labels, loaded.stats.execution_count)
                 rows.add_metric(labels, loaded.stats.inference_count)
                 unwarmed.add_metric(labels, loaded.stats.unwarmed_count)
+                out_of_memory.add_metric(labels, loaded.stats.out_of_memory_count)
                 scheduler = loaded.scheduler
                 if scheduler is not None:
                     busy = sum(b is not None for b in scheduler.busy_since)
                     pending.add_metric([name], scheduler.pending + busy)
-        yield from (state, pending, warmup, executions, rows, unwarmed)
+        yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory)
         yield self._batch_sizes()
 
     def _batch_sizes(self) -> Metric:

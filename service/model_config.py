@@ -90,6 +90,19 @@ class BatchingConfig(_Strict):
     """Requests waiting beyond this get 503 with Retry-After."""
 
 
+class GpuConfig(_Strict):
+    """Execution-provider options when the model runs on CUDA (onnxruntime)."""
+
+    tensorrt: bool = False
+    """Put onnxruntime's TensorRT provider first (refused at load when it is not installed)."""
+    tensorrt_fp16: bool = False
+    tensorrt_cache: str = "tensorrt_cache"
+    """Engine cache, relative to the version folder (so it lives on the model volume)."""
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "EXHAUSTIVE"
+    arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kNextPowerOfTwo"
+    memory_limit_bytes: int | None = Field(default=None, gt=0)
+
+
 class VersionPolicy(_Strict):
     """Which version folders to serve: the latest N (default 1), or exactly these."""
 
@@ -118,6 +131,10 @@ class ModelConfig(_Strict):
     warmup: WarmupConfig = WarmupConfig()
     instances: int = Field(default=1, ge=1)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """TorchScript: run in half precision (weights converted at load); needs tolerance_override,
+    since the golden outputs were made in fp32."""
+    gpu: GpuConfig = GpuConfig()
     version_policy: VersionPolicy = VersionPolicy(latest=1)
     cast_inputs: bool = False
     """Cast numeric inputs of another datatype to the declared one instead of refusing them."""

@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, ModelExecutionError, ServerBusy, TensorgateError
+from service.errors import (
+    DeadlineExceeded,
+    ModelExecutionError,
+    PayloadTooLarge,
+    ServerBusy,
+    TensorgateError,
+)
 from service.stats import ModelStats, RequestTiming
 
 log = logging.getLogger("tensorgate.scheduler")
@@ -304,6 +310,9 @@ class Scheduler:
             _fail(items, exc)
             return
         except Exception as exc:
+            if is_out_of_memory(exc):
+                await self._after_oom(instance, executor, items)
+                return
             log.exception("model %s failed on a batch of %d rows", self.model, len(items))
             _fail(items, ModelExecutionError(f"model '{self.model}' failed: {exc}"))
             return
@@ -315,6 +324,32 @@ class Scheduler:
                 p.timing.queue_ns += int((started - p.enqueued) * 1e9)
                 p.timing.compute_infer_ns += infer_ns
             p.future.set_result(part)
+
+    async def _after_oom(
+        self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]
+    ) -> None:
+        """Out of device memory is a per-request error, never a dead server: run the batch again
+        in halves, down to single requests; a request that fails alone gets 503 (413 when it
+        failed with the device otherwise idle: it can never fit)."""
+        self.stats.record_out_of_memory()
+        if len(items) > 1:
+            half = len(items) // 2
+            log.warning("model %s: out of memory on %d requests; retrying in halves",
+                        self.model, len(items))  # fmt: skip
+            await self._execute(instance, executor, items[:half])
+            await self._execute(instance, executor, items[half:])
+            return
+        others_busy = any(b is not None for i, b in enumerate(self.busy_since) if i != instance)
+        if others_busy:
+            _fail(items, ServerBusy(
+                f"model '{self.model}': out of device memory for this request while other "
+                "batches ran; retry", retry_after_s=1,
+            ))  # fmt: skip
+        else:
+            _fail(items, PayloadTooLarge(
+                f"model '{self.model}': this request ({items[0].rows} rows) does not fit in "
+                "device memory even alone; send fewer rows or smaller inputs"
+            ))  # fmt: skip
 
     async def stop(self) -> None:
         """Answer what is still queued with 503, stop the workers, release the threads."""
@@ -331,6 +366,14 @@ class Scheduler:
     @property
     def pending(self) -> int:
         return len(self.queue)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA out of memory from torch (``OutOfMemoryError``) or onnxruntime (its message)."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "failed to allocate memory" in text
 
 
 def _fail(items: Sequence[Pending], exc: Exception) -> None:

@@ -34,6 +34,7 @@ class ModelStats:
         self.execution_count = 0
         self.last_inference_ms = 0
         self.unwarmed_count = 0
+        self.out_of_memory_count = 0
         self._phases = {phase: [0, 0] for phase in PHASES}
         self._batches: dict[int, dict[str, list[int]]] = {}
 
@@ -49,6 +50,11 @@ class ModelStats:
         """Requests whose batch had a shape that warmup did not run (should stay 0)."""
         with self._lock:
             self.unwarmed_count += requests
+
+    def record_out_of_memory(self) -> None:
+        """A batch that ran out of device memory (it is retried in halves)."""
+        with self._lock:
+            self.out_of_memory_count += 1
 
     def record_success(self, rows: int, timing: RequestTiming) -> None:
         total = time.perf_counter_ns() - timing.started_ns
@@ -80,6 +86,7 @@ class ModelStats:
                 "inference_count": self.inference_count,
                 "execution_count": self.execution_count,
                 "unwarmed_shape_count": self.unwarmed_count,
+                "out_of_memory_count": self.out_of_memory_count,
                 "inference_stats": {
                     phase: {"count": count, "ns": ns} for phase, (count, ns) in self._phases.items()
                 },

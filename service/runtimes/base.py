@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
-from service.model_config import TensorConfig
+from service.model_config import GpuConfig, TensorConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,10 @@ class RuntimeOptions:
     device: str = "cpu"
     """``cpu`` or ``cuda[:N]``; ``auto`` is resolved before a runtime sees it."""
     intra_op_threads: int = 1
+    precision: str = "fp32"
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    cache_dir: Path | None = None
+    """Where a runtime may cache compiled engines (the version folder)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from service.errors import InvalidInput, ModelLoadError
-from service.model_config import TensorConfig
+from service.model_config import GpuConfig, TensorConfig
 from service.runtimes.base import Runtime, Signature
 
 _ORT_TYPES = {
@@ -29,16 +30,49 @@ _ORT_TYPES = {
 }
 
 
-def providers_for(device: str, available: list[str]) -> list[str]:
-    """The execution providers for a device, CPU always last; refuses CUDA when it is absent."""
+Provider = str | tuple[str, dict[str, Any]]
+
+
+def providers_for(
+    device: str, available: list[str], gpu: GpuConfig | None = None, cache_dir: Path | None = None
+) -> list[Provider]:
+    """The execution providers for a device, with their options, CPU always last.
+
+    Refuses CUDA (or TensorRT) when this onnxruntime does not have it: a model meant for a GPU
+    silently running on the CPU is a trap, not a fallback.
+    """
     if device == "cpu":
         return ["CPUExecutionProvider"]
+    gpu = gpu or GpuConfig()
     if "CUDAExecutionProvider" not in available:
         raise ModelLoadError(
             f"device {device!r} asked for, but this onnxruntime has no CUDAExecutionProvider "
             f"(available: {', '.join(available)}); install onnxruntime-gpu or set device: cpu"
         )
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    device_id = int(device.partition(":")[2] or 0)
+    providers: list[Provider] = []
+    if gpu.tensorrt:
+        if "TensorrtExecutionProvider" not in available:
+            raise ModelLoadError(
+                "gpu.tensorrt is set, but this onnxruntime has no TensorrtExecutionProvider "
+                f"(available: {', '.join(available)})"
+            )
+        cache = (cache_dir or Path(".")) / gpu.tensorrt_cache
+        providers.append((
+            "TensorrtExecutionProvider",
+            {"device_id": device_id, "trt_engine_cache_enable": True,
+             "trt_engine_cache_path": str(cache), "trt_fp16_enable": gpu.tensorrt_fp16},
+        ))  # fmt: skip
+    cuda: dict[str, Any] = {
+        "device_id": device_id,
+        "arena_extend_strategy": gpu.arena_extend_strategy,
+        "cudnn_conv_algo_search": gpu.cudnn_conv_algo_search,
+    }
+    if gpu.memory_limit_bytes is not None:
+        cuda["gpu_mem_limit"] = gpu.memory_limit_bytes
+    providers.append(("CUDAExecutionProvider", cuda))
+    providers.append("CPUExecutionProvider")
+    return providers
 
 
 class OnnxRuntime(Runtime):
@@ -56,7 +90,10 @@ class OnnxRuntime(Runtime):
         # Idle intra-op threads spin by default, burning the cores that the event loop and
         # preprocessing need between batches; measured in bench/protocol.py.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = providers_for(self.options.device, ort.get_available_providers())
+        providers = providers_for(
+            self.options.device, ort.get_available_providers(), self.options.gpu,
+            self.options.cache_dir,
+        )  # fmt: skip
         try:
             self._session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own unexported exception types

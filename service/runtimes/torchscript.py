@@ -16,6 +16,9 @@ import torch
 from service.errors import ModelLoadError
 from service.runtimes.base import Runtime, Signature
 
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_TORCH_DTYPES = {"FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64}
+
 
 class TorchScriptRuntime(Runtime):
     """Runs ``model.pt`` (a ``torch.jit`` archive) on CPU or CUDA."""
@@ -40,6 +43,9 @@ class TorchScriptRuntime(Runtime):
         module.eval()
         for parameter in module.parameters():
             parameter.requires_grad_(False)
+        self._half = _HALF.get(self.options.precision)
+        if self._half is not None:
+            module = module.to(self._half)
         still_training = [name or "(root)" for name, sub in module.named_modules() if sub.training]
         if still_training:
             raise ModelLoadError(
@@ -53,22 +59,43 @@ class TorchScriptRuntime(Runtime):
             )
         self._module = module
         self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
+        # Each runtime (instance) gets its own stream, so that copies and kernels of concurrent
+        # instances overlap instead of queueing on the default stream.
+        self._stream = (
+            torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]  # untyped in torch
+            if self._cuda
+            else None
+        )
         self._input_names = [t.name for t in declared.inputs]
         self._output_names = [t.name for t in declared.outputs]
+        self._output_dtypes = [_TORCH_DTYPES.get(t.datatype) for t in declared.outputs]
         return declared
 
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.inference_mode():
-            args = [self._to_tensor(batch[name]) for name in self._input_names]
-            result = self._module(*args)
-            return self._outputs(result)
+            if self._stream is None:
+                return self._outputs(self._module(*self._inputs(batch)))
+            with torch.cuda.stream(self._stream):
+                result = self._module(*self._inputs(batch))
+                outputs = self._outputs(result)  # .cpu() waits for this stream's work
+            return outputs
+
+    def _inputs(self, batch: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
+        return [self._to_tensor(batch[name]) for name in self._input_names]
 
     def _to_tensor(self, array: np.ndarray) -> torch.Tensor:
         # torch.from_numpy shares memory and needs a writable array; views of a request body
         # are read-only, so those are copied once here.
         if not array.flags.writeable:
             array = array.copy()
-        return torch.from_numpy(array).to(self._device)
+        tensor = torch.from_numpy(array)
+        if self._cuda:
+            # Pinned host memory lets the copy run asynchronously on the instance's stream.
+            tensor = tensor.pin_memory().to(self._device, non_blocking=True)
+        if self._half is not None and tensor.is_floating_point():
+            tensor = tensor.to(self._half)
+        return tensor
 
     def _outputs(self, result: Any) -> dict[str, np.ndarray]:
         if isinstance(result, torch.Tensor):
@@ -83,7 +110,11 @@ class TorchScriptRuntime(Runtime):
             raise TypeError(
                 f"forward() returned {len(tensors)} outputs, {len(self._output_names)} declared"
             )
-        return {
-            name: tensor.detach().cpu().numpy()
-            for name, tensor in zip(self._output_names, tensors, strict=True)
-        }
+        arrays = {}
+        for name, tensor, dtype in zip(
+            self._output_names, tensors, self._output_dtypes, strict=True
+        ):
+            if dtype is not None and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)  # half-precision results back to the declared type
+            arrays[name] = tensor.detach().cpu().numpy()
+        return arrays

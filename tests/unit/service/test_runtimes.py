@@ -61,10 +61,12 @@ def test_torchscript_on_absent_cuda_is_refused_clearly(train_mode_archive: Path)
 
 def test_onnx_providers_are_explicit_and_cuda_absent_is_refused() -> None:
     assert providers_for("cpu", ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
-    assert providers_for("cuda:1", ["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
+    cuda = providers_for("cuda:1", ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert [p if isinstance(p, str) else p[0] for p in cuda] == [
         "CUDAExecutionProvider",
         "CPUExecutionProvider",
     ]
+    assert cuda[0][1]["device_id"] == 1  # type: ignore[index]
     with pytest.raises(ModelLoadError, match="no CUDAExecutionProvider.*install onnxruntime-gpu"):
         providers_for("cuda", ["CPUExecutionProvider"])
 
@@ -92,3 +94,62 @@ def test_onnx_runtime_reads_the_signature_from_the_graph(tmp_path: Path) -> None
     (tmp_path / "broken.onnx").write_bytes(b"not onnx")
     with pytest.raises(ModelLoadError, match="onnxruntime cannot load broken.onnx"):
         create_runtime("onnx", RuntimeOptions("cpu", 1)).load(tmp_path / "broken.onnx", None, 8)
+
+
+def test_cuda_providers_carry_their_options_and_tensorrt_comes_first() -> None:
+    from service.model_config import GpuConfig
+
+    available = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    gpu = GpuConfig(tensorrt=True, tensorrt_fp16=True, memory_limit_bytes=2**30)
+    providers = providers_for("cuda:1", available, gpu, Path("/models/m/1"))
+    assert providers[0] == (
+        "TensorrtExecutionProvider",
+        {"device_id": 1, "trt_engine_cache_enable": True,
+         "trt_engine_cache_path": "/models/m/1/tensorrt_cache", "trt_fp16_enable": True},
+    )  # fmt: skip
+    assert providers[1] == (
+        "CUDAExecutionProvider",
+        {"device_id": 1, "arena_extend_strategy": "kNextPowerOfTwo",
+         "cudnn_conv_algo_search": "EXHAUSTIVE", "gpu_mem_limit": 2**30},
+    )  # fmt: skip
+    assert providers[-1] == "CPUExecutionProvider"
+    with pytest.raises(ModelLoadError, match="gpu.tensorrt is set, but this onnxruntime has no"):
+        providers_for("cuda", available[1:], gpu)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_is_converted_at_load_and_answers_in_the_declared_dtype(
+    train_mode_archive: Path, precision: str
+) -> None:
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1, precision))
+    runtime.load(train_mode_archive, SIGNATURE, max_batch_size=8)
+    assert all(p.dtype != torch.float32 for p in runtime._module.parameters())
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    y = runtime.run({"x": x})["y"]
+    assert y.dtype == np.float32
+    with torch.no_grad():
+        exact = TrainModeNet().eval()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(y, exact, atol=0.1)
+    assert np.abs(y - exact).max() > 0  # it really ran in half precision
+
+
+def test_half_precision_needs_the_golden_tolerance_widened_explicitly(tmp_path: Path) -> None:
+    import shutil
+
+    from service.loader import load_version
+    from service.model_config import load_model_config
+    from service.settings import Settings
+    from tests.server import MODELS
+
+    shutil.copytree(MODELS / "digits", tmp_path / "digits")
+    config_path = tmp_path / "digits" / "config.yaml"
+    config_path.write_text(config_path.read_text() + "precision: bf16\n")
+    settings = Settings(model_repository=tmp_path)
+    with pytest.raises(ModelLoadError, match="set tolerance_override .* explicitly"):
+        load_version("digits", tmp_path / "digits" / "1", load_model_config(config_path), settings)
+    config_path.write_text(config_path.read_text() + "tolerance_override: 0.1\n")
+    loaded = load_version(
+        "digits", tmp_path / "digits" / "1", load_model_config(config_path), settings
+    )
+    assert "golden tolerance widened by config to atol=0.1" in loaded.warnings
+    loaded.close()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.errors import DeadlineExceeded, ModelExecutionError, ServerBusy
+from service.errors import DeadlineExceeded, ModelExecutionError, PayloadTooLarge, ServerBusy
 from service.scheduler import Plan, Scheduler, SchedulerConfig, collate, plan, shape_key, split
 from service.stats import ModelStats
 
@@ -273,3 +273,48 @@ def test_a_failing_model_fails_only_its_batch_and_the_scheduler_goes_on() -> Non
         await s.stop()
 
     asyncio.run(main())
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named like torch.cuda.OutOfMemoryError: what a GPU runtime raises."""
+
+
+def test_out_of_memory_splits_the_batch_until_requests_fit() -> None:
+    async def main() -> tuple[list[int], ModelStats]:
+        sizes: list[int] = []
+
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            rows = batch["x"].shape[0]
+            sizes.append(rows)
+            if rows > 2:
+                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return {"y": batch["x"] * 2}
+
+        s = scheduler(run, max_queue_delay_s=0.05)
+        s.start()
+        inputs = [np.full((1, 2), i, np.float32) for i in range(6)]
+        answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
+        for x, answer in zip(inputs, answers, strict=True):
+            np.testing.assert_array_equal(answer["y"], x * 2)
+        with pytest.raises(PayloadTooLarge, match="does not fit in device memory even alone"):
+            await s.submit({"x": np.zeros((4, 2), np.float32)}, None, None)
+        still = await s.submit({"x": np.ones((1, 2), np.float32)}, None, None)
+        np.testing.assert_array_equal(still["y"], np.full((1, 2), 2.0))
+        await s.stop()
+        return sizes, s.stats
+
+    sizes, stats = asyncio.run(main())
+    assert sizes[0] == 6  # the whole batch first, then halves down to what fits
+    assert sum(size for size in sizes if size <= 2) == 6 + 1  # every row ran once, + the last
+    assert sizes.count(4) == 1  # the request too large alone ran once, then got its 413
+    assert stats.out_of_memory_count >= 2
+
+
+def test_only_out_of_memory_errors_are_retried() -> None:
+    from service.scheduler import is_out_of_memory
+
+    assert is_out_of_memory(OutOfMemoryError("x"))
+    assert is_out_of_memory(
+        RuntimeError("[ONNXRuntimeError] : 6 : Failed to allocate memory for requested buffer")
+    )
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
