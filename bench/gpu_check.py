@@ -1,0 +1,123 @@
+"""The GPU check: parity on the device, W1 throughput and latency, memory, in-process ceiling.
+
+    bench/gpu_check.sh            (sets up, then runs this)
+
+Starts the server on the bundled models (``device: auto`` takes CUDA when onnxruntime/torch see
+it; the golden replay at load is the parity check on that device), runs W1 (efficientnet_lite0:
+a 640×480 JPEG through v1 predict, and a preprocessed FP32 tensor as binary v2) at concurrency
+1/16/64 with wrk, reads GPU memory from nvidia-smi when there is one, measures the same model's
+in-process ceiling on the same device, and writes a Markdown report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import orjson
+import yaml
+
+from bench.batching import jpeg_640x480
+from bench.common import table, wrk
+from preprocessing import ImagePipeline, ImageSpec
+from service.runtimes import create_runtime, resolve_device
+from service.runtimes.base import RuntimeOptions
+from tests.server import MODELS, Server
+
+MODEL = MODELS / "efficientnet_lite0"
+
+
+def gpu_memory() -> str:
+    if shutil.which("nvidia-smi") is None:
+        return "no nvidia-smi (no GPU)"
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader"],
+        capture_output=True, text=True, check=False,
+    ).stdout.strip()  # fmt: skip
+    return out or "nvidia-smi answered nothing"
+
+
+def ceiling(device: str, seconds: float) -> tuple[float, float]:
+    """Images/s of the model alone at batch 32 on the device, and ms for one image."""
+    runtime = create_runtime(
+        "onnx", RuntimeOptions(device, os.cpu_count() or 1, cache_dir=MODEL / "1")
+    )
+    runtime.load(MODEL / "1" / "model.onnx", None, 32)
+    batch = np.random.default_rng(0).standard_normal((32, 3, 224, 224)).astype(np.float32)
+    one = batch[:1].copy()
+    for _ in range(3):
+        runtime.run({"input": batch})
+        runtime.run({"input": one})
+    started, runs = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        runtime.run({"input": batch})
+        runs += 1
+    throughput = runs * 32 / (time.perf_counter() - started)
+    started = time.perf_counter()
+    for _ in range(20):
+        runtime.run({"input": one})
+    return throughput, (time.perf_counter() - started) / 20 * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu_check.md"))
+    args = parser.parse_args()
+    device = resolve_device("auto", "onnx")
+    config = yaml.safe_load((MODEL / "config.yaml").read_text())
+    pipeline = ImagePipeline(ImageSpec.model_validate(config["preprocessing"]))
+    image = jpeg_640x480()
+    tensor = pipeline(image)[None]
+    header = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(tensor.shape),
+                                       "parameters": {"binary_data_size": tensor.nbytes}}],
+                           "outputs": [{"name": "classification", "parameters": {"binary_data": True}}]})  # fmt: skip
+    binary = header + tensor.tobytes()
+    rows, parity = [], []
+    server = Server(MODELS, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"})
+    try:
+        server.wait_until(timeout=420)
+        for name in ("efficientnet_lite0", "digits", "minilm"):
+            meta = server.client.get(f"/v2/models/{name}").json()
+            parity.append([name, meta["state"], meta.get("device", "?"), str(meta.get("verified"))])
+        memory_loaded = gpu_memory()
+        for label, url, body, ctype, length in (
+            ("JPEG, v1 predict", f"{server.url}/v1/models/efficientnet_lite0:predict", image, "image/jpeg", None),
+            ("FP32 tensor, v2 binary", f"{server.url}/v2/models/efficientnet_lite0/infer", binary,
+             "application/octet-stream", len(header)),
+        ):  # fmt: skip
+            for c in (1, 16, 64):
+                result = wrk(
+                    url, body, ctype, connections=c, seconds=args.seconds, header_length=length
+                )
+                rows.append([label, str(c), f"{result.requests_per_s:.1f}", f"{result.p50_ms:.1f}",
+                             f"{result.p99_ms:.1f}", str(result.errors)])  # fmt: skip
+        memory_loaded_after = gpu_memory()
+    finally:
+        server.stop()
+    best, single_ms = ceiling(device, args.seconds)
+    report = "\n".join([
+        "# GPU check", "",
+        f"Device chosen by `device: auto`: **{device}**; onnxruntime providers available: "
+        f"{', '.join(ort.get_available_providers())}; GPU: {gpu_memory()}.", "",
+        "## Parity (golden replay at load, on the serving device)", "",
+        table(parity, ["model", "state", "device", "verified (gates passed)"]), "",
+        "## W1: efficientnet_lite0 served (wrk)", "",
+        table(rows, ["input", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"]), "",
+        f"GPU memory after load: {memory_loaded}; after the load runs: {memory_loaded_after}.", "",
+        "## In-process ceiling, same model and device", "",
+        f"{best:.1f} images/s at batch 32 (model only, random inputs); one image: {single_ms:.2f} ms.",
+    ]) + "\n"  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
