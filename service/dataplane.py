@@ -119,6 +119,12 @@ class DataPlane:
             raise
         finally:
             self.in_flight -= 1
+            if observation.loaded is not None:  # the model's own statistics (Triton's names)
+                stats = observation.loaded.stats
+                if status == 200:
+                    stats.record_success(observation.rows, observation.timing)
+                else:
+                    stats.record_failure(observation.timing)
             self._record(protocol, name, observation, status)
 
     def _record(self, protocol: str, name: str, observation: Observation, status: int) -> None:
@@ -171,12 +177,11 @@ class DataPlane:
         """An Open Inference Protocol request body → response body and headers."""
         with self._observed("v2", name, version) as observation:
             found, loaded = self.repository.ready_model(name, version)
-            observation.version = str(found.version)
+            observation.version, observation.loaded = str(found.version), loaded
             with loaded.in_use():
                 return await self._infer(
-                    found.version, loaded, name, body, header_length, timeout_s,
-                    observation.timing,
-                )  # fmt: skip
+                    found.version, loaded, name, body, header_length, timeout_s, observation
+                )
 
     async def _infer(
         self,
@@ -186,31 +191,24 @@ class DataPlane:
         body: bytes,
         header_length: int | None,
         timeout_s: float | None,
-        timing: RequestTiming,
+        observation: Observation,
     ) -> tuple[bytes, dict[str, str]]:
-        try:
-            # Only the JSON part costs anything to decode; binary tensors are views of the body.
-            json_size = header_length if header_length is not None else len(body)
-            request = await self._offload(
-                json_size, v2.decode_request, body, header_length,
-                self.settings.max_tensor_elements,
-            )  # fmt: skip
-            prepared = await self._request_batch(request, loaded, name)
-            batch = prepared.batch
-            timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
-            deadline = self.deadline(timeout_s, request.parameters)
-            outputs = await loaded.execute(batch, timing, deadline)
-            encode_started = time.perf_counter_ns()
-            tensors = _output_tensors(request, loaded, outputs, name)
-            parameters = {**request.parameters, **prepared.parameters}
-            response = v2.encode_response(
-                name, str(version), request.id, parameters or None, tensors
-            )
-            timing.compute_output_ns = time.perf_counter_ns() - encode_started
-        except Exception:
-            loaded.stats.record_failure(timing)
-            raise
-        loaded.stats.record_success(_rows(batch, loaded), timing)
+        timing = observation.timing
+        # Only the JSON part costs anything to decode; binary tensors are views of the body.
+        json_size = header_length if header_length is not None else len(body)
+        request = await self._offload(
+            json_size, v2.decode_request, body, header_length, self.settings.max_tensor_elements
+        )
+        prepared = await self._request_batch(request, loaded, name)
+        observation.rows = _rows(prepared.batch, loaded)
+        timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
+        deadline = self.deadline(timeout_s, request.parameters)
+        outputs = await loaded.execute(prepared.batch, timing, deadline)
+        encode_started = time.perf_counter_ns()
+        tensors = _output_tensors(request, loaded, outputs, name)
+        parameters = {**request.parameters, **prepared.parameters}
+        response = v2.encode_response(name, str(version), request.id, parameters or None, tensors)
+        timing.compute_output_ns = time.perf_counter_ns() - encode_started
         return response
 
     async def predict(
@@ -219,11 +217,9 @@ class DataPlane:
         """v1 predict: a raw image body or ``{"instances": [...]}`` → ``{"predictions": [...]}``."""
         with self._observed("v1", name, None) as observation:
             found, loaded = self.repository.ready_model(name)
-            observation.version = str(found.version)
+            observation.version, observation.loaded = str(found.version), loaded
             with loaded.in_use():
-                return await self._predict(
-                    loaded, name, body, content_type, timeout_s, observation.timing
-                )
+                return await self._predict(loaded, name, body, content_type, timeout_s, observation)
 
     async def _predict(
         self,
@@ -232,22 +228,18 @@ class DataPlane:
         body: bytes,
         content_type: str,
         timeout_s: float | None,
-        timing: RequestTiming,
+        observation: Observation,
     ) -> dict[str, Any]:
-        try:
-            prepared = await self._v1_batch(loaded, name, body, content_type)
-            batch = prepared.batch
-            timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
-            outputs = await loaded.execute(batch, timing, self.deadline(timeout_s))
-            encode_started = time.perf_counter_ns()
-            answer: dict[str, Any] = {"predictions": _predictions(loaded, outputs)}
-            if prepared.parameters:
-                answer["parameters"] = prepared.parameters
-            timing.compute_output_ns = time.perf_counter_ns() - encode_started
-        except Exception:
-            loaded.stats.record_failure(timing)
-            raise
-        loaded.stats.record_success(_rows(batch, loaded), timing)
+        timing = observation.timing
+        prepared = await self._v1_batch(loaded, name, body, content_type)
+        observation.rows = _rows(prepared.batch, loaded)
+        timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
+        outputs = await loaded.execute(prepared.batch, timing, self.deadline(timeout_s))
+        encode_started = time.perf_counter_ns()
+        answer: dict[str, Any] = {"predictions": _predictions(loaded, outputs)}
+        if prepared.parameters:
+            answer["parameters"] = prepared.parameters
+        timing.compute_output_ns = time.perf_counter_ns() - encode_started
         return answer
 
     async def preprocess(self, name: str, body: bytes, content_type: str) -> dict[str, np.ndarray]:
@@ -367,6 +359,8 @@ class Observation:
 
     version: str
     timing: RequestTiming = field(default_factory=RequestTiming)
+    loaded: LoadedModel | None = None
+    rows: int = 0
 
 
 @dataclass(slots=True)

@@ -75,7 +75,7 @@ def test_concurrent_requests_get_their_own_answers_from_shared_batches(batching:
         with httpx.Client(base_url=batching.url, timeout=60) as client:
             response = client.post("/v2/models/digits/infer", json=digits_body(x))
             assert response.status_code == 200, response.text
-            return response.json()  # type: ignore[no-any-return]
+            return response.json()
 
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(send, inputs))

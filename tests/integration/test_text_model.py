@@ -66,7 +66,7 @@ def served(server: Server, texts: list[str]) -> tuple[np.ndarray, dict[str, obje
 
 def test_embeddings_match_sentence_transformers(server: Server, reference: object) -> None:
     texts = sentences()
-    want = reference.encode(texts, batch_size=8, normalize_embeddings=True)  # type: ignore[attr-defined]
+    want = reference.encode(texts, batch_size=8, normalize_embeddings=True)
     got = np.concatenate([served(server, texts[i : i + 10])[0] for i in range(0, len(texts), 10)])
     assert got.shape == (50, 384)
     cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)

@@ -66,7 +66,7 @@ def test_onnx_providers_are_explicit_and_cuda_absent_is_refused() -> None:
         "CUDAExecutionProvider",
         "CPUExecutionProvider",
     ]
-    assert cuda[0][1]["device_id"] == 1  # type: ignore[index]
+    assert cuda[0][1]["device_id"] == 1
     with pytest.raises(ModelLoadError, match="no CUDAExecutionProvider.*install onnxruntime-gpu"):
         providers_for("cuda", ["CPUExecutionProvider"])
 

@@ -91,7 +91,7 @@ def test_collate_and_split_round_trip_per_request() -> None:
             self.inputs = {"x": x}
 
     parts = [np.full((n, 2), n, np.float32) for n in (1, 3, 2)]
-    batch = collate([P(x) for x in parts])  # type: ignore[misc]
+    batch = collate([P(x) for x in parts])
     assert batch["x"].shape == (6, 2)
     back = split({"y": batch["x"] * 2}, [1, 3, 2], "m")
     for original, answer in zip(parts, back, strict=True):
@@ -118,7 +118,7 @@ def test_shape_key_ignores_the_batch_dim_only() -> None:
 def scheduler(
     run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], **config: object
 ) -> Scheduler:
-    settings = SchedulerConfig(**{"max_batch_size": 8, **config})  # type: ignore[arg-type]
+    settings = SchedulerConfig(**{"max_batch_size": 8, **config})
     return Scheduler("m", settings, run, ModelStats())
 
 
