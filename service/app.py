@@ -67,6 +67,9 @@ def create_app(settings: Settings) -> FastAPI:
         version=__version__,
         summary="Open Inference Protocol (KServe v2) server for TorchScript and ONNX models",
         lifespan=lifespan,
+        # FastAPI's OpenTelemetry hooks look up the global providers on every request (~8 % of
+        # the event loop at W2 load, py-spy); tensorgate exports its own Prometheus metrics.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     for routes in routers(settings):
         app.include_router(routes)

@@ -31,9 +31,19 @@ _INFER_BODY = {
 }
 
 
+# Two functions rather than one with ``version: str | None = None``: on the unversioned path
+# FastAPI would treat the default as a query parameter and parse the query string every request.
 @router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
+async def infer(request: Request, name: str) -> Response:
+    return await _infer(request, name, None)
+
+
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
-async def infer(request: Request, name: str, version: str | None = None) -> Response:
+async def infer_version(request: Request, name: str, version: str) -> Response:
+    return await _infer(request, name, version)
+
+
+async def _infer(request: Request, name: str, version: str | None) -> Response:
     require_api(request)
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
