@@ -8,7 +8,9 @@ two views can never disagree.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import (
@@ -69,6 +71,7 @@ class Metrics:
         self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
         ProcessCollector(namespace="tensorgate", registry=r)
         r.register(_RepositoryCollector(repository))
+        r.register(_GpuCollector())
 
     def _stage(self, stage: str, help_text: str) -> Histogram:
         return Histogram(
@@ -151,3 +154,57 @@ class _RepositoryCollector(Collector):
             rows = float(sum(size * n for size, n in sizes.items()))
             family.add_metric([version.name, str(version.version)], buckets, rows)
         return family
+
+
+class _GpuCollector(Collector):
+    """GPU memory and utilisation per device, from NVML (nvidia-ml-py) when it and a GPU are
+    there, plus what torch's allocator holds when torch is already imported. Nothing otherwise."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml  # optional: nvidia-ml-py
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+        except Exception:  # no library, no driver or no GPU: there is nothing to report
+            self._nvml = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self._nvml is not None:
+            yield from self._from_nvml(self._nvml)
+        torch = sys.modules.get("torch")  # never imported just for this
+        if torch is not None and torch.cuda.is_available():
+            allocated = GaugeMetricFamily(
+                "tensorgate_gpu_torch_allocated_bytes", "Bytes torch's allocator has handed out.",
+                labels=["device"],
+            )  # fmt: skip
+            reserved = GaugeMetricFamily(
+                "tensorgate_gpu_torch_reserved_bytes", "Bytes torch's allocator holds.",
+                labels=["device"],
+            )  # fmt: skip
+            for index in range(torch.cuda.device_count()):
+                allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
+                reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
+            yield allocated
+            yield reserved
+
+    @staticmethod
+    def _from_nvml(nvml: Any) -> Iterator[Metric]:
+        used = GaugeMetricFamily(
+            "tensorgate_gpu_memory_used_bytes", "GPU memory in use.", labels=["device"]
+        )
+        total = GaugeMetricFamily(
+            "tensorgate_gpu_memory_total_bytes", "GPU memory.", labels=["device"]
+        )
+        busy = GaugeMetricFamily(
+            "tensorgate_gpu_utilization_ratio",
+            "Share of the last sample period the GPU ran kernels.",
+            labels=["device"],
+        )  # fmt: skip
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            used.add_metric([str(index)], memory.used)
+            total.add_metric([str(index)], memory.total)
+            busy.add_metric([str(index)], nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+        yield from (used, total, busy)
