@@ -29,7 +29,7 @@ import torch
 import yaml
 from PIL import Image
 
-from bench.common import RESULTS, WrkResult, table, wrk
+from bench.common import WrkResult, publish, table, wrk
 from bench.protocol import _wait_for_noop
 from preprocessing import ImagePipeline, ImageSpec
 from service.export import export_model
@@ -214,9 +214,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     report, _ = run(args.seconds, args.threads, args.preprocess_threads)
     text = "# Batching benchmark\n\n" + report + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "batching.md").write_text(text)
-    print(text)
+    publish("batching", text)
 
 
 if __name__ == "__main__":

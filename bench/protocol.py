@@ -25,7 +25,7 @@ import onnx
 import orjson
 from onnx import TensorProto, helper
 
-from bench.common import RESULTS, WrkResult, table, wrk
+from bench.common import WrkResult, publish, table, wrk
 from service.protocol.v2 import OutputTensor, decode_request, encode_response
 from tests.server import MODELS, Server, free_port
 
@@ -160,10 +160,7 @@ def main() -> None:
         "",
         table(served(args.seconds, args.connections), ["target", "req/s", "p50 ms", "p99 ms", "errors"]),
     ]  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    text = "\n".join(report) + "\n"
-    (RESULTS / "protocol.md").write_text(text)
-    print(text)
+    publish("protocol", "\n".join(report) + "\n")
 
 
 if __name__ == "__main__":

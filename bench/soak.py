@@ -21,7 +21,7 @@ import orjson
 import skimage.data
 from PIL import Image
 
-from bench.common import RESULTS, parse_wrk, require_wrk, table
+from bench.common import parse_wrk, publish, require_wrk, table
 from tests.server import MODELS, Server
 
 LUA = """
@@ -138,9 +138,7 @@ def main() -> None:
         f"{total:,} requests in {elapsed:.0f} s after warm-up; RSS growth from warm-up to the end: "
         f"{growth:+.1f} % (target within 5 %).",
     ]) + "\n"  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak.md").write_text(text)
-    print(text)
+    publish("soak", text)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.common import RESULTS, table
+from bench.common import publish, table
 from tests.server import MODELS, Server
 
 BUCKETS = (16, 32, 64, 128, 256)
@@ -79,9 +79,7 @@ def main() -> None:
         )
         + "\n"
     )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "warmup.md").write_text(text)
-    print(text)
+    publish("warmup", text)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from preprocessing.spec import PreprocessingSpec
 from service.errors import ModelLoadError
 
-DATATYPES = (
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64", "BYTES",
-)  # fmt: skip
 Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
     "FP16", "FP32", "FP64", "BYTES",

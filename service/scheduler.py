@@ -211,7 +211,7 @@ class Scheduler:
     ) -> dict[str, np.ndarray]:
         """Queue one request; its outputs once the batch it joined has run."""
         batched = self.config.max_batch_size > 0
-        rows = int(next(iter(inputs.values())).shape[0]) if batched else 1
+        rows = _rows(inputs, batched)
         limit = self.config.max_batch_size
         chunks = [inputs] if not batched or rows <= limit else _chunks(inputs, rows, limit)
         if len(self.queue) + len(chunks) > self.config.max_queue_size:

@@ -54,8 +54,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-CLIENT_GONE = Response(status_code=499)
-"""What a route returns when its client disconnected: nobody reads it (nginx's 499)."""
+def client_gone() -> Response:
+    """What a route returns when its client disconnected: nobody reads it (nginx's 499)."""
+    return Response(status_code=499)
 
 
 def request_timeout(request: Request) -> float | None:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from service.api.auth import require_api
 from service.api.deps import (
-    CLIENT_GONE,
+    client_gone,
     dataplane_of,
     json_response,
     read_body,
@@ -52,7 +52,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         request, dataplane.infer(name, version, body, header_length, request_timeout(request))
     )
     if answer is None:
-        return CLIENT_GONE
+        return client_gone()
     content, headers = answer
     return Response(content, headers=headers)
 
@@ -77,7 +77,7 @@ async def predict(request: Request, name: str) -> Response:
     answer = await until_disconnect(
         request, dataplane.predict(name, body, content_type, request_timeout(request))
     )
-    return CLIENT_GONE if answer is None else json_response(answer)
+    return client_gone() if answer is None else json_response(answer)
 
 
 @router.post(

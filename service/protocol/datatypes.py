@@ -19,16 +19,3 @@ TO_NUMPY: dict[str, np.dtype[np.generic]] = {
     "FP64": np.dtype(np.float64),
     "BYTES": np.dtype(np.object_),
 }
-FROM_NUMPY: dict[np.dtype[np.generic], str] = {
-    dtype: name for name, dtype in TO_NUMPY.items() if name != "BYTES"
-}
-
-
-def datatype_of(array: np.ndarray) -> str:
-    """The protocol datatype of an array; object and bytes arrays are BYTES."""
-    if array.dtype.kind in ("O", "S", "U"):
-        return "BYTES"
-    try:
-        return FROM_NUMPY[array.dtype]
-    except KeyError:
-        raise TypeError(f"no Open Inference Protocol datatype for numpy {array.dtype}") from None
