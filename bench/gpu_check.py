@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -26,8 +27,10 @@ import yaml
 from bench.batching import jpeg_640x480
 from bench.common import table, wrk
 from preprocessing import ImagePipeline, ImageSpec
+from service.manifest import read_manifest
+from service.model_config import GpuConfig
 from service.runtimes import create_runtime, resolve_device
-from service.runtimes.base import RuntimeOptions
+from service.runtimes.base import RuntimeOptions, Signature
 from tests.server import MODELS, Server
 
 MODEL = MODELS / "efficientnet_lite0"
@@ -43,10 +46,13 @@ def gpu_memory() -> str:
     return out or "nvidia-smi answered nothing"
 
 
-def ceiling(device: str, seconds: float) -> tuple[float, float]:
+def ceiling(
+    device: str, seconds: float, io_binding: Literal["auto", "on", "off"] = "auto"
+) -> tuple[float, float]:
     """Images/s of the model alone at batch 32 on the device, and ms for one image."""
+    gpu = GpuConfig(io_binding=io_binding)
     runtime = create_runtime(
-        "onnx", RuntimeOptions(device, os.cpu_count() or 1, cache_dir=MODEL / "1")
+        "onnx", RuntimeOptions(device, os.cpu_count() or 1, gpu=gpu, cache_dir=MODEL / "1")
     )
     runtime.load(MODEL / "1" / "model.onnx", None, 32)
     batch = np.random.default_rng(0).standard_normal((32, 3, 224, 224)).astype(np.float32)
@@ -63,6 +69,34 @@ def ceiling(device: str, seconds: float) -> tuple[float, float]:
     for _ in range(20):
         runtime.run({"input": one})
     return throughput, (time.perf_counter() - started) / 20 * 1000
+
+
+def cuda_graphs_check(seconds: float) -> str:
+    """digits (TorchScript) eager vs CUDA-graph replay at batch 32: parity and ms per batch."""
+    device = resolve_device("auto", "torchscript")
+    if not device.startswith("cuda"):
+        return "skipped: torch sees no CUDA device."
+    manifest = read_manifest(MODELS / "digits" / "1")
+    assert manifest is not None
+    signature = Signature(manifest.inputs, manifest.outputs)
+    batch = {"image": np.random.default_rng(0).standard_normal((32, 1, 8, 8)).astype(np.float32)}
+    timings, outputs = {}, {}
+    for label, gpu in (("eager", GpuConfig()), ("CUDA graphs", GpuConfig(cuda_graphs=True))):
+        runtime = create_runtime("torchscript", RuntimeOptions(device, 1, gpu=gpu))
+        runtime.load(MODELS / "digits" / "1" / "model.pt", signature, 32)
+        runtime.warmup(batch)
+        outputs[label] = runtime.run(batch)["logits"]
+        started, runs = time.perf_counter(), 0
+        while time.perf_counter() - started < seconds / 2:
+            runtime.run(batch)
+            runs += 1
+        timings[label] = (time.perf_counter() - started) / runs * 1000
+    diff = float(np.abs(outputs["eager"] - outputs["CUDA graphs"]).max())
+    return (
+        f"digits at batch 32 on {device}: eager {timings['eager']:.3f} ms, CUDA graphs "
+        f"{timings['CUDA graphs']:.3f} ms per batch (host round trip included); largest output "
+        f"difference {diff:.2e}."
+    )
 
 
 def main() -> None:
@@ -102,6 +136,8 @@ def main() -> None:
     finally:
         server.stop()
     best, single_ms = ceiling(device, args.seconds)
+    unbound, _ = ceiling(device, args.seconds, io_binding="off")
+    graphs = cuda_graphs_check(args.seconds)
     report = "\n".join([
         "# GPU check", "",
         f"Device chosen by `device: auto`: **{device}**; onnxruntime providers available: "
@@ -113,6 +149,8 @@ def main() -> None:
         f"GPU memory after load: {memory_loaded}; after the load runs: {memory_loaded_after}.", "",
         "## In-process ceiling, same model and device", "",
         f"{best:.1f} images/s at batch 32 (model only, random inputs); one image: {single_ms:.2f} ms.",
+        f"Without IO binding (`gpu.io_binding: off`): {unbound:.1f} images/s at batch 32.", "",
+        "## CUDA graphs (TorchScript)", "", graphs,
     ]) + "\n"  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)

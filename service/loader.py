@@ -30,7 +30,13 @@ from service.manifest import (
 from service.model_config import ModelConfig, TensorConfig
 from service.post import CLASSIFICATION, Classifier
 from service.protocol.datatypes import TO_NUMPY
-from service.runtimes import create_runtime, resolve_device, runtime_versions
+from service.runtimes import (
+    create_runtime,
+    cuda_device_count,
+    instance_devices,
+    resolve_device,
+    runtime_versions,
+)
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from service.scheduler import BatchShape, Scheduler, SchedulerConfig, batch_shape
 from service.settings import Settings
@@ -52,9 +58,12 @@ class LoadedModel:
 
     name: str
     config: ModelConfig
-    runtime: Runtime
+    runtimes: list[Runtime]
+    """One per instance on CUDA (each its own device, stream and graphs); one shared by every
+    instance on the CPU, where a session or module runs concurrent calls safely."""
     signature: Signature
-    device: str
+    devices: list[str]
+    """Each instance's device."""
     pipeline: ImagePipeline | TextPipeline | None
     classifier: Classifier | None
     manifest: Manifest | None
@@ -69,6 +78,11 @@ class LoadedModel:
     closed: bool = False
     _users: int = field(default=0, repr=False)
     _idle: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    @property
+    def device(self) -> str:
+        """The instances' devices, as one string (``cuda:0,cuda:1`` when spread)."""
+        return ",".join(dict.fromkeys(self.devices))
 
     @property
     def verified(self) -> bool:
@@ -119,8 +133,9 @@ class LoadedModel:
         if self.scheduler is None:
             self._loop = asyncio.get_running_loop()
             self.scheduler = Scheduler(
-                self.name, _scheduler_config(self.config), self.runtime.run, self.stats,
-                warmed=self.warmed,
+                self.name, _scheduler_config(self.config),
+                [self.runtimes[i % len(self.runtimes)].run for i in range(self.config.instances)],
+                self.stats, warmed=self.warmed,
             )  # fmt: skip
             self.scheduler.start()
         return self.scheduler
@@ -148,7 +163,8 @@ class LoadedModel:
         if self.scheduler is not None and self._loop is not None and not self._loop.is_closed():
             stopping = asyncio.run_coroutine_threadsafe(self.scheduler.stop(), self._loop)
             stopping.result(timeout=drain_timeout_s)
-        self.runtime.close()
+        for runtime in self.runtimes:
+            runtime.close()
 
 
 def load_version(name: str, path: Path, config: ModelConfig, settings: Settings) -> LoadedModel:
@@ -164,6 +180,9 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         check_versions(manifest, config.backend, runtime_versions(config.backend))
 
     device = resolve_device(config.device, config.backend)
+    devices = instance_devices(device, config.instances, cuda_device_count)
+    if config.gpu.cuda_graphs and not device.startswith("cuda"):
+        warnings.append("gpu.cuda_graphs ignored: the model runs on the CPU")
     if config.precision != "fp32" and config.backend != "torchscript":
         raise ModelLoadError(
             f"precision {config.precision} is for TorchScript models; export the ONNX graph in "
@@ -174,15 +193,22 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
             f"precision {config.precision} changes the outputs the golden file holds (made in "
             "fp32): set tolerance_override (e.g. 0.05) to widen the golden tolerance explicitly"
         )
-    options = RuntimeOptions(
-        device, settings.intra_op_threads, config.precision, config.gpu, cache_dir=path
-    )
-    runtime = create_runtime(config.backend, options)
-    artifact = path / runtime.artifact
+    runtimes = [
+        create_runtime(
+            config.backend,
+            RuntimeOptions(
+                instance_device, settings.intra_op_threads, config.precision, config.gpu, path
+            ),
+        )
+        for instance_device in (devices if device.startswith("cuda") else devices[:1])
+    ]
+    artifact = path / runtimes[0].artifact
     if not artifact.is_file():
         raise ModelLoadError(f"{artifact} is missing; run `make models` or export the model")
     declared = _declared(config, manifest)
-    signature = runtime.load(artifact, declared, config.max_batch_size)
+    signature = runtimes[0].load(artifact, declared, config.max_batch_size)
+    for runtime in runtimes[1:]:
+        runtime.load(artifact, declared, config.max_batch_size)
     loaded_at = time.perf_counter()
 
     if manifest is not None:
@@ -191,7 +217,8 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         if config.tolerance_override is not None:
             tolerance = Tolerance(atol=config.tolerance_override, rtol=tolerance.rtol)
             warnings.append(f"golden tolerance widened by config to atol={tolerance.atol:g}")
-        check_golden(path, runtime.run, tolerance)
+        for runtime in runtimes:  # every device answers as the exporter's did
+            check_golden(path, runtime.run, tolerance)
     pipeline = _pipeline(config, signature, path)
     _warm_pipeline(pipeline)
     classifier = (
@@ -201,7 +228,9 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     )
     gated_at = time.perf_counter()
 
-    warmup_timings, warmed = _warm_up(runtime, signature, config)
+    warmup_timings, warmed = _warm_up(runtimes[0], signature, config)
+    for runtime in runtimes[1:]:  # each device compiles (and captures) its own shapes
+        _warm_up(runtime, signature, config)
     done = time.perf_counter()
     timings = {
         "load_s": loaded_at - started,
@@ -209,9 +238,10 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         "warmup_s": done - gated_at,
         "total_s": done - started,
     }
-    log.info("model %s loaded from %s on %s: %s", name, path, device, _fmt(timings))
+    log.info("model %s loaded from %s on %s: %s", name, path, ",".join(dict.fromkeys(devices)),
+             _fmt(timings))  # fmt: skip
     return LoadedModel(
-        name, config, runtime, signature, device, pipeline, classifier, manifest, warnings,
+        name, config, runtimes, signature, devices, pipeline, classifier, manifest, warnings,
         timings, warmup_timings, warmed,
     )  # fmt: skip
 

@@ -87,7 +87,7 @@ class BatchingConfig(_Strict):
 
 
 class GpuConfig(_Strict):
-    """Execution-provider options when the model runs on CUDA (onnxruntime)."""
+    """How the model runs when it runs on CUDA (ignored on the CPU)."""
 
     tensorrt: bool = False
     """Put onnxruntime's TensorRT provider first (refused at load when it is not installed)."""
@@ -97,6 +97,12 @@ class GpuConfig(_Strict):
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "EXHAUSTIVE"
     arena_extend_strategy: Literal["kNextPowerOfTwo", "kSameAsRequested"] = "kNextPowerOfTwo"
     memory_limit_bytes: int | None = Field(default=None, gt=0)
+    io_binding: Literal["auto", "on", "off"] = "auto"
+    """onnxruntime: bind inputs and outputs so that each crosses host↔device once per batch.
+    ``auto``: on CUDA only; ``on``: on every device (the CPU too, where it changes nothing)."""
+    cuda_graphs: bool = False
+    """TorchScript on CUDA: capture one CUDA graph per warmed batch shape at warmup and replay
+    it for batches of that shape (others run eagerly). Ignored, with a warning, on the CPU."""
 
 
 class VersionPolicy(_Strict):
@@ -139,6 +145,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> ModelConfig:
+        if self.gpu.cuda_graphs and self.backend != "torchscript":
+            raise ValueError(
+                "gpu.cuda_graphs is for TorchScript models; for ONNX use gpu.tensorrt, which "
+                "compiles the graph for the GPU"
+            )
         for size in self.batching.preferred_batch_sizes:
             if not 1 <= size <= max(self.max_batch_size, 1):
                 raise ValueError(

@@ -188,7 +188,8 @@ class Scheduler:
 
     model: str
     config: SchedulerConfig
-    run: Callable[[Batch], dict[str, np.ndarray]]
+    runs: Sequence[Callable[[Batch], dict[str, np.ndarray]]]
+    """One callable per instance (its runtime's ``run``: its own device and stream on CUDA)."""
     stats: ModelStats
     warmed: set[BatchShape] | None = None
     """Shapes run at warmup; a batch of another shape is counted in stats.unwarmed."""
@@ -296,7 +297,7 @@ class Scheduler:
             self.busy_since[instance] = started
             clock = time.perf_counter_ns()
             try:
-                return self.run(batch), started, time.perf_counter_ns() - clock
+                return self.runs[instance](batch), started, time.perf_counter_ns() - clock
             finally:
                 self.busy_since[instance] = None
 

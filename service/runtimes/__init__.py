@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from service.errors import ModelLoadError
 from service.runtimes.base import Runtime, RuntimeOptions
 
 
@@ -31,6 +34,35 @@ def resolve_device(device: str, backend: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices this process may use (``CUDA_VISIBLE_DEVICES`` applied), from torch."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def instance_devices(device: str, instances: int, gpu_count: Callable[[], int]) -> list[str]:
+    """Each instance's device: ``cuda`` spreads instances round-robin over the visible GPUs,
+    ``cuda:N`` puts them all on GPU N, ``cpu`` on the CPU.
+
+    ``gpu_count`` is asked only for a CUDA device; a GPU index it does not have is refused.
+    """
+    if not device.startswith("cuda"):
+        return [device] * instances
+    count = gpu_count()
+    if count == 0:
+        raise ModelLoadError(f"device {device!r} asked for, but no CUDA device is visible")
+    index = device.partition(":")[2]
+    if index:
+        if int(index) >= count:
+            raise ModelLoadError(
+                f"device {device!r} asked for, but only {count} CUDA device(s) are visible "
+                f"(cuda:0..cuda:{count - 1})"
+            )
+        return [device] * instances
+    return [f"cuda:{i % count}" for i in range(instances)]
+
+
 def runtime_versions(backend: str) -> dict[str, str]:
     """The versions of the library a backend runs on, as the manifest gate compares them."""
     if backend == "onnx":
@@ -42,4 +74,12 @@ def runtime_versions(backend: str) -> dict[str, str]:
     return {"torch": torch.__version__}
 
 
-__all__ = ["Runtime", "RuntimeOptions", "create_runtime", "resolve_device", "runtime_versions"]
+__all__ = [
+    "Runtime",
+    "RuntimeOptions",
+    "create_runtime",
+    "cuda_device_count",
+    "instance_devices",
+    "resolve_device",
+    "runtime_versions",
+]

@@ -19,6 +19,42 @@ from service.runtimes.base import Runtime, Signature
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TORCH_DTYPES = {"FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64}
 
+GraphKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def graph_key(batch: Mapping[str, np.ndarray]) -> GraphKey:
+    """What a captured CUDA graph is specific to: every input's name, dtype and full shape."""
+    return tuple(sorted((name, a.dtype.str, tuple(a.shape)) for name, a in batch.items()))
+
+
+class _Graph:
+    """One captured CUDA graph: fixed input buffers it reads, fixed outputs it writes."""
+
+    def __init__(self, graph: Any, inputs: list[torch.Tensor], outputs: Any) -> None:
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+
+    @classmethod
+    def capture(cls, module: Any, inputs: list[torch.Tensor], stream: Any, pool: Any) -> _Graph:
+        """Capture ``module`` on ``inputs``' shapes. Graphs of one runtime share one memory
+        pool: they replay one at a time on its stream, and each replay's outputs are copied
+        to the host before the next."""
+        static = [t.clone() for t in inputs]
+        for _ in range(2):  # let lazy initialisation happen outside the capture
+            module(*static)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outputs = module(*static)
+        return cls(graph, static, outputs)
+
+    def replay(self, inputs: list[torch.Tensor]) -> Any:
+        for buffer, tensor in zip(self.inputs, inputs, strict=True):
+            buffer.copy_(tensor, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
 
 class TorchScriptRuntime(Runtime):
     """Runs ``model.pt`` (a ``torch.jit`` archive) on CPU or CUDA."""
@@ -70,6 +106,9 @@ class TorchScriptRuntime(Runtime):
         self._input_names = [t.name for t in declared.inputs]
         self._output_names = [t.name for t in declared.outputs]
         self._output_dtypes = [_TORCH_DTYPES.get(t.datatype) for t in declared.outputs]
+        self._graphs: dict[GraphKey, _Graph] = {}
+        self._capture = self._cuda and self.options.gpu.cuda_graphs
+        self._pool: Any = None
         return declared
 
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -77,9 +116,27 @@ class TorchScriptRuntime(Runtime):
             if self._stream is None:
                 return self._outputs(self._module(*self._inputs(batch)))
             with torch.cuda.stream(self._stream):
+                graph = self._graphs.get(graph_key(batch)) if self._graphs else None
+                if graph is not None:
+                    return self._outputs(graph.replay(self._inputs(batch)))
                 result = self._module(*self._inputs(batch))
-                outputs = self._outputs(result)  # .cpu() waits for this stream's work
-            return outputs
+                return self._outputs(result)  # .cpu() waits for this stream's work
+
+    def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Run the shape eagerly (cuDNN picks its kernels); with ``gpu.cuda_graphs``, capture it."""
+        self.run(batch)
+        if self._capture:
+            with torch.inference_mode(), torch.cuda.stream(self._stream):
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                self._graphs[graph_key(batch)] = _Graph.capture(
+                    self._module, self._inputs(batch), self._stream, self._pool
+                )
+
+    @property
+    def captured(self) -> frozenset[GraphKey]:
+        """The batch shapes that replay a CUDA graph."""
+        return frozenset(self._graphs)
 
     def _inputs(self, batch: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
         return [self._to_tensor(batch[name]) for name in self._input_names]

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +154,85 @@ def test_half_precision_needs_the_golden_tolerance_widened_explicitly(tmp_path: 
     )
     assert "golden tolerance widened by config to atol=0.1" in loaded.warnings
     loaded.close()
+
+
+def test_instances_spread_round_robin_over_the_visible_gpus() -> None:
+    from service.runtimes import instance_devices
+
+    def gpus(count: int) -> Callable[[], int]:
+        return lambda: count
+
+    assert instance_devices("cpu", 3, gpus(0)) == ["cpu", "cpu", "cpu"]
+    assert instance_devices("cuda", 3, gpus(2)) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert instance_devices("cuda:1", 2, gpus(2)) == ["cuda:1", "cuda:1"]
+    with pytest.raises(ModelLoadError, match="only 2 CUDA device\\(s\\) are visible"):
+        instance_devices("cuda:2", 1, gpus(2))
+    with pytest.raises(ModelLoadError, match="no CUDA device is visible"):
+        instance_devices("cuda", 1, gpus(0))
+
+
+def test_onnx_io_binding_answers_exactly_as_a_plain_run(tmp_path: Path) -> None:
+    """IO binding is the CUDA path's transfer discipline; forced on here, on the CPU, it must
+    give the same bytes as onnxruntime's plain run (read-only request views included)."""
+    from service.model_config import GpuConfig
+
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(
+        TrainModeNet().eval(), (torch.zeros(2, 8),), str(path), input_names=["x"],
+        output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False,
+    )  # fmt: skip
+    plain = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="off")))
+    bound = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="on")))
+    for runtime in (plain, bound):
+        runtime.load(path, None, max_batch_size=8)
+    assert not plain._io_binding and bound._io_binding
+    x = np.random.default_rng(2).standard_normal((5, 8)).astype(np.float32)
+    view = np.frombuffer(x.tobytes(), dtype=np.float32).reshape(5, 8)  # read-only, like a body
+    for batch in ({"x": x}, {"x": view}, {"x": x[::2]}):  # a strided slice too
+        np.testing.assert_array_equal(bound.run(batch)["y"], plain.run(batch)["y"])
+    auto = create_runtime("onnx", RuntimeOptions("cpu", 1))
+    auto.load(path, None, max_batch_size=8)
+    assert not auto._io_binding  # auto binds on CUDA only
+
+
+def test_cuda_graphs_are_for_torchscript_and_ignored_with_a_warning_on_the_cpu(
+    tmp_path: Path,
+) -> None:
+    import shutil
+
+    from pydantic import ValidationError
+
+    from service.loader import load_version
+    from service.model_config import ModelConfig, load_model_config
+    from service.settings import Settings
+    from tests.server import MODELS
+
+    with pytest.raises(ValidationError, match="gpu.cuda_graphs is for TorchScript models"):
+        ModelConfig.model_validate({"backend": "onnx", "gpu": {"cuda_graphs": True}})
+    shutil.copytree(MODELS / "digits", tmp_path / "digits")
+    config_path = tmp_path / "digits" / "config.yaml"
+    config_path.write_text(config_path.read_text() + "device: cpu\ngpu: {cuda_graphs: true}\n")
+    settings = Settings(model_repository=tmp_path)
+    loaded = load_version(
+        "digits", tmp_path / "digits" / "1", load_model_config(config_path), settings
+    )
+    assert "gpu.cuda_graphs ignored: the model runs on the CPU" in loaded.warnings
+    assert loaded.runtimes[0].captured == frozenset()  # type: ignore[attr-defined]
+    loaded.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_replay_captured_shapes_and_match_eager(train_mode_archive: Path) -> None:
+    from service.model_config import GpuConfig
+
+    eager = TorchScriptRuntime(RuntimeOptions("cuda", 1))
+    graphs = TorchScriptRuntime(RuntimeOptions("cuda", 1, gpu=GpuConfig(cuda_graphs=True)))
+    for runtime in (eager, graphs):
+        runtime.load(train_mode_archive, SIGNATURE, max_batch_size=8)
+    zeros = {"x": np.zeros((4, 8), np.float32)}
+    graphs.warmup(zeros)
+    assert graphs.captured == {(("x", "<f4", (4, 8)),)}
+    rng = np.random.default_rng(3)
+    for rows in (4, 4, 3):  # two replays with different data, then an uncaptured shape
+        x = {"x": rng.standard_normal((rows, 8)).astype(np.float32)}
+        np.testing.assert_allclose(graphs.run(x)["y"], eager.run(x)["y"], atol=1e-6)

@@ -119,7 +119,7 @@ def scheduler(
     run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], **config: object
 ) -> Scheduler:
     settings = SchedulerConfig(**{"max_batch_size": 8, **config})
-    return Scheduler("m", settings, run, ModelStats())
+    return Scheduler("m", settings, [run] * settings.instances, ModelStats())
 
 
 def doubling(batches: list[int]) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
@@ -318,3 +318,38 @@ def test_only_out_of_memory_errors_are_retried() -> None:
         RuntimeError("[ONNXRuntimeError] : 6 : Failed to allocate memory for requested buffer")
     )
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_each_instance_runs_batches_on_its_own_runtime() -> None:
+    """Instances on different GPUs hold different runtimes: a batch runs on exactly one of them,
+    and while one instance is busy the next batch goes to the other."""
+    release = threading.Event()
+    used: list[int] = []
+
+    def instance(number: int) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            used.append(number)
+            if number == 0:
+                release.wait(5)  # hold instance 0 so that the second batch must go elsewhere
+            return {"y": batch["x"] + number * 100}
+
+        return run
+
+    async def main() -> list[np.ndarray]:
+        config = SchedulerConfig(max_batch_size=8, instances=2)
+        s = Scheduler("m", config, [instance(0), instance(1)], ModelStats())
+        s.start()
+        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1), np.float32)}, None, None))
+        for _ in range(5000):  # until instance 0 holds the first batch (bounded)
+            if used:
+                break
+            await asyncio.sleep(0.001)
+        second = await s.submit({"x": np.ones((1, 1), np.float32)}, None, None)
+        release.set()
+        answers = [await first, second]
+        await s.stop()
+        return [a["y"] for a in answers]
+
+    first, second = asyncio.run(main())
+    assert used == [0, 1]
+    assert first.tolist() == [[0.0]] and second.tolist() == [[101.0]]
