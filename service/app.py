@@ -8,11 +8,8 @@ Start: scan the repository â†’ load every version in the background (artifact â†
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -25,10 +22,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import PROCESS_STARTED, __version__
 from service.api import routers
-from service.api.deps import json_response
+from service.api.deps import ClientGone, client_gone, error_body
+from service.api.fast import InferFastPath
 from service.dataplane import DataPlane
 from service.errors import TensorgateError
-from service.logs import REQUEST_ID
+from service.logs import REQUEST_ID, request_id_for
 from service.repository import ModelRepository
 from service.settings import Settings
 from service.versions import check_pinned
@@ -75,6 +73,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(routes)
     _install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
+    if settings.fast_path:
+        app.add_middleware(InferFastPath)  # outermost of ours: the hot route skips the rest
     return app
 
 
@@ -91,8 +91,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = Headers(scope=scope).get("x-request-id", "")
-        request_id = given if _VALID_ID.match(given) else _next_id()
+        request_id = request_id_for(Headers(scope=scope).get("x-request-id", ""))
         header = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message: Message) -> None:
@@ -104,18 +103,6 @@ class RequestIdMiddleware:
         # reset so that Starlette's outermost error handler can still read it.
         REQUEST_ID.set(request_id)
         await self.app(scope, receive, send_with_id)
-
-
-_ID_PREFIX = uuid.uuid4().hex[:16]
-_ID_COUNTER = itertools.count()
-
-
-def _next_id() -> str:
-    """Unique per process start and request, without a syscall (uuid4 reads os.urandom)."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
-
-
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 async def _poll(dataplane: DataPlane, interval_s: float) -> None:
@@ -171,6 +158,10 @@ def _install_error_handlers(app: FastAPI) -> None:
                       exc_info=exc.__cause__)  # fmt: skip
         return _error(exc.message, exc.status, exc.headers)
 
+    @app.exception_handler(ClientGone)
+    async def client_left(request: Request, exc: ClientGone) -> Response:
+        return client_gone()
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
@@ -189,5 +180,4 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _error(message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:
-    """``{"error": ...}`` as the protocol says, plus the request id to find it in the logs."""
-    return json_response({"error": message, "request_id": REQUEST_ID.get()}, status, headers)
+    return Response(error_body(message), status, headers, media_type="application/json")

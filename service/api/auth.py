@@ -11,9 +11,14 @@ from service.errors import Unauthorized
 
 def check_bearer(request: Request, token: str | None, realm: str) -> None:
     """Pass when no token is configured or the request carries it; 401 otherwise."""
+    if token is not None:
+        check_authorization(request.headers.get("authorization", ""), token, realm)
+
+
+def check_authorization(header: str, token: str | None, realm: str) -> None:
+    """``header`` (an Authorization value) must carry ``token``, unless it is None."""
     if token is None:
         return
-    header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
         raise Unauthorized(

@@ -9,11 +9,17 @@ from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request, Response
+from starlette.types import Receive
 
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, PayloadTooLarge
+from service.logs import REQUEST_ID
 
 T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was read: nobody is there to answer."""
 
 
 def dataplane_of(request: Request) -> DataPlane:
@@ -41,17 +47,31 @@ def json_response(
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
+    return await receive_body(request.receive, request.headers.get("content-length"), limit)
+
+
+async def receive_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The body from ASGI ``receive``; 413 once it is known to exceed ``limit`` bytes."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     chunks = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client disconnected before it sent the whole body")
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def error_body(message: str) -> bytes:
+    """``{"error": ...}`` as the protocol says, plus the request id to find it in the logs."""
+    return orjson.dumps({"error": message, "request_id": REQUEST_ID.get()})
 
 
 def client_gone() -> Response:
@@ -61,7 +81,11 @@ def client_gone() -> Response:
 
 def request_timeout(request: Request) -> float | None:
     """``X-Request-Timeout`` in seconds, when the client set one."""
-    raw = request.headers.get("x-request-timeout")
+    return parse_timeout(request.headers.get("x-request-timeout"))
+
+
+def parse_timeout(raw: str | None) -> float | None:
+    """An ``X-Request-Timeout`` value: seconds, > 0; None when absent."""
     if raw is None:
         return None
     try:
@@ -73,14 +97,14 @@ def request_timeout(request: Request) -> float | None:
     return value
 
 
-async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
     """Await ``work``; if the client disconnects first, cancel it and return None.
 
-    Cancelling drops the request from its model's queue, so a batch never runs for a client
-    that is gone.
+    ``receive`` is the request's ASGI receive, its body already read. Cancelling drops the
+    request from its model's queue, so a batch never runs for a client that is gone.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -93,7 +117,7 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T 
     return None
 
 
-async def _disconnected(request: Request) -> None:
+async def _disconnected(receive: Receive) -> None:
     # The body has been read, so the next message the server sends is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass

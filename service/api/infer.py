@@ -49,7 +49,8 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
     body = await read_body(request, dataplane.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
     answer = await until_disconnect(
-        request, dataplane.infer(name, version, body, header_length, request_timeout(request))
+        request.receive,
+        dataplane.infer(name, version, body, header_length, request_timeout(request)),
     )
     if answer is None:
         return client_gone()
@@ -75,7 +76,7 @@ async def predict(request: Request, name: str) -> Response:
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")
     answer = await until_disconnect(
-        request, dataplane.predict(name, body, content_type, request_timeout(request))
+        request.receive, dataplane.predict(name, body, content_type, request_timeout(request))
     )
     return client_gone() if answer is None else json_response(answer)
 

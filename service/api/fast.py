@@ -1,0 +1,92 @@
+"""The inference hot path on plain ASGI: ``POST /v2/models/{name}[/versions/{v}]/infer``.
+
+FastAPI would route the request through Starlette's middleware and router, build a Request,
+validate the path parameters with pydantic and wrap the endpoint: per request, more than the
+server spends on a small model's whole protocol work (bench/protocol.py measures both paths in
+one run). This middleware sits outside all of that and answers the two infer routes itself,
+with the same behaviour as the FastAPI routes in ``service/api/infer.py``: API token, request
+id, body limit, ``Inference-Header-Content-Length``, ``X-Request-Timeout``, 499 for a client
+that left, ``{"error", "request_id"}`` bodies. Those routes stay: they make the OpenAPI
+document and answer when ``TG_FAST_PATH=false``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.api.auth import check_authorization
+from service.api.deps import ClientGone, error_body, parse_timeout, receive_body, until_disconnect
+from service.dataplane import DataPlane
+from service.errors import TensorgateError
+from service.logs import REQUEST_ID, request_id_for
+from service.protocol.v2 import HEADER_LENGTH, parse_header_length
+
+log = logging.getLogger("tensorgate.app")
+
+_INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
+_WANTED = {
+    b"authorization",
+    b"content-length",
+    b"x-request-id",
+    b"x-request-timeout",
+    HEADER_LENGTH.lower().encode(),
+}
+
+
+class InferFastPath:
+    """ASGI middleware: the infer routes answered here, everything else passed on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _INFER.match(scope["path"])
+            if match is not None:
+                dataplane: DataPlane | None = getattr(scope["app"].state, "dataplane", None)
+                if dataplane is not None:  # None only before the lifespan has started
+                    await _infer(dataplane, scope, receive, send, match[1], match[2])
+                    return
+        await self.app(scope, receive, send)
+
+
+async def _infer(
+    dataplane: DataPlane, scope: Scope, receive: Receive, send: Send, name: str, version: str | None
+) -> None:
+    headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _WANTED}
+    request_id = request_id_for(headers.get("x-request-id", ""))
+    REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
+    extra: dict[str, str] = {"content-type": "application/json"}
+    status = 200
+    try:
+        settings = dataplane.settings
+        check_authorization(headers.get("authorization", ""), settings.api_token, "api")
+        body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
+        header_length = parse_header_length(headers.get(HEADER_LENGTH.lower()), len(body))
+        timeout_s = parse_timeout(headers.get("x-request-timeout"))
+        answer = await until_disconnect(
+            receive, dataplane.infer(name, version, body, header_length, timeout_s)
+        )
+        if answer is None:
+            status, content, extra = 499, b"", {}
+        else:
+            content, extra = answer
+    except ClientGone:
+        status, content, extra = 499, b"", {}
+    except TensorgateError as exc:
+        if exc.status == 500:
+            log.error("POST %s failed: %s", scope["path"], exc.message, exc_info=exc.__cause__)
+        status, content = exc.status, error_body(exc.message)
+        extra = {**extra, **(exc.headers or {})}
+    except Exception:
+        log.exception("POST %s: internal error", scope["path"])
+        status = 500
+        content = error_body(f"internal server error (request {request_id}); see the server log")
+    raw = [(k.lower().encode(), v.encode("latin-1")) for k, v in extra.items()]
+    raw.append((b"content-length", str(len(content)).encode()))
+    raw.append((b"x-request-id", request_id.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": content})
