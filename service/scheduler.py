@@ -103,22 +103,28 @@ def plan(
 
     Returns the indices to take (all sharing the oldest entry's key, FIFO within it), or how
     long to wait for more. ``max_rows`` 0 means the model takes no batch: one at a time.
+    With preferred sizes, as in Triton, a batch grows to the largest preferred size at most
+    (a larger one is slower per row, or there would be no reason to prefer it); a request
+    larger than that still runs, alone.
     """
     if not queue:
         return Plan(wait_s=None)
     if max_rows == 0:
         return Plan(take=(0,))
     _, head_key, head_enqueued = queue[0]
+    cap = min(max(preferred), max_rows) if preferred else max_rows
+    if queue[0][0] > cap:
+        return Plan(take=(0,))
     group: list[int] = []
     rows = 0
     for index, (count, key, _) in enumerate(queue):
         if key != head_key:
             continue
-        if rows + count > max_rows:
+        if rows + count > cap:
             break
         group.append(index)
         rows += count
-    if rows >= max_rows:
+    if rows >= cap:
         return Plan(take=tuple(group))
     target = _preferred_cut(group, queue, preferred)
     if target is not None:

@@ -51,6 +51,16 @@ def test_a_preferred_size_runs_at_once_and_the_largest_reachable_wins() -> None:
     assert plan(queue[:1], 32, (4, 8), 1.0, now=0.0).wait_s == pytest.approx(1.0)
 
 
+def test_preferred_sizes_cap_the_batch_as_in_triton() -> None:
+    """With preferred sizes a batch grows to the largest of them at most, even when more rows
+    wait and max_batch_size would take them; a request larger than that runs alone."""
+    queue = [(2, A, 0.0)] * 6
+    assert plan(queue, 32, (4,), 1.0, now=0.0).take == (0, 1)
+    assert plan(queue, 32, (4, 8), 1.0, now=0.0).take == (0, 1, 2, 3)
+    assert plan([(6, A, 0.0), (1, A, 0.0)], 32, (4,), 1.0, now=0.0).take == (0,)
+    assert plan([(3, A, 0.0), (3, A, 0.0)], 32, (4,), 1.0, now=2.0).take == (0,)  # 3 then 3
+
+
 def test_requests_of_other_shapes_are_never_concatenated() -> None:
     queue = [(1, A, 0.0), (1, B, 0.0), (1, A, 0.0), (1, B, 0.0)]
     assert plan(queue, 8, (), 0.0, now=0.0).take == (0, 2)
@@ -80,6 +90,8 @@ def test_every_plan_respects_the_rules(
         assert decision.take[0] == 0  # FIFO: the oldest always goes first
         assert {key for _, key, _ in taken} == {queue[0][1]}
         assert sum(rows for rows, _, _ in taken) <= max_rows
+        if preferred and len(taken) > 1:
+            assert sum(rows for rows, _, _ in taken) <= max(preferred)
         assert list(decision.take) == sorted(decision.take)
     else:
         assert decision.wait_s is not None and 0 < decision.wait_s <= delay
