@@ -63,7 +63,12 @@ class ImagePipeline:
                 image.load()
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise PreprocessingError(f"image too large: {exc}") from None
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        except UnidentifiedImageError:
+            raise PreprocessingError(
+                f"cannot decode image ({len(data)} bytes): not in a format Pillow reads "
+                "(JPEG, PNG, WebP, BMP, TIFF, GIF, ...)"
+            ) from None
+        except (OSError, SyntaxError, ValueError) as exc:
             raise PreprocessingError(f"cannot decode image ({len(data)} bytes): {exc}") from None
         return self.normalize_mode(image)
 

@@ -1,13 +1,14 @@
-"""The inference hot path on plain ASGI: ``POST /v2/models/{name}[/versions/{v}]/infer``.
+"""The inference hot paths on plain ASGI: ``POST /v2/models/{name}[/versions/{v}]/infer`` and
+``POST /v1/models/{name}:predict``.
 
 FastAPI would route the request through Starlette's middleware and router, build a Request,
 validate the path parameters with pydantic and wrap the endpoint: per request, more than the
 server spends on a small model's whole protocol work (bench/protocol.py measures both paths in
-one run). This middleware sits outside all of that and answers the two infer routes itself,
-with the same behaviour as the FastAPI routes in ``service/api/infer.py``: API token, request
-id, body limit, ``Inference-Header-Content-Length``, ``X-Request-Timeout``, 499 for a client
-that left, ``{"error", "request_id"}`` bodies. Those routes stay: they make the OpenAPI
-document and answer when ``TG_FAST_PATH=false``.
+one run). This middleware sits outside all of that and answers those routes itself, with the
+same behaviour as the FastAPI routes in ``service/api/infer.py``: API token, request id, body
+limit, ``Inference-Header-Content-Length``, ``X-Request-Timeout``, 499 for a client that left,
+``{"error", "request_id"}`` bodies. Those routes stay: they make the OpenAPI document and
+answer when ``TG_FAST_PATH=false``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 
+import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.auth import check_authorization
@@ -27,34 +29,44 @@ from service.protocol.v2 import HEADER_LENGTH, parse_header_length
 log = logging.getLogger("tensorgate.app")
 
 _INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
+_PREDICT = re.compile(r"^/v1/models/([^/]+):predict$")
 _WANTED = {
     b"authorization",
     b"content-length",
+    b"content-type",
     b"x-request-id",
     b"x-request-timeout",
-    HEADER_LENGTH.lower().encode(),
+    HEADER_LENGTH.encode(),
 }
 
 
 class InferFastPath:
-    """ASGI middleware: the infer routes answered here, everything else passed on."""
+    """ASGI middleware: the inference routes answered here, everything else passed on."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            match = _INFER.match(scope["path"])
-            if match is not None:
+            path = scope["path"]
+            infer = _INFER.match(path)
+            predict = _PREDICT.match(path) if infer is None else None
+            if infer is not None or predict is not None:
+                # None only before the lifespan has started
                 dataplane: DataPlane | None = getattr(scope["app"].state, "dataplane", None)
-                if dataplane is not None:  # None only before the lifespan has started
-                    await _infer(dataplane, scope, receive, send, match[1], match[2])
+                if dataplane is not None:
+                    await _answer(dataplane, scope, receive, send, infer, predict)
                     return
         await self.app(scope, receive, send)
 
 
-async def _infer(
-    dataplane: DataPlane, scope: Scope, receive: Receive, send: Send, name: str, version: str | None
+async def _answer(
+    dataplane: DataPlane,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    infer: re.Match[str] | None,
+    predict: re.Match[str] | None,
 ) -> None:
     headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _WANTED}
     request_id = request_id_for(headers.get("x-request-id", ""))
@@ -65,11 +77,14 @@ async def _infer(
         settings = dataplane.settings
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
-        header_length = parse_header_length(headers.get(HEADER_LENGTH.lower()), len(body))
         timeout_s = parse_timeout(headers.get("x-request-timeout"))
-        answer = await until_disconnect(
-            receive, dataplane.infer(name, version, body, header_length, timeout_s)
-        )
+        if infer is not None:
+            header_length = parse_header_length(headers.get(HEADER_LENGTH), len(body))
+            work = dataplane.infer(infer[1], infer[2], body, header_length, timeout_s)
+        else:
+            assert predict is not None
+            work = _predict(dataplane, predict[1], body, headers.get("content-type", ""), timeout_s)
+        answer = await until_disconnect(receive, work)
         if answer is None:
             status, content, extra = 499, b"", {}
         else:
@@ -90,3 +105,11 @@ async def _infer(
     raw.append((b"x-request-id", request_id.encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": content})
+
+
+async def _predict(
+    dataplane: DataPlane, name: str, body: bytes, content_type: str, timeout_s: float | None
+) -> tuple[bytes, dict[str, str]]:
+    answer = await dataplane.predict(name, body, content_type, timeout_s)
+    content = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    return content, {"content-type": "application/json"}

@@ -1,4 +1,4 @@
-"""The plain-ASGI infer route answers exactly as the FastAPI route does, for every outcome.
+"""The plain-ASGI inference routes answer exactly as the FastAPI routes do, for every outcome.
 
 Two real servers on one repository, one with the fast path (the default) and one with
 TG_FAST_PATH=false; each request goes to both and the answers are compared byte for byte.
@@ -6,12 +6,15 @@ TG_FAST_PATH=false; each request goes to both and the answers are compared byte 
 
 from __future__ import annotations
 
+import base64
+import io
 import shutil
 from collections.abc import Iterator
 
 import numpy as np
 import orjson
 import pytest
+from PIL import Image
 
 from tests.server import MODELS, Server
 
@@ -56,7 +59,16 @@ def _digits_binary() -> tuple[bytes, dict[str, str]]:
     return header + data.tobytes(), headers
 
 
+def _png() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8) * 4).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 BINARY, BINARY_HEADERS = _digits_binary()
+PREDICT = "/v1/models/digits:predict"
+PNG = {**AUTH, "Content-Type": "image/png"}
+INSTANCES = orjson.dumps({"instances": [{"b64": base64.b64encode(_png()).decode()}] * 2})
 CASES: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
     "json": ("POST", "/v2/models/digits/infer", _digits_json(), AUTH),
     "versioned": ("POST", "/v2/models/digits/versions/1/infer", _digits_json(3), AUTH),
@@ -78,6 +90,15 @@ CASES: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
     "bad header length": ("POST", "/v2/models/digits/infer", BINARY, {**AUTH, HEADER: "-3"}),
     "bad timeout": ("POST", "/v2/models/digits/infer", _digits_json(), {**AUTH, TIMEOUT: "soon"}),
     "wrong method": ("GET", "/v2/models/digits/infer", b"", AUTH),
+    "predict image": ("POST", PREDICT, _png(), PNG),
+    "predict instances": ("POST", PREDICT, INSTANCES, {**AUTH, "Content-Type": "application/json"}),
+    "predict no token": ("POST", PREDICT, _png(), {"Content-Type": "image/png"}),
+    "predict unknown model": ("POST", "/v1/models/nosuch:predict", _png(), PNG),
+    "predict corrupt image": ("POST", PREDICT, b"\x89PNG not really", PNG),
+    "predict unsupported type": ("POST", PREDICT, b"hello", {**AUTH, "Content-Type": "text/csv"}),
+    "predict too large": ("POST", PREDICT, b"x" * 200_000, PNG),
+    "predict bad timeout": ("POST", PREDICT, _png(), {**PNG, TIMEOUT: "-1"}),
+    "predict wrong method": ("GET", PREDICT, b"", AUTH),
 }
 
 
