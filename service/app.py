@@ -73,9 +73,13 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(routes)
     _install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
-    if settings.fast_path:
-        app.add_middleware(InferFastPath)  # outermost of ours: the hot route skips the rest
     return app
+
+
+def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
+    """What uvicorn runs: the app, wrapped in the plain-ASGI inference routes unless they are
+    turned off (``TG_FAST_PATH=false``)."""
+    return InferFastPath(app) if settings.fast_path else app
 
 
 class RequestIdMiddleware:

@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service import logs
-    from service.app import create_app
+    from service.app import create_app, serving_app
     from service.server import DrainingServer
     from service.settings import Settings
 
@@ -83,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(settings.log_level)
     app = create_app(settings)
     config = uvicorn.Config(
-        app,
+        serving_app(app, settings),
         host=settings.host,
         port=settings.port,
         log_config=None,

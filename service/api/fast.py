@@ -17,7 +17,8 @@ import logging
 import re
 
 import orjson
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from service.api.auth import check_authorization
 from service.api.deps import ClientGone, error_body, parse_timeout, receive_body, until_disconnect
@@ -41,9 +42,11 @@ _WANTED = {
 
 
 class InferFastPath:
-    """ASGI middleware: the inference routes answered here, everything else passed on."""
+    """Wraps the FastAPI app: the inference routes are answered here, everything else (and the
+    lifespan) goes to the app. Outermost, so that none of Starlette's or FastAPI's own
+    middleware (server errors, telemetry, body limit) runs for the hot routes."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: FastAPI) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -53,7 +56,7 @@ class InferFastPath:
             predict = _PREDICT.match(path) if infer is None else None
             if infer is not None or predict is not None:
                 # None only before the lifespan has started
-                dataplane: DataPlane | None = getattr(scope["app"].state, "dataplane", None)
+                dataplane: DataPlane | None = getattr(self.app.state, "dataplane", None)
                 if dataplane is not None:
                     await _answer(dataplane, scope, receive, send, infer, predict)
                     return
