@@ -203,6 +203,7 @@ class Scheduler:
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
     _executors: list[ThreadPoolExecutor] = field(default_factory=list)
+    _warned: set[BatchShape] = field(default_factory=set)
     busy_since: list[float | None] = field(default_factory=list)
     """Per instance: when its current batch started (None when idle); liveness reads it."""
 
@@ -294,9 +295,15 @@ class Scheduler:
         batch = collate(items)
         if self.config.pad_to and self.config.max_batch_size > 0:
             batch = pad_rows(batch, rows, self.config.pad_to)
-        if self.warmed is not None and batch_shape(batch) not in self.warmed:
-            self.stats.record_unwarmed(len(items))
-            log.warning("model %s met an unwarmed shape %s", self.model, batch_shape(batch))
+        if self.warmed is not None:
+            shape = batch_shape(batch)
+            if shape not in self.warmed:
+                self.stats.record_unwarmed(len(items))
+                if shape not in self._warned:  # once per shape: a log line per batch is a cost
+                    self._warned.add(shape)
+                    log.warning("model %s met an unwarmed shape %s (logged once per shape; "
+                                "tensorgate_unwarmed_shape_requests counts every request)",
+                                self.model, shape)  # fmt: skip
 
         def work() -> tuple[dict[str, np.ndarray], float, int]:
             started = time.monotonic()

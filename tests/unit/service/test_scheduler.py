@@ -365,3 +365,23 @@ def test_each_instance_runs_batches_on_its_own_runtime() -> None:
     first, second = asyncio.run(main())
     assert used == [0, 1]
     assert first.tolist() == [[0.0]] and second.tolist() == [[101.0]]
+
+
+def test_unwarmed_shapes_are_counted_every_time_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> ModelStats:
+        stats = ModelStats()
+        warmed = {(("x", (1, 2)),)}
+        s = Scheduler("m", SchedulerConfig(max_batch_size=8), [doubling([])], stats, warmed=warmed)
+        s.start()
+        for rows in (1, 3, 3, 3, 2):
+            await s.submit({"x": np.ones((rows, 2), np.float32)}, None, None)
+        await s.stop()
+        return stats
+
+    with caplog.at_level("WARNING", logger="tensorgate.scheduler"):
+        stats = asyncio.run(main())
+    assert stats.unwarmed_count == 4
+    warned = [r.getMessage() for r in caplog.records if "unwarmed shape" in r.getMessage()]
+    assert len(warned) == 2 and "(3, 2)" in warned[0] and "(2, 2)" in warned[1]
