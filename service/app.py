@@ -8,6 +8,7 @@ Start: scan the repository â†’ load every version in the background (artifact â†
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -128,6 +129,24 @@ async def _poll(dataplane: DataPlane, interval_s: float) -> None:
             log.info("poll: model %s unloaded (its folder is gone)", name)
 
 
+def _settle_heap() -> None:
+    """Move everything loading made (modules, models, tokenizers) out of the garbage
+    collector's sight, and collect young objects less often.
+
+    Under load, objects that live across a few collections (bodies, futures, arrays of requests
+    in flight) are promoted to the oldest generation, and each full collection then walked every
+    object the process holds: W2 at 64 connections ran 46 full collections of up to 36 ms in
+    16 s, and they were its p99. Frozen objects are never walked; they are never freed either,
+    which is what objects loaded for the life of the process want.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*_GC_THRESHOLDS)
+
+
+_GC_THRESHOLDS = (10_000, 20, 20)
+
+
 def start_schedulers(repository: ModelRepository) -> None:
     """Start the scheduler of every ready version (in the event loop, where they run)."""
     for _, loaded in repository.loaded_versions():
@@ -136,6 +155,7 @@ def start_schedulers(repository: ModelRepository) -> None:
 
 def _load(repository: ModelRepository) -> None:
     repository.load_all()
+    _settle_heap()
     parts = {"load_s": 0.0, "gates_s": 0.0, "warmup_s": 0.0}
     for _, loaded in repository.loaded_versions():
         for part in parts:
