@@ -78,4 +78,5 @@ bench: models
 	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
 	$(BIN)/python -m bench.protocol
 	$(BIN)/python -m bench.batching
+	$(BIN)/python -m bench.stack
 	$(BIN)/python -m bench.warmup

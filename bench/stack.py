@@ -1,0 +1,163 @@
+"""What each HTTP-stack choice buys: uvloop vs asyncio's own loop, httptools vs h11, orjson vs
+the standard json module, numpy decoding vs pydantic validation of tensor data.
+
+    .venv/bin/python -m bench.stack [--seconds 6]
+
+Served: the W2 model (64→256→10 MLP, JSON tensor, 64 connections, wrk) on tensorgate's app
+under each loop × parser pair, the chosen pair first and last (so drift shows). In process: a
+request's JSON decoding and a response's encoding, both ways. Writes bench/results/stack.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel
+
+from bench.batching import SERVER_ENV, mlp_models
+from bench.common import publish, table, wrk
+from service.protocol.v2 import OutputTensor, decode_request, encode_response
+from tests.server import free_port
+
+PAIRS = [("uvloop", "httptools"), ("asyncio", "httptools"), ("uvloop", "h11"),
+         ("asyncio", "h11"), ("uvloop", "httptools")]  # fmt: skip
+
+
+def serve(repository: Path, port: int, loop: str, http: str) -> None:
+    """The child process: tensorgate's app as ``tensorgate serve`` builds it, on one pair."""
+    import uvicorn
+
+    from service import logs
+    from service.app import create_app, serving_app
+    from service.settings import Settings
+
+    settings = Settings(model_repository=repository, port=port, access_log=False,
+                        log_level="warning", intra_op_threads=2)  # fmt: skip
+    logs.configure(settings.log_level)
+    app = create_app(settings)
+    config = uvicorn.Config(serving_app(app, settings), host="127.0.0.1", port=port,
+                            loop=loop, http=http, log_config=None, access_log=False)  # fmt: skip
+    uvicorn.Server(config).run()
+
+
+def served(seconds: int) -> list[list[str]]:
+    import httpx
+
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
+                                     "data": x.ravel().tolist()}]})  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "models"
+        root.mkdir()
+        mlp_models(root)
+        for loop, http in PAIRS:
+            port = free_port()
+            child = subprocess.Popen(
+                [sys.executable, "-m", "bench.stack", "--serve", str(root), str(port), loop, http],
+                env={**os.environ, **SERVER_ENV}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            try:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    try:
+                        if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    time.sleep(0.1)
+                url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+                wrk(url, body, "application/json", connections=64, seconds=2)  # settle, unmeasured
+                result = wrk(url, body, "application/json", connections=64, seconds=seconds)
+                rows.append([f"{loop} + {http}", f"{result.requests_per_s:.0f}",
+                             f"{result.p50_ms:.2f}", f"{result.p99_ms:.2f}", str(result.errors)])  # fmt: skip
+            finally:
+                child.terminate()
+                child.wait(timeout=30)
+    return rows
+
+
+class _Tensor(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    data: list[float]
+
+
+class _Request(BaseModel):
+    inputs: list[_Tensor]
+
+
+def _pydantic_decode(body: bytes) -> np.ndarray:
+    request = _Request.model_validate_json(body)
+    tensor = request.inputs[0]
+    return np.asarray(tensor.data, dtype=np.float32).reshape(tensor.shape)
+
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def in_process() -> list[list[str]]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for label, shape, reps in (("1×64 FP32 (W2)", (1, 64), 2000),
+                               ("1×3×224×224 FP32", (1, 3, 224, 224), 10)):  # fmt: skip
+        array = rng.standard_normal(shape).astype(np.float32)
+        body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(shape),
+                                         "data": array.ravel().tolist()}]})  # fmt: skip
+        ours = _median_ms(lambda b=body: decode_request(b), reps)
+        theirs = _median_ms(lambda b=body: _pydantic_decode(b), reps)
+        rows.append([f"decode {label}", "orjson → numpy", f"{ours:.3f}", "pydantic model",
+                     f"{theirs:.3f}", f"{theirs / ours:.1f}"])  # fmt: skip
+    output = OutputTensor("y", rng.standard_normal((1, 1000)).astype(np.float32), "FP32", False)
+    ours = _median_ms(lambda: encode_response("m", "1", None, None, [output]), 2000)
+    theirs = _median_ms(
+        lambda: json.dumps({"model_name": "m", "model_version": "1", "outputs": [{
+            "name": "y", "datatype": "FP32", "shape": [1, 1000],
+            "data": output.data.ravel().tolist()}]}).encode(),
+        2000,
+    )  # fmt: skip
+    rows.append(["encode 1×1000 FP32 output", "orjson from numpy", f"{ours:.3f}", "json.dumps",
+                 f"{theirs:.3f}", f"{theirs / ours:.1f}"])  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        serve(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--seconds", type=int, default=6)
+    args = parser.parse_args()
+    report = [
+        "# HTTP stack choices", "",
+        f"## Served: W2 MLP, JSON tensor, 64 connections, wrk {args.seconds} s each", "",
+        table(served(args.seconds), ["loop + parser", "req/s", "p50 ms", "p99 ms", "errors"]), "",
+        "## In process (median ms)", "",
+        table(in_process(), ["work", "chosen", "ms", "alternative", "ms", "alternative / chosen"]),
+    ]  # fmt: skip
+    publish("stack", "\n".join(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()
