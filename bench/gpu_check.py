@@ -136,7 +136,11 @@ def main() -> None:
     finally:
         server.stop()
     best, single_ms = ceiling(device, args.seconds)
-    unbound, _ = ceiling(device, args.seconds, io_binding="off")
+    if device.startswith("cuda"):
+        unbound, _ = ceiling(device, args.seconds, io_binding="off")
+        binding = f"Without IO binding (`gpu.io_binding: off`): {unbound:.1f} images/s at batch 32."
+    else:
+        binding = "IO binding is for CUDA (`gpu.io_binding: auto`): not compared on the CPU."
     graphs = cuda_graphs_check(args.seconds)
     report = "\n".join([
         "# GPU check", "",
@@ -149,7 +153,7 @@ def main() -> None:
         f"GPU memory after load: {memory_loaded}; after the load runs: {memory_loaded_after}.", "",
         "## In-process ceiling, same model and device", "",
         f"{best:.1f} images/s at batch 32 (model only, random inputs); one image: {single_ms:.2f} ms.",
-        f"Without IO binding (`gpu.io_binding: off`): {unbound:.1f} images/s at batch 32.", "",
+        binding, "",
         "## CUDA graphs (TorchScript)", "", graphs,
     ]) + "\n"  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
