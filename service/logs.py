@@ -18,13 +18,13 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request
 
 _ID_PREFIX = uuid.uuid4().hex[:16]
 _ID_COUNTER = itertools.count()
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_VALID_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 def request_id_for(given: str) -> str:
     """The client's ``X-Request-ID`` when it is a sane one, else a new id: unique per process
     start and request, made without a syscall (uuid4 reads os.urandom)."""
-    if given and _VALID_ID.match(given):
+    if given and _VALID_ID.fullmatch(given):
         return given
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 

@@ -299,7 +299,8 @@ class Scheduler:
             shape = batch_shape(batch)
             if shape not in self.warmed:
                 self.stats.record_unwarmed(len(items))
-                if shape not in self._warned:  # once per shape: a log line per batch is a cost
+                # once per shape (a log line per batch is a cost), for the first 1,000 shapes
+                if shape not in self._warned and len(self._warned) < 1000:
                     self._warned.add(shape)
                     log.warning("model %s met an unwarmed shape %s (logged once per shape; "
                                 "tensorgate_unwarmed_shape_requests counts every request)",

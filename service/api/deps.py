@@ -52,7 +52,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def receive_body(receive: Receive, declared: str | None, limit: int) -> bytes:
     """The body from ASGI ``receive``; 413 once it is known to exceed ``limit`` bytes."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     chunks = []
     size = 0
@@ -107,6 +107,9 @@ async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T 
     watcher = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # the request itself was cancelled (shutdown): so is its work
+        raise
     finally:
         watcher.cancel()
     if task.done():

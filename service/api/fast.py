@@ -71,7 +71,10 @@ async def _answer(
     infer: re.Match[str] | None,
     predict: re.Match[str] | None,
 ) -> None:
-    headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _WANTED}
+    headers: dict[str, str] = {}
+    for key, value in scope["headers"]:
+        if key in _WANTED:  # the first of repeated headers wins, as in Starlette
+            headers.setdefault(key.decode(), value.decode("latin-1"))
     request_id = request_id_for(headers.get("x-request-id", ""))
     REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
     extra: dict[str, str] = {"content-type": "application/json"}
@@ -80,12 +83,13 @@ async def _answer(
         settings = dataplane.settings
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
-        timeout_s = parse_timeout(headers.get("x-request-timeout"))
         if infer is not None:
             header_length = parse_header_length(headers.get(HEADER_LENGTH), len(body))
+            timeout_s = parse_timeout(headers.get("x-request-timeout"))
             work = dataplane.infer(infer[1], infer[2], body, header_length, timeout_s)
         else:
             assert predict is not None
+            timeout_s = parse_timeout(headers.get("x-request-timeout"))
             work = _predict(dataplane, predict[1], body, headers.get("content-type", ""), timeout_s)
         answer = await until_disconnect(receive, work)
         if answer is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from service.errors import ModelLoadError
@@ -35,10 +36,26 @@ def resolve_device(device: str, backend: str) -> str:
 
 
 def cuda_device_count() -> int:
-    """The CUDA devices this process may use (``CUDA_VISIBLE_DEVICES`` applied), from torch."""
+    """The CUDA devices this process may use: from torch (``CUDA_VISIBLE_DEVICES`` applied),
+    else from NVML (an onnxruntime-gpu image with a CPU torch), else 0."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+        count = int(pynvml.nvmlDeviceGetCount())
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
 
 
 def instance_devices(device: str, instances: int, gpu_count: Callable[[], int]) -> list[str]:

@@ -109,7 +109,11 @@ class OnnxRuntime(Runtime):
         self._device_type = "cuda" if device.startswith("cuda") else "cpu"
         self._device_id = int(device.partition(":")[2] or 0)
         mode = self.options.gpu.io_binding
-        self._io_binding = mode == "on" or (mode == "auto" and self._device_type == "cuda")
+        self._io_binding = (
+            mode == "on" or (mode == "auto" and self._device_type == "cuda")
+        ) and all(
+            t.datatype != "BYTES" for t in graph.outputs
+        )  # string outputs live on the host: bound to a device they would fail
         return declared or graph
 
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -134,6 +138,9 @@ class OnnxRuntime(Runtime):
         self._session.run_with_iobinding(binding)
         results: list[np.ndarray] = binding.copy_outputs_to_cpu()
         return results
+
+    def close(self) -> None:
+        self.__dict__.pop("_session", None)  # idempotent; the session is freed with it
 
 
 def _text(name: str, array: np.ndarray) -> np.ndarray:

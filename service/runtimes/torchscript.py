@@ -6,6 +6,7 @@ Every submodule is put in eval mode, every parameter stops requiring grad, every
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,16 @@ _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TORCH_DTYPES = {"FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64}
 
 GraphKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+log = logging.getLogger("tensorgate.runtime")
+
+
+def _probe(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inputs of ``batch``'s shapes with varied values (warmup batches are zeros)."""
+    rng = np.random.default_rng(0)
+    return {
+        name: rng.standard_normal(a.shape).astype(a.dtype) if a.dtype.kind == "f" else a.copy()
+        for name, a in batch.items()
+    }
 
 
 def graph_key(batch: Mapping[str, np.ndarray]) -> GraphKey:
@@ -45,7 +56,8 @@ class _Graph:
             module(*static)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        # thread_local: other instances' threads may allocate while this one captures
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             outputs = module(*static)
         return cls(graph, static, outputs)
 
@@ -123,15 +135,38 @@ class TorchScriptRuntime(Runtime):
                 return self._outputs(result)  # .cpu() waits for this stream's work
 
     def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
-        """Run the shape eagerly (cuDNN picks its kernels); with ``gpu.cuda_graphs``, capture it."""
+        """Run the shape eagerly (cuDNN picks its kernels); with ``gpu.cuda_graphs``, capture it,
+        and keep the graph only if its replay answers as the eager module does."""
         self.run(batch)
         if self._capture:
+            self._capture_graph(batch)
+
+    def _capture_graph(self, batch: Mapping[str, np.ndarray]) -> None:
+        key = graph_key(batch)
+        try:
             with torch.inference_mode(), torch.cuda.stream(self._stream):
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                self._graphs[graph_key(batch)] = _Graph.capture(
-                    self._module, self._inputs(batch), self._stream, self._pool
-                )
+                graph = _Graph.capture(self._module, self._inputs(batch), self._stream, self._pool)
+        except Exception as exc:  # a data-dependent branch, .item(), a recompilation, ...
+            log.warning("CUDA graph capture failed for %s; that shape runs eagerly: %s", key, exc)
+            return
+        probe = _probe(batch)
+        eager = self.run(probe)
+        self._graphs[key] = graph
+        replayed = self.run(probe)
+        if not all(np.allclose(replayed[n], eager[n], rtol=1e-3, atol=1e-4) for n in eager):
+            del self._graphs[key]
+            log.warning("CUDA graph replay for %s differs from the eager module; that shape "
+                        "runs eagerly", key)  # fmt: skip
+
+    def close(self) -> None:
+        """Drop the module, graphs and stream, and hand cached device memory back."""
+        self._graphs.clear()
+        self._pool = None
+        self.__dict__.pop("_module", None)  # idempotent
+        if self._cuda:
+            torch.cuda.empty_cache()
 
     @property
     def captured(self) -> frozenset[GraphKey]:

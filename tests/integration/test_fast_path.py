@@ -138,3 +138,15 @@ def test_fast_path_requests_are_counted_and_logged_like_any_other(
     after = fast.client.get("/v2/models/digits/stats", headers=AUTH).json()["model_stats"][0]
     assert after["inference_count"] - before["inference_count"] == 6
     assert '"logger":"tensorgate.access"' in fast.log().replace(" ", "")
+
+
+def test_a_repeated_header_counts_once_its_first_value_as_in_starlette(
+    servers: tuple[Server, Server],
+) -> None:
+    headers = [("Authorization", f"Bearer {TOKEN}"), ("Authorization", "Bearer wrong"),
+               ("X-Request-ID", "first-id"), ("X-Request-ID", "second-id")]  # fmt: skip
+    for server in servers:
+        response = server.client.post("/v2/models/digits/infer", content=_digits_json(),
+                                      headers=headers)  # fmt: skip
+        assert response.status_code == 200, response.text
+        assert response.headers["x-request-id"] == "first-id"

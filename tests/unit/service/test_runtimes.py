@@ -193,6 +193,20 @@ def test_onnx_io_binding_answers_exactly_as_a_plain_run(tmp_path: Path) -> None:
     auto = create_runtime("onnx", RuntimeOptions("cpu", 1))
     auto.load(path, None, max_batch_size=8)
     assert not auto._io_binding  # auto binds on CUDA only
+    for runtime in (plain, bound, auto):
+        runtime.close()
+        runtime.close()  # twice is fine
+        assert not hasattr(runtime, "_session")
+
+
+def test_io_binding_is_off_for_models_with_string_outputs(tmp_path: Path) -> None:
+    from service.model_config import GpuConfig
+    from tests.identity import write_identity_model
+
+    write_identity_model(tmp_path / "identity")
+    runtime = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="on")))
+    runtime.load(tmp_path / "identity" / "1" / "model.onnx", None, max_batch_size=8)
+    assert not runtime._io_binding  # out_BYTES lives on the host
 
 
 def test_cuda_graphs_are_for_torchscript_and_ignored_with_a_warning_on_the_cpu(
