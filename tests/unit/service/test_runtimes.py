@@ -231,7 +231,8 @@ def test_cuda_graphs_are_for_torchscript_and_ignored_with_a_warning_on_the_cpu(
         "digits", tmp_path / "digits" / "1", load_model_config(config_path), settings
     )
     assert "gpu.cuda_graphs ignored: the model runs on the CPU" in loaded.warnings
-    assert loaded.runtimes[0].captured == frozenset()  # type: ignore[attr-defined]
+    runtime = loaded.runtimes[0]
+    assert isinstance(runtime, TorchScriptRuntime) and runtime.captured == frozenset()
     loaded.close()
 
 
