@@ -198,9 +198,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("%s %s: internal error", request.method, request.url.path)
+        request_id = REQUEST_ID.get() or ""
+        # Starlette answers this one from its outermost middleware, outside RequestIdMiddleware:
+        # the header is set here, as every other response gets it.
         return _error(
-            f"internal server error (request {REQUEST_ID.get()}); see the server log", 500
-        )
+            f"internal server error (request {request_id}); see the server log", 500,
+            {"x-request-id": request_id},
+        )  # fmt: skip
 
 
 def _error(message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:

@@ -14,3 +14,26 @@ def test_after_loading_the_heap_is_frozen_and_young_collections_are_rarer() -> N
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_an_unexpected_error_is_a_500_that_names_the_request_like_every_other_answer() -> None:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+    from service.settings import Settings
+    from tests.server import MODELS
+
+    app = create_app(Settings(model_repository=MODELS))
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/broken", broken)
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: nothing loads
+    response = client.get("/broken", headers={"X-Request-ID": "bug-1"})
+    assert response.status_code == 500
+    assert response.headers["x-request-id"] == "bug-1"
+    assert response.json() == {
+        "error": "internal server error (request bug-1); see the server log",
+        "request_id": "bug-1",
+    }
