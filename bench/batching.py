@@ -31,8 +31,7 @@ import torch
 import yaml
 from PIL import Image
 
-from bench.common import WrkResult, publish, table, wrk
-from bench.protocol import _wait_for_noop
+from bench.common import WrkResult, publish, table, wait_until_up, wrk
 from preprocessing import ImagePipeline, ImageSpec
 from service.export import export_model
 from service.model_config import TensorConfig
@@ -183,7 +182,7 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
         w1_url = f"{server.url}/v1/models/efficientnet_lite0:predict"
         try:
             server.wait_until(timeout=300)
-            _wait_for_noop(noop_port)
+            wait_until_up(f"http://127.0.0.1:{noop_port}/noop", "POST")
             noop_result = wrk(f"http://127.0.0.1:{noop_port}/noop", image, "image/jpeg",
                               connections=16, seconds=seconds)  # fmt: skip
             figures["ceiling_b"] = noop_result.requests_per_s

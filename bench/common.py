@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,3 +105,18 @@ def publish(name: str, text: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text(text)
     print(text)
+
+
+def wait_until_up(url: str, method: str = "GET", timeout_s: float = 120) -> None:
+    """Poll ``url`` until it answers 200 (connection errors: not yet); TimeoutError after."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.request(method, url, content=b"").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # poll interval
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")

@@ -25,7 +25,7 @@ import onnx
 import orjson
 from onnx import TensorProto, helper
 
-from bench.common import WrkResult, publish, table, wrk
+from bench.common import WrkResult, publish, table, wait_until_up, wrk
 from service.protocol.v2 import OutputTensor, decode_request, encode_response
 from tests.server import MODELS, Server, free_port
 
@@ -114,7 +114,7 @@ def served(seconds: int, connections: int) -> list[list[str]]:
                 ("efficientnet_lite0, JSON", f"{server.url}/v2/models/efficientnet_lite0/infer",
                  *payloads["json"]),
             ]  # fmt: skip
-            _wait_for_noop(noop_port)
+            wait_until_up(f"http://127.0.0.1:{noop_port}/noop", "POST")
             results: dict[str, WrkResult] = {}
             for label, url, body, length in runs:
                 content_type = "application/octet-stream" if length else "application/json"
@@ -138,19 +138,6 @@ def served(seconds: int, connections: int) -> list[list[str]]:
             server.stop()
             plain.stop()
     return rows
-
-
-def _wait_for_noop(port: int) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            httpx.post(f"http://127.0.0.1:{port}/noop", content=b"")
-            return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise TimeoutError("no-op server did not start")
 
 
 def main() -> None:

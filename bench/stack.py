@@ -27,7 +27,7 @@ import orjson
 from pydantic import BaseModel
 
 from bench.batching import SERVER_ENV, mlp_models
-from bench.common import publish, table, wrk
+from bench.common import publish, table, wait_until_up, wrk
 from service.protocol.v2 import OutputTensor, decode_request, encode_response
 from tests.server import free_port
 
@@ -53,8 +53,6 @@ def serve(repository: Path, port: int, loop: str, http: str) -> None:
 
 
 def served(seconds: int) -> list[list[str]]:
-    import httpx
-
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
                                      "data": x.ravel().tolist()}]})  # fmt: skip
@@ -71,14 +69,7 @@ def served(seconds: int) -> list[list[str]]:
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
             try:
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline:
-                    try:
-                        if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    time.sleep(0.1)
+                wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready")
                 url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
                 wrk(url, body, "application/json", connections=64, seconds=2)  # settle, unmeasured
                 result = wrk(url, body, "application/json", connections=64, seconds=seconds)
