@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 from numpy.typing import NDArray
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from preprocessing.spec import ImageSpec
 
@@ -28,6 +28,10 @@ _RESAMPLE = {
 }
 
 
+# EXIF orientations that need the image turned or flipped (1: upright; absent: upright).
+_TRANSPOSED = frozenset(range(2, 9))
+
+
 class PreprocessingError(ValueError):
     """The input cannot be turned into a tensor: the message says why, for the client to read."""
 
@@ -38,8 +42,15 @@ class ImagePipeline:
     def __init__(self, spec: ImageSpec) -> None:
         self.spec = spec
         channels = spec.channels
-        self._mean = np.asarray(spec.mean, np.float32).reshape(1, 1, -1)
-        self._inv_std = (1.0 / np.asarray(spec.std, np.float32)).reshape(1, 1, -1)
+        mean = np.asarray(spec.mean, np.float32).reshape(1, -1)
+        inv_std = (1.0 / np.asarray(spec.std, np.float32)).reshape(1, -1)
+        levels = np.arange(256, dtype=np.float32).reshape(-1, 1)
+        # (level * scale - mean) * (1 / std) for each of the 256 levels of each channel, in
+        # float32 as it would be computed per pixel: looking a pixel up gives the same bits
+        # as computing it, in a third of the time. Rows: channels, in the model's order.
+        table = (levels * np.float32(spec.scale) - mean) * inv_std
+        table = np.broadcast_to(table, (256, channels))  # one mean/std may serve every channel
+        self._table = np.ascontiguousarray(table.T.astype(spec.dtype))
         self._channels = channels
         self._dtype = np.dtype(spec.dtype)
 
@@ -74,7 +85,8 @@ class ImagePipeline:
 
     def normalize_mode(self, image: Image.Image) -> Image.Image:
         """Apply EXIF orientation and convert any mode (P, LA, RGBA, CMYK, I;16…) to RGB or L."""
-        image = ImageOps.exif_transpose(image)
+        if image.getexif().get(ExifTags.Base.Orientation, 1) in _TRANSPOSED:
+            image = ImageOps.exif_transpose(image)  # a copy: only when it has to turn
         if image.mode in ("RGBA", "LA", "PA") or (
             image.mode == "P" and "transparency" in image.info
         ):
@@ -90,25 +102,34 @@ class ImagePipeline:
 
     def from_image(self, image: Image.Image) -> NDArray[np.generic]:
         """A decoded image → the input tensor for one row (no batch dimension)."""
-        image = self.normalize_mode(image)
+        return self._tensor(self.normalize_mode(image))
+
+    def __call__(self, data: bytes) -> NDArray[np.generic]:
+        """Encoded bytes → the input tensor for one row (no batch dimension)."""
+        return self._tensor(self.decode(data))
+
+    def _tensor(self, image: Image.Image) -> NDArray[np.generic]:
+        """An upright RGB or L image → resize → crop → scale → normalize → layout → dtype."""
         spec = self.spec
         if spec.resize is not None:
             image = _resize_shorter_side(image, spec.resize, _RESAMPLE[spec.interpolation])
         if spec.crop is not None:
             image = _centre_crop(image, spec.crop)
-        pixels = np.asarray(image, dtype=np.float32)
+        pixels = np.asarray(image)  # uint8: RGB and L are 8 bits a channel
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
         if spec.color == "BGR":
             pixels = pixels[:, :, ::-1]
-        tensor = (pixels * np.float32(spec.scale) - self._mean) * self._inv_std
+        height, width, channels = pixels.shape
         if spec.layout == "NCHW":
-            tensor = tensor.transpose(2, 0, 1)
-        return np.ascontiguousarray(tensor, dtype=self._dtype)
-
-    def __call__(self, data: bytes) -> NDArray[np.generic]:
-        """Encoded bytes → the input tensor for one row (no batch dimension)."""
-        return self.from_image(self.decode(data))
+            tensor = np.empty((channels, height, width), self._dtype)
+            for c in range(channels):
+                np.take(self._table[c], pixels[:, :, c], out=tensor[c], mode="clip")
+        else:
+            tensor = np.empty((height, width, channels), self._dtype)
+            for c in range(channels):
+                tensor[:, :, c] = np.take(self._table[c], pixels[:, :, c], mode="clip")
+        return tensor
 
 
 def _resize_shorter_side(image: Image.Image, size: int, resample: Image.Resampling) -> Image.Image:

@@ -42,6 +42,35 @@ def test_normalizes_with_mean_and_std_per_channel() -> None:
     np.testing.assert_allclose(out[:, 0, 0], [1.0, 0.0, 0.0], atol=1e-6)
 
 
+@pytest.mark.parametrize("color", ["RGB", "BGR", "L"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_normalizing_is_the_per_pixel_arithmetic_bit_for_bit(
+    astronaut: Image.Image, color: str, layout: str, dtype: str
+) -> None:
+    channels = 1 if color == "L" else 3
+    mean, std = (0.485, 0.456, 0.406)[:channels], (0.229, 0.224, 0.225)[:channels]
+    spec = ImageSpec(resize=256, crop=224, color=color, layout=layout, dtype=dtype,
+                     mean=mean, std=std)  # fmt: skip
+    got = ImagePipeline(spec)(encode(np.asarray(astronaut), "JPEG", quality=90))
+    # what the pipeline computes, written out pixel by pixel in float32 (as torchvision would)
+    image = Image.open(io.BytesIO(encode(np.asarray(astronaut), "JPEG", quality=90)))
+    image = image.convert("L" if color == "L" else "RGB").resize(
+        (256, 256), Image.Resampling.BILINEAR
+    )
+    pixels = np.asarray(image.crop((16, 16, 240, 240)), dtype=np.float32).reshape(224, 224, -1)
+    if color == "BGR":
+        pixels = pixels[:, :, ::-1]
+    mean_ = np.asarray(mean, np.float32)
+    inv_std = np.float32(1.0) / np.asarray(std, np.float32)
+    expected = (pixels * np.float32(1 / 255) - mean_) * inv_std
+    if layout == "NCHW":
+        expected = expected.transpose(2, 0, 1)
+    expected = np.ascontiguousarray(expected, dtype=dtype)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert got.tobytes() == expected.tobytes()
+
+
 def test_bgr_is_the_rgb_tensor_with_channels_reversed(astronaut: Image.Image) -> None:
     rgb = ImagePipeline(PLAIN).from_image(astronaut)
     bgr = ImagePipeline(PLAIN.model_copy(update={"color": "BGR"})).from_image(astronaut)
