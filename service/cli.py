@@ -67,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service.app import create_app, serving_app
     from service.server import DrainingServer
     from service.settings import Settings
+    from service.transport import CoalescingHttpToolsProtocol
 
     overrides: dict[str, Any] = {
         key: value
@@ -89,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_config=None,
         access_log=False,  # tensorgate writes its own structured line per inference request
         loop="auto",
-        http="auto",
+        http=CoalescingHttpToolsProtocol,
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),
     )
     DrainingServer(config, app, settings).run()

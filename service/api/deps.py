@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -97,30 +96,37 @@ def parse_timeout(raw: str | None) -> float | None:
     return value
 
 
-async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
-    """Await ``work``; if the client disconnects first, cancel it and return None.
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
+    """Await ``work`` in this task; if the client disconnects first, cancel it and return None.
 
     ``receive`` is the request's ASGI receive, its body already read. Cancelling drops the
-    request from its model's queue, so a batch never runs for a client that is gone.
+    request from its model's queue, so a batch never runs for a client that is gone. The work
+    runs in the request's own task (a second task and ``asyncio.wait`` cost a request more than
+    the watcher does), so cancelling the request, as at shutdown, cancels its work too.
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        # The body has been read, so the next message the server sends is the disconnect.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
-        task.cancel()  # the request itself was cancelled (shutdown): so is its work
+        if not gone or current.cancelling() > 1:
+            raise  # cancelled from elsewhere too (shutdown): that cancellation goes on
+        current.uncancel()
+        return None
+    except Exception:
+        if gone:
+            return None  # it failed on the way out; nobody is there to read why
         raise
     finally:
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    # The body has been read, so the next message the server sends is the disconnect.
-    while (await receive())["type"] != "http.disconnect":
-        pass

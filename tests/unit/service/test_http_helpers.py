@@ -1,0 +1,155 @@
+"""until_disconnect (a client gone mid-request) and the coalescing transport, on real loops and
+real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from service.api.deps import until_disconnect
+from service.transport import CoalescingTransport
+
+
+class Messages:
+    """An ASGI ``receive`` fed by the test: what the server would deliver after the body."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def __call__(self) -> dict[str, Any]:
+        return await self.queue.get()
+
+    def disconnect(self) -> None:
+        self.queue.put_nowait({"type": "http.disconnect"})
+
+
+async def long_work(cancelled: asyncio.Event) -> int:
+    """A minute of work that notes being cancelled."""
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    return 1
+
+
+def test_work_that_finishes_returns_its_result_and_leaves_no_task() -> None:
+    async def main() -> tuple[int | None, int]:
+        result = await until_disconnect(Messages(), asyncio.sleep(0.001, result=7))
+        await asyncio.sleep(0)  # let the cancelled watcher finish
+        return result, len(asyncio.all_tasks())
+
+    assert asyncio.run(main()) == (7, 1)  # only main() is left
+
+
+def test_a_disconnect_cancels_the_work_and_returns_none() -> None:
+    cancelled = asyncio.Event()
+
+    async def main() -> tuple[int | None, bool, int]:
+        receive = Messages()
+        asyncio.get_running_loop().call_later(0.01, receive.disconnect)
+        result = await until_disconnect(receive, long_work(cancelled))
+        await asyncio.sleep(0)  # the task is usable afterwards: not left cancelling
+        current = asyncio.current_task()
+        assert current is not None
+        return result, cancelled.is_set(), current.cancelling()
+
+    assert asyncio.run(main()) == (None, True, 0)
+
+
+def test_errors_of_the_work_reach_the_caller() -> None:
+    async def work() -> int:
+        raise ValueError("bad input")
+
+    async def main() -> None:
+        await until_disconnect(Messages(), work())
+
+    with pytest.raises(ValueError, match="bad input"):
+        asyncio.run(main())
+
+
+def test_cancelling_the_request_cancels_its_work() -> None:
+    cancelled = asyncio.Event()
+
+    async def main() -> bool:
+        request = asyncio.ensure_future(until_disconnect(Messages(), long_work(cancelled)))
+        await asyncio.sleep(0.01)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        return cancelled.is_set()
+
+    assert asyncio.run(main())
+
+
+class Recording(asyncio.Transport):
+    """A real transport, with a record of each call that reaches it."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self.transport = transport
+        self.calls: list[tuple[str, bytes]] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        data = bytes(data)
+        self.calls.append(("write", data))
+        self.transport.write(data)
+
+    def writelines(self, lines: Iterable[bytes | bytearray | memoryview]) -> None:
+        lines = list(lines)
+        self.calls.append(("writelines", b"|".join(lines)))
+        self.transport.writelines(lines)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def test_writes_in_one_loop_turn_reach_the_socket_as_one_and_in_order() -> None:
+    async def main() -> tuple[list[tuple[str, bytes]], bytes]:
+        loop = asyncio.get_running_loop()
+        server, client = socket.socketpair()
+        server.setblocking(False)
+        client.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, server)
+        recording = Recording(transport)
+        coalescing = CoalescingTransport(recording, loop)
+        coalescing.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        coalescing.write(b"")
+        coalescing.write(b"body")
+        assert recording.calls == []  # held until the end of this turn
+        await asyncio.sleep(0)
+        coalescing.write(b"next")
+        coalescing.close()  # flushes what is held before closing
+        received = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(client, 1024), 5):
+            received += chunk
+        client.close()
+        return recording.calls, received
+
+    calls, received = asyncio.run(main())
+    assert calls == [("writelines", b"HTTP/1.1 200 OK\r\n\r\n|body"), ("write", b"next")]
+    assert received == b"HTTP/1.1 200 OK\r\n\r\nbodynext"
+
+
+def test_a_write_after_the_connection_closed_is_dropped() -> None:
+    async def main() -> list[tuple[str, bytes]]:
+        loop = asyncio.get_running_loop()
+        server, client = socket.socketpair()
+        server.setblocking(False)
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, server)
+        recording = Recording(transport)
+        coalescing = CoalescingTransport(recording, loop)
+        coalescing.write(b"late")
+        transport.abort()  # the client went away before the turn ended
+        await asyncio.sleep(0)
+        client.close()
+        return recording.calls
+
+    assert asyncio.run(main()) == []
