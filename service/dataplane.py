@@ -325,9 +325,12 @@ class DataPlane:
         check_rows(len(images), loaded.config, name)
         loop = asyncio.get_running_loop()
         try:
-            rows = await asyncio.gather(
-                *(loop.run_in_executor(self.pool, pipeline, image) for image in images)
-            )
+            if len(images) == 1:  # the common case: no gather, no copy into a new batch
+                rows = [await loop.run_in_executor(self.pool, pipeline, images[0])]
+            else:
+                rows = await asyncio.gather(
+                    *(loop.run_in_executor(self.pool, pipeline, image) for image in images)
+                )
         except PreprocessingError as exc:
             raise InvalidInput(f"model '{name}': {exc}") from None
         first = loaded.signature.inputs[0]
@@ -339,7 +342,7 @@ class DataPlane:
                 )
         if len({row.shape for row in rows}) > 1:
             raise InvalidInput(f"model '{name}': images preprocess to different shapes; set crop")
-        stacked = np.stack(rows)
+        stacked = rows[0][None] if len(rows) == 1 else np.stack(rows)
         return Prepared({first.name: stacked if loaded.config.max_batch_size > 0 else stacked[0]})
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:

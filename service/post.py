@@ -44,20 +44,20 @@ class Classifier:
     def __call__(
         self, row: Mapping[str, np.ndarray], top_k: int | None = None
     ) -> list[dict[str, Any]]:
-        scores = row[self.output].astype(np.float64).reshape(-1)
+        logits = row[self.output].astype(np.float64).reshape(-1)
+        k = min(top_k or self.top_k, logits.size)
+        # softmax keeps the order: pick the top k from the logits, normalise only those k
+        top = np.argpartition(-logits, k - 1)[:k]
+        top = top[np.argsort(-logits[top], kind="stable")].tolist()
         if self.softmax:
-            scores = np.exp(scores - scores.max())
-            scores /= scores.sum()
-        k = min(top_k or self.top_k, scores.size)
-        top = np.argpartition(-scores, k - 1)[:k]
-        top = top[np.argsort(-scores[top], kind="stable")]
+            exp = np.exp(logits - logits.max())
+            scores = (exp[top] / exp.sum()).tolist()
+        else:
+            scores = logits[top].tolist()
+        labels = self.labels
         return [
-            {
-                "index": int(i),
-                "label": self.labels[i] if self.labels else str(int(i)),
-                "probability": float(scores[i]),
-            }
-            for i in top
+            {"index": i, "label": labels[i] if labels else str(i), "probability": p}
+            for i, p in zip(top, scores, strict=True)
         ]
 
 
