@@ -320,7 +320,10 @@ class Scheduler:
             outputs, started, infer_ns = await loop.run_in_executor(executor, work)
             if self.config.pad_to and self.config.max_batch_size > 0:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
-            parts = split(outputs, [p.rows for p in items], self.model)
+            if self.config.max_batch_size == 0:  # no batch dimension: one request, whole
+                parts = [dict(outputs)]
+            else:
+                parts = split(outputs, [p.rows for p in items], self.model)
         except TensorgateError as exc:
             _fail(items, exc)
             return

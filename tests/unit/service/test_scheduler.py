@@ -385,3 +385,21 @@ def test_unwarmed_shapes_are_counted_every_time_and_logged_once(
     assert stats.unwarmed_count == 4
     warned = [r.getMessage() for r in caplog.records if "unwarmed shape" in r.getMessage()]
     assert len(warned) == 2 and "(3, 2)" in warned[0] and "(2, 2)" in warned[1]
+
+
+def test_a_model_without_a_batch_dimension_gets_its_outputs_whole() -> None:
+    """max_batch_size 0 (the default): one request a run, inputs and outputs of any shape."""
+
+    async def main() -> dict[str, np.ndarray]:
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {"y": batch["x"][:10] * 2, "total": batch["x"].sum(keepdims=True)}
+
+        s = Scheduler("m", SchedulerConfig(max_batch_size=0), [run], ModelStats())
+        s.start()
+        answer = await s.submit({"x": np.ones(64, np.float32)}, None, None)
+        await s.stop()
+        return answer
+
+    answer = asyncio.run(main())
+    np.testing.assert_array_equal(answer["y"], np.full(10, 2.0))
+    np.testing.assert_array_equal(answer["total"], [64.0])
