@@ -22,7 +22,7 @@ from preprocessing.image import ImagePipeline, PreprocessingError
 from preprocessing.text import TextPipeline
 from service.errors import InvalidInput, ServerBusy, TensorgateError, UnsupportedMediaType
 from service.loader import LoadedModel
-from service.metrics import Metrics, outcome
+from service.metrics import Metrics
 from service.post import CLASSIFICATION, classification_tensor
 from service.protocol import v2
 from service.repository import ModelRepository, ModelState
@@ -129,16 +129,13 @@ class DataPlane:
 
     def _record(self, protocol: str, name: str, observation: Observation, status: int) -> None:
         timing = observation.timing
-        model = name if name in self.repository.models else ""  # bounded label values
         elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
-        metrics = self.metrics
-        metrics.requests.labels(model, observation.version, protocol, outcome(status)).inc()
-        metrics.duration.labels(model, protocol).observe(elapsed)
-        if status == 200:
-            metrics.queue.labels(model).observe(timing.queue_ns / 1e9)
-            metrics.compute.labels(model).observe(timing.compute_infer_ns / 1e9)
-            metrics.preprocess.labels(model).observe(timing.compute_input_ns / 1e9)
-            metrics.postprocess.labels(model).observe(timing.compute_output_ns / 1e9)
+        # bounded label values: a model and version that exist, else "" (a client can send any)
+        found = observation.loaded is not None
+        model = name if found or name in self.repository.models else ""
+        self.metrics.record(
+            model, observation.version if found else "", protocol, status, elapsed, timing
+        )
         if self.settings.access_log:
             access.info(
                 "%s %s %d", protocol, name, status,

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from service.repository import ModelRepository, ModelState
+from service.stats import RequestTiming
 
 # Millisecond-scale inference: 0.5 ms to 10 s.
 LATENCY_BUCKETS = (
@@ -69,9 +70,42 @@ class Metrics:
         self.compute = self._stage("compute", "Time the model ran the batch a request was in.")
         self.preprocess = self._stage("preprocess", "Decoding, preprocessing and validation.")
         self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
+        self._children: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
         ProcessCollector(namespace="tensorgate", registry=r)
         r.register(_RepositoryCollector(repository))
         r.register(_GpuCollector())
+
+    def record(
+        self,
+        model: str,
+        version: str,
+        protocol: str,
+        status: int,
+        elapsed_s: float,
+        timing: RequestTiming,
+    ) -> None:
+        """One answered inference request: its outcome, its duration and, for a success, the
+        time of each stage. Label values must be bounded: names of models and versions that
+        exist, or ""."""
+        key = (model, version, protocol, status)
+        children = self._children.get(key)
+        if children is None:  # prometheus' labels() costs microseconds a call: look up once
+            children = self._children[key] = (
+                self.requests.labels(model, version, protocol, outcome(status)),
+                self.duration.labels(model, protocol),
+                self.queue.labels(model),
+                self.compute.labels(model),
+                self.preprocess.labels(model),
+                self.postprocess.labels(model),
+            )
+        requests, duration, queue, compute, preprocess, postprocess = children
+        requests.inc()
+        duration.observe(elapsed_s)
+        if status == 200:
+            queue.observe(timing.queue_ns / 1e9)
+            compute.observe(timing.compute_infer_ns / 1e9)
+            preprocess.observe(timing.compute_input_ns / 1e9)
+            postprocess.observe(timing.compute_output_ns / 1e9)
 
     def _stage(self, stage: str, help_text: str) -> Histogram:
         return Histogram(

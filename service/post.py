@@ -50,7 +50,7 @@ class Classifier:
         top = np.argpartition(-logits, k - 1)[:k]
         top = top[np.argsort(-logits[top], kind="stable")].tolist()
         if self.softmax:
-            exp = np.exp(logits - logits.max())
+            exp = np.exp(logits - logits[top[0]])  # top[0] is the largest logit
             scores = (exp[top] / exp.sum()).tolist()
         else:
             scores = logits[top].tolist()

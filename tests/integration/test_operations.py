@@ -115,6 +115,22 @@ def test_metrics_count_exactly_what_was_served(ops: Server) -> None:
     assert metric(after, "tensorgate_warmup_duration_seconds", model="digits", version="1") > 0
 
 
+def test_label_values_are_only_names_that_exist(ops: Server) -> None:
+    """A client picks the name and version in the URL: neither may become a label value, or
+    every new string would add series to /metrics for good."""
+    for name, version in (("nosuchmodel-x1", None), ("digits", "nosuchversion-x1")):
+        path = (
+            f"/v2/models/{name}/versions/{version}/infer" if version else f"/v2/models/{name}/infer"
+        )
+        assert ops.client.post(path, json=DIGIT).status_code == 404
+    text = ops.client.get("/metrics").text
+    assert "nosuchmodel-x1" not in text and "nosuchversion-x1" not in text
+    assert (
+        metric(samples(ops), "tensorgate_requests_total",
+               model="digits", version="", protocol="v2", outcome="not_found") >= 1
+    )  # fmt: skip
+
+
 def test_one_json_access_line_per_request_with_its_id(ops: Server) -> None:
     ops.client.post("/v2/models/digits/infer", json=DIGIT, headers={"X-Request-ID": "trace-ops-1"})
     ops.client.post(
