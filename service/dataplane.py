@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -197,10 +198,8 @@ class DataPlane:
             json_size, v2.decode_request, body, header_length, self.settings.max_tensor_elements
         )
         prepared = await self._request_batch(request, loaded, name)
-        observation.rows = _rows(prepared.batch, loaded)
-        timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
         deadline = self.deadline(timeout_s, request.parameters)
-        outputs = await loaded.execute(prepared.batch, timing, deadline)
+        outputs = await self._execute(loaded, prepared, observation, deadline)
         encode_started = time.perf_counter_ns()
         tensors = _output_tensors(request, loaded, outputs, name)
         parameters = {**request.parameters, **prepared.parameters}
@@ -229,9 +228,7 @@ class DataPlane:
     ) -> dict[str, Any]:
         timing = observation.timing
         prepared = await self._v1_batch(loaded, name, body, content_type)
-        observation.rows = _rows(prepared.batch, loaded)
-        timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
-        outputs = await loaded.execute(prepared.batch, timing, self.deadline(timeout_s))
+        outputs = await self._execute(loaded, prepared, observation, self.deadline(timeout_s))
         encode_started = time.perf_counter_ns()
         answer: dict[str, Any] = {"predictions": _predictions(loaded, outputs)}
         if prepared.parameters:
@@ -243,7 +240,31 @@ class DataPlane:
         """What predict would feed the model for this body: the tensors, not the answer."""
         _, loaded = self.repository.ready_model(name)
         with loaded.in_use():
-            return (await self._v1_batch(loaded, name, body, content_type)).batch
+            prepared = await self._v1_batch(loaded, name, body, content_type)
+            if prepared.lone is not None:
+                return await asyncio.get_running_loop().run_in_executor(self.pool, prepared.lone)
+            return prepared.batch
+
+    async def _execute(
+        self,
+        loaded: LoadedModel,
+        prepared: Prepared,
+        observation: Observation,
+        deadline: float,
+    ) -> dict[str, np.ndarray]:
+        """Run a prepared request: a lone image preprocessed and run on an idle instance's
+        thread when it can be, otherwise through the model's queue."""
+        timing = observation.timing
+        if prepared.lone is not None:
+            observation.rows = 1
+            outputs = await loaded.execute_alone(prepared.lone, timing, deadline)
+            if outputs is not None:
+                return outputs
+            loop = asyncio.get_running_loop()
+            prepared.batch = await loop.run_in_executor(self.pool, prepared.lone)
+        observation.rows = _rows(prepared.batch, loaded)
+        timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
+        return await loaded.execute(prepared.batch, timing, deadline)
 
     async def _request_batch(
         self, request: v2.InferenceRequest, loaded: LoadedModel, name: str
@@ -320,27 +341,19 @@ class DataPlane:
                 f'/v2/models/{name}/infer or {{"instances": [...]}} rows'
             )
         check_rows(len(images), loaded.config, name)
+        if len(images) == 1:
+            one = partial(_image_rows, pipeline, loaded, name, images)
+            if loaded.alone:  # nothing to overlap with: preprocess on the instance (_execute)
+                return Prepared({}, lone=one)
+            return Prepared(await asyncio.get_running_loop().run_in_executor(self.pool, one))
         loop = asyncio.get_running_loop()
-        try:
-            if len(images) == 1:  # the common case: no gather, no copy into a new batch
-                rows = [await loop.run_in_executor(self.pool, pipeline, images[0])]
-            else:
-                rows = await asyncio.gather(
-                    *(loop.run_in_executor(self.pool, pipeline, image) for image in images)
-                )
-        except PreprocessingError as exc:
-            raise InvalidInput(f"model '{name}': {exc}") from None
-        first = loaded.signature.inputs[0]
-        for row in rows:
-            if not shape_fits(first.shape, row.shape):
-                raise InvalidInput(
-                    f"model '{name}': the image preprocesses to {list(row.shape)}, input "
-                    f"'{first.name}' takes {list(first.shape)}; set resize/crop in its config"
-                )
-        if len({row.shape for row in rows}) > 1:
-            raise InvalidInput(f"model '{name}': images preprocess to different shapes; set crop")
-        stacked = rows[0][None] if len(rows) == 1 else np.stack(rows)
-        return Prepared({first.name: stacked if loaded.config.max_batch_size > 0 else stacked[0]})
+        rows = await asyncio.gather(
+            *(
+                loop.run_in_executor(self.pool, _preprocess, pipeline, image, name)
+                for image in images
+            )
+        )
+        return Prepared(_stack_rows(loaded, name, rows))
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: the header's timeout, else OIP ``parameters.timeout``
@@ -369,6 +382,39 @@ class Prepared:
 
     batch: dict[str, np.ndarray]
     parameters: dict[str, Any] = field(default_factory=dict)
+    lone: Callable[[], dict[str, np.ndarray]] | None = None
+    """Set instead of ``batch`` for a request alone in flight: makes the batch, on whichever
+    thread runs it (the instance's, see ``DataPlane._execute``)."""
+
+
+def _preprocess(pipeline: ImagePipeline, image: bytes, name: str) -> np.ndarray:
+    """One image's row; a client's error when it cannot be preprocessed. Off the loop."""
+    try:
+        return pipeline(image)
+    except PreprocessingError as exc:
+        raise InvalidInput(f"model '{name}': {exc}") from None
+
+
+def _image_rows(
+    pipeline: ImagePipeline, loaded: LoadedModel, name: str, images: list[bytes]
+) -> dict[str, np.ndarray]:
+    """Images → the model's batch, in the calling thread (off the loop)."""
+    return _stack_rows(loaded, name, [_preprocess(pipeline, image, name) for image in images])
+
+
+def _stack_rows(loaded: LoadedModel, name: str, rows: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Preprocessed rows → the model's batch: each row must fit the model's first input."""
+    first = loaded.signature.inputs[0]
+    for row in rows:
+        if not shape_fits(first.shape, row.shape):
+            raise InvalidInput(
+                f"model '{name}': the image preprocesses to {list(row.shape)}, input "
+                f"'{first.name}' takes {list(first.shape)}; set resize/crop in its config"
+            )
+    if len({row.shape for row in rows}) > 1:
+        raise InvalidInput(f"model '{name}': images preprocess to different shapes; set crop")
+    stacked = rows[0][None] if len(rows) == 1 else np.stack(rows)  # one image: a view
+    return {first.name: stacked if loaded.config.max_batch_size > 0 else stacked[0]}
 
 
 def _utf8(items: list[bytes], name: str) -> list[str]:

@@ -7,7 +7,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +126,23 @@ class LoadedModel:
         if self.closed:
             raise ModelNotReady(f"model '{self.name}' was unloaded while the request waited")
         return await self.start().submit(dict(batch), timing, deadline)
+
+    async def execute_alone(
+        self,
+        prepare: Callable[[], dict[str, np.ndarray]],
+        timing: RequestTiming | None = None,
+        deadline: float | None = None,
+    ) -> dict[str, np.ndarray] | None:
+        """Preprocess and run a lone request on an idle instance's thread, in one hand-off;
+        None when none is idle (see :meth:`Scheduler.submit_alone`)."""
+        if self.closed:
+            raise ModelNotReady(f"model '{self.name}' was unloaded while the request waited")
+        return await self.start().submit_alone(prepare, timing, deadline)
+
+    @property
+    def alone(self) -> bool:
+        """Whether the calling request is the only one in flight for this version."""
+        return self._users == 1
 
     def start(self) -> Scheduler:
         """Start this version's scheduler in the running loop (once); called when it is ready,

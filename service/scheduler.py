@@ -206,12 +206,15 @@ class Scheduler:
     _warned: set[BatchShape] = field(default_factory=set)
     busy_since: list[float | None] = field(default_factory=list)
     """Per instance: when its current batch started (None when idle); liveness reads it."""
+    _committed: list[bool] = field(default_factory=list)
+    """Per instance, on the loop: a batch or a lone request has been given to it."""
 
     def start(self) -> None:
         for instance in range(self.config.instances):
             executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.model}-instance-{instance}")
             self._executors.append(executor)
             self.busy_since.append(None)
+            self._committed.append(False)
             self._workers.append(asyncio.create_task(self._worker(instance, executor)))
 
     async def submit(
@@ -246,19 +249,51 @@ class Scheduler:
             return results[0]
         return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
 
+    async def submit_alone(
+        self, prepare: Callable[[], Batch], timing: RequestTiming | None, deadline: float | None
+    ) -> dict[str, np.ndarray] | None:
+        """Run ``prepare`` (a request's preprocessing, one row) and then the model on an idle
+        instance's own thread: one hand-off instead of three (loop → preprocessing pool →
+        loop → instance → loop), for a request that has nothing to wait for or to batch with.
+
+        Returns None, having done nothing, when a request is queued or no instance is idle:
+        the caller then preprocesses in its pool and submits as usual.
+        """
+        if self.queue:
+            return None
+        instance = next((i for i, taken in enumerate(self._committed) if not taken), None)
+        if instance is None:
+            return None
+        loop = asyncio.get_running_loop()
+        pending = Pending({}, 1, (), time.monotonic(), deadline, loop.create_future(), timing)
+        self._committed[instance] = True
+        try:
+            await self._execute(instance, self._executors[instance], [pending], prepare)
+        finally:
+            self._committed[instance] = False
+            self._arrived.set()  # what queued meanwhile may run on this instance now
+        return pending.future.result()  # the outputs, or the request's error
+
     async def _worker(self, instance: int, executor: ThreadPoolExecutor) -> None:
         while True:
-            batch = await self._next_batch()
-            await self._execute(instance, executor, batch)
+            batch = await self._next_batch(instance)
+            self._committed[instance] = True
+            try:
+                await self._execute(instance, executor, batch)
+            finally:
+                self._committed[instance] = False
 
-    async def _next_batch(self) -> list[Pending]:
+    async def _next_batch(self, instance: int) -> list[Pending]:
         while True:
-            self._expire(time.monotonic())
-            entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
-            decision = plan(
-                entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
-                self.config.max_queue_delay_s, time.monotonic(),
-            )  # fmt: skip
+            if self._committed[instance]:  # a lone request runs on it: wait until it is done
+                decision = Plan(wait_s=None)
+            else:
+                self._expire(time.monotonic())
+                entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
+                decision = plan(
+                    entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
+                    self.config.max_queue_delay_s, time.monotonic(),
+                )  # fmt: skip
             if decision.take:
                 chosen = [self.queue[i] for i in decision.take]
                 for index in sorted(decision.take, reverse=True):
@@ -289,35 +324,35 @@ class Scheduler:
         self.queue = kept
 
     async def _execute(
-        self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]
+        self,
+        instance: int,
+        executor: ThreadPoolExecutor,
+        items: list[Pending],
+        prepare: Callable[[], Batch] | None = None,
     ) -> None:
+        """Run ``items`` as one batch on ``instance`` (or, with ``prepare``, the one lone
+        request whose inputs ``prepare`` makes, on the instance's thread) and answer each."""
         rows = sum(p.rows for p in items)
-        batch = collate(items)
-        if self.config.pad_to and self.config.max_batch_size > 0:
-            batch = pad_rows(batch, rows, self.config.pad_to)
-        if self.warmed is not None:
-            shape = batch_shape(batch)
-            if shape not in self.warmed:
-                self.stats.record_unwarmed(len(items))
-                # once per shape (a log line per batch is a cost), for the first 1,000 shapes
-                if shape not in self._warned and len(self._warned) < 1000:
-                    self._warned.add(shape)
-                    log.warning("model %s met an unwarmed shape %s (logged once per shape; "
-                                "tensorgate_unwarmed_shape_requests counts every request)",
-                                self.model, shape)  # fmt: skip
+        padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
-        def work() -> tuple[dict[str, np.ndarray], float, int]:
+        def work() -> tuple[dict[str, np.ndarray], float, int, int]:
+            batch = collate(items) if prepare is None else prepare()
+            prepared_ns = time.perf_counter_ns()
+            if padded:
+                batch = pad_rows(batch, rows, self.config.pad_to)
+            self._check_warmed(batch, len(items))
             started = time.monotonic()
             self.busy_since[instance] = started
             clock = time.perf_counter_ns()
             try:
-                return self.runs[instance](batch), started, time.perf_counter_ns() - clock
+                outputs = self.runs[instance](batch)
+                return outputs, started, time.perf_counter_ns() - clock, prepared_ns
             finally:
                 self.busy_since[instance] = None
 
         loop = asyncio.get_running_loop()
         try:
-            outputs, started, infer_ns = await loop.run_in_executor(executor, work)
+            outputs, started, infer_ns, prepared_ns = await loop.run_in_executor(executor, work)
             if self.config.pad_to and self.config.max_batch_size > 0:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
             if self.config.max_batch_size == 0:  # no batch dimension: one request, whole
@@ -339,9 +374,27 @@ class Scheduler:
             if p.future.done():
                 continue
             if p.timing is not None:
-                p.timing.queue_ns += int((started - p.enqueued) * 1e9)
+                if prepare is not None:  # preprocessed on the instance: no queue, no hand-off
+                    p.timing.compute_input_ns = prepared_ns - p.timing.started_ns
+                else:
+                    p.timing.queue_ns += int((started - p.enqueued) * 1e9)
                 p.timing.compute_infer_ns += infer_ns
             p.future.set_result(part)
+
+    def _check_warmed(self, batch: Batch, requests: int) -> None:
+        """Count the requests of a batch whose shape warmup did not run (on the instance)."""
+        if self.warmed is None:
+            return
+        shape = batch_shape(batch)
+        if shape in self.warmed:
+            return
+        self.stats.record_unwarmed(requests)
+        # once per shape (a log line per batch is a cost), for the first 1,000 shapes
+        if shape not in self._warned and len(self._warned) < 1000:
+            self._warned.add(shape)
+            log.warning("model %s met an unwarmed shape %s (logged once per shape; "
+                        "tensorgate_unwarmed_shape_requests counts every request)",
+                        self.model, shape)  # fmt: skip
 
     async def _after_oom(
         self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]

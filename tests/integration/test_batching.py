@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from tests.conftest import encode
 from tests.models import Slow
 from tests.server import MODELS, Server
 
@@ -90,6 +91,37 @@ def test_concurrent_requests_get_their_own_answers_from_shared_batches(batching:
     executions = after["execution_count"] - before["execution_count"]
     assert after["inference_count"] - before["inference_count"] == rows
     assert executions < len(inputs)  # requests shared batches
+
+
+def test_an_image_alone_is_answered_as_the_same_image_in_a_batch(batching: Server) -> None:
+    """A request alone in flight is preprocessed and run on the instance's thread; in company
+    it goes through the pool and the queue. Same answers, same errors, either way."""
+    rng = np.random.default_rng(1)
+    images = [encode(rng.integers(0, 256, (8, 8), dtype=np.uint8), "PNG") for _ in range(24)]
+    predict = "/v1/models/digits:predict"
+    png = {"content-type": "image/png"}
+    alone = [batching.client.post(predict, content=i, headers=png).json() for i in images[:4]]
+    before = batching.client.get("/v2/models/digits/stats").json()["model_stats"][0]
+
+    def send(image: bytes) -> dict[str, object]:
+        with httpx.Client(base_url=batching.url, timeout=60) as client:
+            response = client.post(predict, content=image, headers=png)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(send, images))
+    after = batching.client.get("/v2/models/digits/stats").json()["model_stats"][0]
+    assert after["execution_count"] - before["execution_count"] < len(images)  # batched
+    for single, batched in zip(alone, together, strict=False):
+        got, want = single["predictions"][0], batched["predictions"][0]
+        assert [p["label"] for p in got] == [p["label"] for p in want]
+        np.testing.assert_allclose(
+            [p["probability"] for p in got], [p["probability"] for p in want], atol=1e-5
+        )
+    bad = batching.client.post(predict, content=b"not a png", headers=png)
+    assert bad.status_code == 400 and "cannot decode image" in bad.json()["error"]
+    assert batching.client.post(predict, content=images[0], headers=png).json() == alone[0]
 
 
 def test_a_full_queue_answers_503_with_retry_after(batching: Server) -> None:

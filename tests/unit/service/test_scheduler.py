@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.errors import DeadlineExceeded, ModelExecutionError, PayloadTooLarge, ServerBusy
+from service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelExecutionError,
+    PayloadTooLarge,
+    ServerBusy,
+)
 from service.scheduler import Plan, Scheduler, SchedulerConfig, collate, plan, shape_key, split
 from service.stats import ModelStats
 
@@ -403,3 +409,87 @@ def test_a_model_without_a_batch_dimension_gets_its_outputs_whole() -> None:
     answer = asyncio.run(main())
     np.testing.assert_array_equal(answer["y"], np.full(10, 2.0))
     np.testing.assert_array_equal(answer["total"], [64.0])
+
+
+def test_a_lone_request_is_prepared_and_run_on_the_instance_thread() -> None:
+    async def main() -> None:
+        threads: list[str] = []
+
+        def prepare() -> dict[str, np.ndarray]:
+            threads.append(threading.current_thread().name)
+            return {"x": np.full((1, 2), 3.0, np.float32)}
+
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            threads.append(threading.current_thread().name)
+            return {"y": batch["x"] * 2}
+
+        s = scheduler(run)
+        s.start()
+        answer = await s.submit_alone(prepare, None, None)
+        assert answer is not None
+        np.testing.assert_array_equal(answer["y"], np.full((1, 2), 6.0))
+        assert threads == ["m-instance-0_0", "m-instance-0_0"]  # one hand-off, not three
+        assert s.stats.execution_count == 1
+        await s.stop()
+
+    asyncio.run(main())
+
+
+def test_a_lone_request_waits_for_nothing_and_nothing_waits_for_it_unduly() -> None:
+    """submit_alone declines (None) while anything is queued or every instance is taken; what
+    queues while a lone request runs is served once it is done."""
+
+    async def main() -> None:
+        release = threading.Event()
+        order: list[float] = []
+
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            if batch["x"][0, 0] == 1.0:
+                release.wait(10)
+            order.append(float(batch["x"][0, 0]))
+            return {"y": batch["x"]}
+
+        s = scheduler(run)
+        s.start()
+        ones = {"x": np.ones((1, 1), np.float32)}
+        lone = asyncio.ensure_future(s.submit_alone(lambda: ones, None, None))
+        await asyncio.sleep(0.05)  # the lone request holds the only instance
+        assert await s.submit_alone(lambda: ones, None, None) is None
+        queued = asyncio.ensure_future(
+            s.submit({"x": np.full((1, 1), 2.0, np.float32)}, None, None)
+        )
+        await asyncio.sleep(0.05)
+        assert s.pending == 1  # the worker does not hand the instance a second batch meanwhile
+        assert await s.submit_alone(lambda: ones, None, None) is None  # something is queued
+        release.set()
+        assert (await lone) is not None
+        np.testing.assert_array_equal((await queued)["y"], [[2.0]])
+        assert order == [1.0, 2.0]
+        await s.stop()
+
+    asyncio.run(main())
+
+
+def test_a_lone_request_that_cannot_be_prepared_gets_its_error_and_frees_the_instance() -> None:
+    async def main() -> None:
+        def prepare() -> dict[str, np.ndarray]:
+            raise InvalidInput("cannot decode image (3 bytes)")
+
+        def drops_a_row(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {"y": batch["x"][1:]}
+
+        s = scheduler(lambda batch: {"y": batch["x"]})
+        s.start()
+        with pytest.raises(InvalidInput, match="cannot decode image"):
+            await s.submit_alone(prepare, None, None)
+        ok = await s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+        assert ok is not None
+        assert s.stats.execution_count == 1  # the failed preparation ran no model
+        await s.stop()
+        guarded = scheduler(drops_a_row)
+        guarded.start()
+        with pytest.raises(ModelExecutionError, match="batch size mismatch"):
+            await guarded.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+        await guarded.stop()
+
+    asyncio.run(main())
