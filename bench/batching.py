@@ -8,9 +8,10 @@ Ceilings in the same run: (a) the W1 pipeline in process — decode + preprocess
 best batch size, same thread settings, no HTTP; (b) a no-op endpoint on the same HTTP stack;
 (c) the W2 model served one request = one inference (max_batch_size 1).
 The load generator is wrk (C, one thread, keep-alive): it costs the 2-core machine far less
-CPU than a Python client would. The W1 c=1 ratio alone is taken differently: one image in
-process (decode to top-5) and one served request, alternately, a few hundred of each, from a
-plain keep-alive socket, so that the machine's drift cannot fall on one side only.
+CPU than a Python client would. The two concurrency-1 ratios compare latencies taken in
+alternation, so that the machine's drift cannot fall on one side only: W1's from one image in
+process (decode to top-5) and one served request in turn, a few hundred of each, from a plain
+keep-alive socket; W2's from one-second wrk runs against each model in turn.
 Writes bench/results/batching.md.
 """
 
@@ -200,6 +201,17 @@ def _closed() -> bytes:
     raise RuntimeError("the server closed the connection")
 
 
+def alternating_p50(url: str, other: str, body: bytes, seconds: int) -> tuple[float, float]:
+    """Median p50 ms of ``url`` and of ``other`` at concurrency 1 from one-second wrk runs that
+    alternate between them for ``seconds`` each: two latencies of half a millisecond are
+    compared, and the machine drifts more than their difference from one run to the next."""
+    first, second = [], []
+    for _ in range(seconds):
+        first.append(wrk(url, body, "application/json", connections=1, seconds=1).p50_ms)
+        second.append(wrk(other, body, "application/json", connections=1, seconds=1).p50_ms)
+    return statistics.median(first), statistics.median(second)
+
+
 def mean_batch(server: Server, model: str, before: dict[str, int]) -> float:
     stats = server.client.get(f"/v2/models/{model}/stats").json()["model_stats"][0]
     executions = stats["execution_count"] - before["execution_count"]
@@ -273,21 +285,18 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
                 )
                 mlp = wrk(mlp_url, mlp_body, "application/json", connections=64, seconds=half)
                 naive = wrk(naive_url, mlp_body, "application/json", connections=64, seconds=half)
-                mlp_one = wrk(mlp_url, mlp_body, "application/json", connections=1, seconds=half)
-                naive_one = wrk(
-                    naive_url, mlp_body, "application/json", connections=1, seconds=half
-                )
+                mlp_one, naive_one = alternating_p50(mlp_url, naive_url, mlp_body, half)
                 measured = [
                     w1.requests_per_s / ceiling, w1.p99_ms / w1.p50_ms, w1_one_p50 / single,
-                    mlp.requests_per_s / naive.requests_per_s, mlp_one.p50_ms / naive_one.p50_ms,
+                    mlp.requests_per_s / naive.requests_per_s, mlp_one / naive_one,
                 ]  # fmt: skip
                 for name, value in zip(RATIOS, measured, strict=True):
                     ratios[name].append(value)
                 paired_rows.append([str(round_), f"{ceiling:.1f}", f"{w1.requests_per_s:.1f}",
                                     f"{w1.p50_ms:.1f} / {w1.p99_ms:.1f}", f"{single:.2f}",
                                     f"{w1_one_p50:.2f}", f"{mlp.requests_per_s:.0f}",
-                                    f"{naive.requests_per_s:.0f}", f"{mlp_one.p50_ms:.3f}",
-                                    f"{naive_one.p50_ms:.3f}"])  # fmt: skip
+                                    f"{naive.requests_per_s:.0f}", f"{mlp_one:.3f}",
+                                    f"{naive_one:.3f}"])  # fmt: skip
         finally:
             noop.terminate()
             noop.wait(timeout=30)
