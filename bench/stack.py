@@ -4,13 +4,15 @@ the standard json module, numpy decoding vs pydantic validation of tensor data.
     .venv/bin/python -m bench.stack [--seconds 6]
 
 Served: the W2 model (64→256→10 MLP, JSON tensor, 64 connections, wrk) on tensorgate's app
-under each loop × parser pair, the chosen pair first and last (so drift shows). In process: a
+under each loop × parser pair, and with uvicorn's own httptools protocol instead of the one that
+writes each response at once; the chosen pair first and last (so drift shows). In process: a
 request's JSON decoding and a response's encoding, both ways. Writes bench/results/stack.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -31,8 +33,10 @@ from bench.common import publish, table, wait_until_up, wrk
 from service.protocol.v2 import OutputTensor, decode_request, encode_response
 from tests.server import free_port
 
-PAIRS = [("uvloop", "httptools"), ("asyncio", "httptools"), ("uvloop", "h11"),
-         ("asyncio", "h11"), ("uvloop", "httptools")]  # fmt: skip
+# "coalescing" is tensorgate's own: uvicorn's httptools protocol, each response in one write
+# (service/transport.py). The chosen pair runs first and last.
+PAIRS = [("uvloop", "coalescing"), ("uvloop", "httptools"), ("asyncio", "httptools"),
+         ("uvloop", "h11"), ("asyncio", "h11"), ("uvloop", "coalescing")]  # fmt: skip
 
 
 def serve(repository: Path, port: int, loop: str, http: str) -> None:
@@ -42,13 +46,17 @@ def serve(repository: Path, port: int, loop: str, http: str) -> None:
     from service import logs
     from service.app import create_app, serving_app
     from service.settings import Settings
+    from service.transport import CoalescingHttpToolsProtocol
 
     settings = Settings(model_repository=repository, port=port, access_log=False,
                         log_level="warning", intra_op_threads=2)  # fmt: skip
     logs.configure(settings.log_level)
     app = create_app(settings)
+    protocol: type[asyncio.Protocol] | str = http
+    if http == "coalescing":
+        protocol = CoalescingHttpToolsProtocol
     config = uvicorn.Config(serving_app(app, settings), host="127.0.0.1", port=port,
-                            loop=loop, http=http, log_config=None, access_log=False)  # fmt: skip
+                            loop=loop, http=protocol, log_config=None, access_log=False)  # fmt: skip
     uvicorn.Server(config).run()
 
 

@@ -2,9 +2,11 @@
 
 uvicorn writes a response's head on ``http.response.start`` and its body on
 ``http.response.body``: two ``send`` syscalls, two TCP segments and, on loopback, two wakeups of
-the client for one small response. Here the writes made in one turn of the event loop are held
-and handed to the real transport at the end of that turn as one ``writelines`` (one ``writev``
-under uvloop; no bytes are copied). Everything else goes straight to the real transport.
+the client for one small response. Here a write is held until the next write or the end of the
+loop turn, whichever comes first, and the two go to the real transport as one ``writelines``
+(one ``writev`` under uvloop; no bytes are copied): a head and its body leave together, at
+once, and a head alone (HEAD, 204) leaves at the end of the turn. Everything else goes
+straight to the real transport.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 class CoalescingTransport(asyncio.Transport):
-    """A transport whose ``write``s in one loop turn reach the socket as one; the rest of the
-    transport interface is the real transport's."""
+    """A transport that sends a write together with the next one (or at the end of the loop
+    turn); the rest of the transport interface is the real transport's."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
@@ -29,9 +31,11 @@ class CoalescingTransport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        if not self._held:
-            self._loop.call_soon(self.flush)
         self._held.append(data)
+        if len(self._held) == 1:
+            self._loop.call_soon(self.flush)  # alone, it goes out at the end of this turn
+        else:
+            self.flush()  # a head and its body: out now, together
 
     def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
         for data in list_of_data:

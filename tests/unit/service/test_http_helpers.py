@@ -111,7 +111,7 @@ class Recording(asyncio.Transport):
         self.transport.close()
 
 
-def test_writes_in_one_loop_turn_reach_the_socket_as_one_and_in_order() -> None:
+def test_a_head_and_its_body_reach_the_socket_as_one_write_and_in_order() -> None:
     async def main() -> tuple[list[tuple[str, bytes]], bytes]:
         loop = asyncio.get_running_loop()
         server, client = socket.socketpair()
@@ -122,9 +122,12 @@ def test_writes_in_one_loop_turn_reach_the_socket_as_one_and_in_order() -> None:
         coalescing = CoalescingTransport(recording, loop)
         coalescing.write(b"HTTP/1.1 200 OK\r\n\r\n")
         coalescing.write(b"")
+        assert recording.calls == []  # the head waits for its body
         coalescing.write(b"body")
-        assert recording.calls == []  # held until the end of this turn
-        await asyncio.sleep(0)
+        assert len(recording.calls) == 1  # head and body: sent at once, together
+        coalescing.write(b"alone")
+        await asyncio.sleep(0)  # a write with no other goes out at the end of the turn
+        assert recording.calls[1:] == [("write", b"alone")]
         coalescing.write(b"next")
         coalescing.close()  # flushes what is held before closing
         received = b""
@@ -134,8 +137,12 @@ def test_writes_in_one_loop_turn_reach_the_socket_as_one_and_in_order() -> None:
         return recording.calls, received
 
     calls, received = asyncio.run(main())
-    assert calls == [("writelines", b"HTTP/1.1 200 OK\r\n\r\n|body"), ("write", b"next")]
-    assert received == b"HTTP/1.1 200 OK\r\n\r\nbodynext"
+    assert calls == [
+        ("writelines", b"HTTP/1.1 200 OK\r\n\r\n|body"),
+        ("write", b"alone"),
+        ("write", b"next"),
+    ]
+    assert received == b"HTTP/1.1 200 OK\r\n\r\nbodyalonenext"
 
 
 def test_a_write_after_the_connection_closed_is_dropped() -> None:
