@@ -10,6 +10,10 @@ Rules, after Triton's dynamic batcher:
   ``max_queue_delay`` after its oldest request arrived, then runs with what it has;
 - a request past its deadline is answered 504 before it runs; a cancelled one is dropped;
 - a request with more rows than ``max_batch_size`` is split into chunks and reassembled.
+
+And one shortcut of its own: a request alone in flight, with nothing queued and an instance
+idle, may hand that instance its preprocessing too (:meth:`Scheduler.submit_alone`), so that at
+concurrency 1 it crosses threads once instead of three times.
 """
 
 from __future__ import annotations
