@@ -177,12 +177,12 @@ def one_image_pairs(
                     singles.append(time.perf_counter() - started)
                 else:
                     sock.sendall(request)
-                    _read_response(sock)
+                    read_response(sock)
                     served.append(time.perf_counter() - started)
     return statistics.median(singles) * 1000, statistics.median(served) * 1000
 
 
-def _read_response(sock: socket.socket) -> bytes:
+def read_response(sock: socket.socket) -> bytes:
     """One HTTP/1.1 response with a Content-Length; its body. Anything but 200 is an error."""
     data = b""
     while b"\r\n\r\n" not in data:

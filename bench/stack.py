@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,7 +30,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel
 
-from bench.batching import SERVER_ENV, mlp_models
+from bench.batching import SERVER_ENV, mlp_models, read_response
 from bench.common import publish, table, wait_until_up, wrk
 from service.protocol.v2 import OutputTensor, decode_request, encode_response
 from tests.server import free_port
@@ -86,6 +88,51 @@ def served(seconds: int) -> list[list[str]]:
             finally:
                 child.terminate()
                 child.wait(timeout=30)
+    return rows
+
+
+def alternating(requests: int) -> list[list[str]]:
+    """The coalescing transport against uvicorn's own httptools protocol, under uvloop: single
+    W2 requests sent to a server of each kind in turn (``requests`` each, keep-alive sockets),
+    so that the machine's drift falls on both alike; a difference of 1 % shows."""
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
+                                     "data": x.ravel().tolist()}]})  # fmt: skip
+    head = (f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    kinds = ("coalescing", "httptools")
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        root = Path(tmp) / "models"
+        root.mkdir()
+        mlp_models(root)
+        sockets = {}
+        for kind in kinds:
+            port = free_port()
+            child = subprocess.Popen(
+                [sys.executable, "-m", "bench.stack", "--serve", str(root), str(port), "uvloop",
+                 kind], env={**os.environ, **SERVER_ENV}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            stack.callback(child.wait, 30)
+            stack.callback(child.terminate)
+            wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready")
+            sock = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sockets[kind] = sock
+        for turn in range(requests + 200):  # the first 200 of each warm up, unmeasured
+            for kind in kinds if turn % 2 else kinds[::-1]:
+                started = time.perf_counter()
+                sockets[kind].sendall(head + body)
+                read_response(sockets[kind])
+                if turn >= 200:
+                    times[kind].append((time.perf_counter() - started) * 1e6)
+    rows = []
+    for kind in kinds:
+        values = sorted(times[kind])
+        quartile = len(values) // 4
+        rows.append([kind, f"{values[quartile]:.0f}", f"{statistics.median(values):.0f}",
+                     f"{values[3 * quartile]:.0f}"])  # fmt: skip
     return rows
 
 
@@ -147,11 +194,14 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=4000)
     args = parser.parse_args()
     report = [
         "# HTTP stack choices", "",
         f"## Served: W2 MLP, JSON tensor, 64 connections, wrk {args.seconds} s each", "",
         table(served(args.seconds), ["loop + parser", "req/s", "p50 ms", "p99 ms", "errors"]), "",
+        f"## Single W2 requests alternating between two servers, {args.requests} each (µs)", "",
+        table(alternating(args.requests), ["protocol (uvloop)", "p25", "p50", "p75"]), "",
         "## In process (median ms)", "",
         table(in_process(), ["work", "chosen", "ms", "alternative", "ms", "alternative / chosen"]),
     ]  # fmt: skip
