@@ -90,18 +90,22 @@ class Metrics:
         key = (model, version, protocol, status)
         children = self._children.get(key)
         if children is None:  # prometheus' labels() costs microseconds a call: look up once
-            children = self._children[key] = (
+            children = (
                 self.requests.labels(model, version, protocol, outcome(status)),
                 self.duration.labels(model, protocol),
-                self.queue.labels(model),
-                self.compute.labels(model),
-                self.preprocess.labels(model),
-                self.postprocess.labels(model),
             )
-        requests, duration, queue, compute, preprocess, postprocess = children
-        requests.inc()
-        duration.observe(elapsed_s)
+            if status == 200:  # the stages are timed for successes only
+                children += (
+                    self.queue.labels(model),
+                    self.compute.labels(model),
+                    self.preprocess.labels(model),
+                    self.postprocess.labels(model),
+                )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(elapsed_s)
         if status == 200:
+            queue, compute, preprocess, postprocess = children[2:]
             queue.observe(timing.queue_ns / 1e9)
             compute.observe(timing.compute_infer_ns / 1e9)
             preprocess.observe(timing.compute_input_ns / 1e9)

@@ -269,14 +269,28 @@ class Scheduler:
         if instance is None:
             return None
         loop = asyncio.get_running_loop()
+        executor = self._executors[instance]
         pending = Pending({}, 1, (), time.monotonic(), deadline, loop.create_future(), timing)
         self._committed[instance] = True
         try:
-            await self._execute(instance, self._executors[instance], [pending], prepare)
-        finally:
-            self._committed[instance] = False
-            self._arrived.set()  # what queued meanwhile may run on this instance now
+            await self._execute(instance, executor, [pending], prepare)
+        except asyncio.CancelledError:
+            # The client went away, but the instance's thread may still be on this request:
+            # the instance is free once a no-op queued behind it has run.
+            try:
+                behind = loop.run_in_executor(executor, int)
+            except RuntimeError:  # shut down: nothing runs on it any more
+                self._release(instance)
+            else:
+                behind.add_done_callback(lambda _: self._release(instance))
+            raise
+        self._release(instance)
         return pending.future.result()  # the outputs, or the request's error
+
+    def _release(self, instance: int) -> None:
+        """A lone request is done with ``instance``: what queued meanwhile may run on it."""
+        self._committed[instance] = False
+        self._arrived.set()
 
     async def _worker(self, instance: int, executor: ThreadPoolExecutor) -> None:
         while True:
@@ -340,7 +354,13 @@ class Scheduler:
         padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
         def work() -> tuple[dict[str, np.ndarray], float, int, int]:
-            batch = collate(items) if prepare is None else prepare()
+            if prepare is None:
+                batch = collate(items)
+            else:
+                try:
+                    batch = prepare()
+                except Exception as exc:
+                    raise _Unprepared(exc) from exc
             prepared_ns = time.perf_counter_ns()
             if padded:
                 batch = pad_rows(batch, rows, self.config.pad_to)
@@ -363,6 +383,9 @@ class Scheduler:
                 parts = [dict(outputs)]
             else:
                 parts = split(outputs, [p.rows for p in items], self.model)
+        except _Unprepared as failed:  # the request's own error, as its preprocessing raised it
+            _fail(items, failed.error)
+            return
         except TensorgateError as exc:
             _fail(items, exc)
             return
@@ -443,6 +466,15 @@ class Scheduler:
         return len(self.queue)
 
 
+class _Unprepared(Exception):
+    """A lone request's preprocessing failed: its error goes to it as it is (a 400 for a bad
+    image, the generic 500 for a bug), never taken for the model's (or for out of memory)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA out of memory from torch (``OutOfMemoryError``) or onnxruntime (its message)."""
     if type(exc).__name__ == "OutOfMemoryError":
@@ -451,7 +483,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "out of memory" in text or "failed to allocate memory" in text
 
 
-def _fail(items: Sequence[Pending], exc: Exception) -> None:
+def _fail(items: Sequence[Pending], exc: BaseException) -> None:
     for p in items:
         if not p.future.done():
             p.future.set_exception(exc)

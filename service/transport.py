@@ -31,7 +31,7 @@ class CoalescingTransport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
             return
-        self._held.append(data)
+        self._held.append(data if isinstance(data, bytes) else bytes(data))  # a buffer may change
         if len(self._held) == 1:
             self._loop.call_soon(self.flush)  # alone, it goes out at the end of this turn
         else:

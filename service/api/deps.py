@@ -118,15 +118,20 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
 
     watcher = asyncio.ensure_future(watch())
     try:
-        return await work
+        result = await work
     except asyncio.CancelledError:
         if not gone or current.cancelling() > 1:
             raise  # cancelled from elsewhere too (shutdown): that cancellation goes on
         current.uncancel()
         return None
     except Exception:
-        if gone:
-            return None  # it failed on the way out; nobody is there to read why
-        raise
+        if not gone:
+            raise
+        current.uncancel()  # the work turned the cancellation into an error on its way out
+        return None
     finally:
         watcher.cancel()
+    if gone:  # the work swallowed the cancellation; nobody is there for its result
+        current.uncancel()
+        return None
+    return result

@@ -6,6 +6,7 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -103,17 +104,18 @@ def test_an_image_alone_is_answered_as_the_same_image_in_a_batch(batching: Serve
     alone = [batching.client.post(predict, content=i, headers=png).json() for i in images[:4]]
     before = batching.client.get("/v2/models/digits/stats").json()["model_stats"][0]
 
-    def send(image: bytes) -> dict[str, object]:
+    def send(image: bytes) -> tuple[int, dict[str, Any]]:
         with httpx.Client(base_url=batching.url, timeout=60) as client:
             response = client.post(predict, content=image, headers=png)
-            assert response.status_code == 200, response.text
-            return response.json()
+            return response.status_code, response.json()
 
     with ThreadPoolExecutor(12) as pool:
-        together = list(pool.map(send, images))
+        answers = list(pool.map(send, [*images[:12], b"not a png", *images[12:]]))
     after = batching.client.get("/v2/models/digits/stats").json()["model_stats"][0]
     assert after["execution_count"] - before["execution_count"] < len(images)  # batched
-    for single, batched in zip(alone, together, strict=False):
+    bad_in_company = answers.pop(12)
+    assert all(status == 200 for status, _ in answers), answers
+    for single, (_, batched) in zip(alone, answers, strict=False):
         got, want = single["predictions"][0], batched["predictions"][0]
         assert [p["label"] for p in got] == [p["label"] for p in want]
         np.testing.assert_allclose(
@@ -121,6 +123,8 @@ def test_an_image_alone_is_answered_as_the_same_image_in_a_batch(batching: Serve
         )
     bad = batching.client.post(predict, content=b"not a png", headers=png)
     assert bad.status_code == 400 and "cannot decode image" in bad.json()["error"]
+    assert bad_in_company[0] == 400
+    assert bad_in_company[1]["error"] == bad.json()["error"]
     assert batching.client.post(predict, content=images[0], headers=png).json() == alone[0]
 
 

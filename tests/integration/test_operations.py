@@ -125,6 +125,7 @@ def test_label_values_are_only_names_that_exist(ops: Server) -> None:
         assert ops.client.post(path, json=DIGIT).status_code == 404
     text = ops.client.get("/metrics").text
     assert "nosuchmodel-x1" not in text and "nosuchversion-x1" not in text
+    assert 'tensorgate_queue_duration_seconds_count{model=""}' not in text  # stages: successes
     assert (
         metric(samples(ops), "tensorgate_requests_total",
                model="digits", version="", protocol="v2", outcome="not_found") >= 1

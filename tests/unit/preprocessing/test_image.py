@@ -71,6 +71,14 @@ def test_normalizing_is_the_per_pixel_arithmetic_bit_for_bit(
     assert got.tobytes() == expected.tobytes()
 
 
+def test_one_mean_and_std_serve_every_channel(astronaut: Image.Image) -> None:
+    spec = ImageSpec(resize=64, crop=64, mean=(0.5,), std=(0.25,))
+    got = ImagePipeline(spec).from_image(astronaut)
+    pixels = np.asarray(astronaut.resize((64, 64), Image.Resampling.BILINEAR), np.float32)
+    expected = (pixels * np.float32(1 / 255) - np.float32(0.5)) * (np.float32(1) / np.float32(0.25))
+    assert got.tobytes() == np.ascontiguousarray(expected.transpose(2, 0, 1)).tobytes()
+
+
 def test_bgr_is_the_rgb_tensor_with_channels_reversed(astronaut: Image.Image) -> None:
     rgb = ImagePipeline(PLAIN).from_image(astronaut)
     bgr = ImagePipeline(PLAIN.model_copy(update={"color": "BGR"})).from_image(astronaut)

@@ -61,6 +61,30 @@ def test_a_disconnect_cancels_the_work_and_returns_none() -> None:
     assert asyncio.run(main()) == (None, True, 0)
 
 
+@pytest.mark.parametrize("ending", ["raises", "returns"])
+def test_work_that_mishandles_the_cancellation_still_leaves_the_task_usable(ending: str) -> None:
+    """Work that turns the disconnect's cancellation into an error, or swallows it."""
+
+    async def work() -> int:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            if ending == "raises":
+                raise RuntimeError("cleanup failed") from None
+        return 1
+
+    async def main() -> tuple[int | None, int]:
+        receive = Messages()
+        asyncio.get_running_loop().call_later(0.01, receive.disconnect)
+        result = await until_disconnect(receive, work())
+        await asyncio.sleep(0)  # would raise CancelledError if a cancellation were left pending
+        current = asyncio.current_task()
+        assert current is not None
+        return result, current.cancelling()
+
+    assert asyncio.run(main()) == (None, 0)
+
+
 def test_errors_of_the_work_reach_the_caller() -> None:
     async def work() -> int:
         raise ValueError("bad input")

@@ -493,3 +493,51 @@ def test_a_lone_request_that_cannot_be_prepared_gets_its_error_and_frees_the_ins
         await guarded.stop()
 
     asyncio.run(main())
+
+
+def test_a_cancelled_lone_request_holds_its_instance_until_its_thread_is_done() -> None:
+    """The client went away; its model run goes on: the next lone request must not queue
+    behind it on the same instance while another instance idles."""
+
+    async def main() -> list[str]:
+        release = threading.Event()
+        threads: list[str] = []
+
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            threads.append(threading.current_thread().name)
+            if batch["x"][0, 0] == 1.0:
+                release.wait(10)
+            return {"y": batch["x"]}
+
+        s = scheduler(run, instances=2)
+        s.start()
+        first = asyncio.ensure_future(
+            s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+        )
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second = await s.submit_alone(lambda: {"x": np.zeros((1, 1), np.float32)}, None, None)
+        assert second is not None
+        release.set()
+        await s.stop()
+        return threads
+
+    assert asyncio.run(main()) == ["m-instance-0_0", "m-instance-1_0"]
+
+
+def test_a_lone_request_whose_preprocessing_breaks_gets_that_error_not_a_model_error() -> None:
+    async def main() -> ModelStats:
+        def prepare() -> dict[str, np.ndarray]:
+            raise ValueError("image.convert ran out of memory")  # a bug, not the device's OOM
+
+        s = scheduler(lambda batch: {"y": batch["x"]})
+        s.start()
+        with pytest.raises(ValueError, match="image.convert"):
+            await s.submit_alone(prepare, None, None)
+        await s.stop()
+        return s.stats
+
+    stats = asyncio.run(main())
+    assert stats.out_of_memory_count == 0 and stats.execution_count == 0
