@@ -102,6 +102,5 @@ class CoalescingTransport(asyncio.Transport):
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over a :class:`CoalescingTransport`."""
 
-    # asyncio.Transport, narrower than asyncio.Protocol's BaseTransport, as in uvicorn's own
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
         super().connection_made(CoalescingTransport(transport, self.loop))
