@@ -257,7 +257,7 @@ class DataPlane:
         timing = observation.timing
         if prepared.lone is not None:
             observation.rows = 1
-            outputs = await loaded.execute_alone(prepared.lone, timing, deadline)
+            outputs = await loaded.execute_alone(prepared.lone, timing)
             if outputs is not None:
                 return outputs
             loop = asyncio.get_running_loop()

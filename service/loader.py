@@ -131,13 +131,12 @@ class LoadedModel:
         self,
         prepare: Callable[[], dict[str, np.ndarray]],
         timing: RequestTiming | None = None,
-        deadline: float | None = None,
     ) -> dict[str, np.ndarray] | None:
         """Preprocess and run a lone request on an idle instance's thread, in one hand-off;
         None when none is idle (see :meth:`Scheduler.submit_alone`)."""
         if self.closed:
             raise ModelNotReady(f"model '{self.name}' was unloaded while the request waited")
-        return await self.start().submit_alone(prepare, timing, deadline)
+        return await self.start().submit_alone(prepare, timing)
 
     @property
     def alone(self) -> bool:

@@ -254,14 +254,15 @@ class Scheduler:
         return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
 
     async def submit_alone(
-        self, prepare: Callable[[], Batch], timing: RequestTiming | None, deadline: float | None
+        self, prepare: Callable[[], Batch], timing: RequestTiming | None
     ) -> dict[str, np.ndarray] | None:
         """Run ``prepare`` (a request's preprocessing, one row) and then the model on an idle
         instance's own thread: one hand-off instead of three (loop → preprocessing pool →
         loop → instance → loop), for a request that has nothing to wait for or to batch with.
 
         Returns None, having done nothing, when a request is queued or no instance is idle:
-        the caller then preprocesses in its pool and submits as usual.
+        the caller then preprocesses in its pool and submits as usual. No deadline: the request
+        starts at once or not at all.
         """
         if self.queue:
             return None
@@ -270,7 +271,7 @@ class Scheduler:
             return None
         loop = asyncio.get_running_loop()
         executor = self._executors[instance]
-        pending = Pending({}, 1, (), time.monotonic(), deadline, loop.create_future(), timing)
+        pending = Pending({}, 1, (), time.monotonic(), None, loop.create_future(), timing)
         self._committed[instance] = True
         try:
             await self._execute(instance, executor, [pending], prepare)
@@ -377,7 +378,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         try:
             outputs, started, infer_ns, prepared_ns = await loop.run_in_executor(executor, work)
-            if self.config.pad_to and self.config.max_batch_size > 0:
+            if padded:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
             if self.config.max_batch_size == 0:  # no batch dimension: one request, whole
                 parts = [dict(outputs)]

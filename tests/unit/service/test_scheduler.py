@@ -425,7 +425,7 @@ def test_a_lone_request_is_prepared_and_run_on_the_instance_thread() -> None:
 
         s = scheduler(run)
         s.start()
-        answer = await s.submit_alone(prepare, None, None)
+        answer = await s.submit_alone(prepare, None)
         assert answer is not None
         np.testing.assert_array_equal(answer["y"], np.full((1, 2), 6.0))
         assert threads == ["m-instance-0_0", "m-instance-0_0"]  # one hand-off, not three
@@ -452,15 +452,15 @@ def test_a_lone_request_waits_for_nothing_and_nothing_waits_for_it_unduly() -> N
         s = scheduler(run)
         s.start()
         ones = {"x": np.ones((1, 1), np.float32)}
-        lone = asyncio.ensure_future(s.submit_alone(lambda: ones, None, None))
+        lone = asyncio.ensure_future(s.submit_alone(lambda: ones, None))
         await asyncio.sleep(0.05)  # the lone request holds the only instance
-        assert await s.submit_alone(lambda: ones, None, None) is None
+        assert await s.submit_alone(lambda: ones, None) is None
         queued = asyncio.ensure_future(
             s.submit({"x": np.full((1, 1), 2.0, np.float32)}, None, None)
         )
         await asyncio.sleep(0.05)
         assert s.pending == 1  # the worker does not hand the instance a second batch meanwhile
-        assert await s.submit_alone(lambda: ones, None, None) is None  # something is queued
+        assert await s.submit_alone(lambda: ones, None) is None  # something is queued
         release.set()
         assert (await lone) is not None
         np.testing.assert_array_equal((await queued)["y"], [[2.0]])
@@ -481,15 +481,15 @@ def test_a_lone_request_that_cannot_be_prepared_gets_its_error_and_frees_the_ins
         s = scheduler(lambda batch: {"y": batch["x"]})
         s.start()
         with pytest.raises(InvalidInput, match="cannot decode image"):
-            await s.submit_alone(prepare, None, None)
-        ok = await s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+            await s.submit_alone(prepare, None)
+        ok = await s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None)
         assert ok is not None
         assert s.stats.execution_count == 1  # the failed preparation ran no model
         await s.stop()
         guarded = scheduler(drops_a_row)
         guarded.start()
         with pytest.raises(ModelExecutionError, match="batch size mismatch"):
-            await guarded.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+            await guarded.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None)
         await guarded.stop()
 
     asyncio.run(main())
@@ -512,13 +512,13 @@ def test_a_cancelled_lone_request_holds_its_instance_until_its_thread_is_done() 
         s = scheduler(run, instances=2)
         s.start()
         first = asyncio.ensure_future(
-            s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+            s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None)
         )
         await asyncio.sleep(0.05)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        second = await s.submit_alone(lambda: {"x": np.zeros((1, 1), np.float32)}, None, None)
+        second = await s.submit_alone(lambda: {"x": np.zeros((1, 1), np.float32)}, None)
         assert second is not None
         release.set()
         await s.stop()
@@ -535,7 +535,7 @@ def test_a_lone_request_whose_preprocessing_breaks_gets_that_error_not_a_model_e
         s = scheduler(lambda batch: {"y": batch["x"]})
         s.start()
         with pytest.raises(ValueError, match="image.convert"):
-            await s.submit_alone(prepare, None, None)
+            await s.submit_alone(prepare, None)
         await s.stop()
         return s.stats
 
