@@ -24,7 +24,7 @@ from tests.server import MODELS, REPO_ROOT, Server
 
 pytestmark = pytest.mark.integration
 
-SPEC = REPO_ROOT.parent / "shared" / "specs" / "open_inference_rest.yaml"
+SPEC = REPO_ROOT / "tests" / "specs" / "open_inference_rest.yaml"  # vendored: tests/specs/README.md
 MODEL_NAMES = ["digits", "efficientnet_lite0", "nope"]
 VERSIONS = ["1", "2"]
 CHECKS = [not_a_server_error, response_schema_conformance]
@@ -54,7 +54,7 @@ def _walk_parameters(paths: dict[str, Any]) -> None:
 
 
 def official_schema(path: Path) -> dict[str, Any]:
-    """The OIP document with its known defects handled in memory (see shared/specs/README.md)."""
+    """The OIP document with its known defects handled in memory (see tests/specs/README.md)."""
     raw: dict[str, Any] = yaml.safe_load(path.read_text())
     paths: dict[str, Any] = {}
     for template, item in raw["paths"].items():
