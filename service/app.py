@@ -117,16 +117,25 @@ async def _poll(dataplane: DataPlane, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         if not repository.loading_done.is_set():
             continue
-        changed, gone = await asyncio.to_thread(repository.changes)
-        for name in changed:
-            try:
-                await dataplane.load_model(name)
-                log.info("poll: model %s reloaded", name)
-            except TensorgateError as exc:
-                log.error("poll: model %s did not load: %s", name, exc.message)
-        for name in gone:
-            await dataplane.unload_model(name)
-            log.info("poll: model %s unloaded (its folder is gone)", name)
+        try:
+            await _poll_once(dataplane)
+        except Exception:  # one bad folder must not end polling for good: log, try next time
+            log.exception("poll: the repository could not be read; trying again in %g s",
+                          interval_s)  # fmt: skip
+
+
+async def _poll_once(dataplane: DataPlane) -> None:
+    repository = dataplane.repository
+    changed, gone = await asyncio.to_thread(repository.changes)
+    for name in changed:
+        try:
+            await dataplane.load_model(name)
+            log.info("poll: model %s reloaded", name)
+        except TensorgateError as exc:
+            log.error("poll: model %s did not load: %s", name, exc.message)
+    for name in gone:
+        await dataplane.unload_model(name)
+        log.info("poll: model %s unloaded (its folder is gone)", name)
 
 
 def _settle_heap() -> None:

@@ -1,15 +1,21 @@
-"""The ``tensorgate`` command: ``serve``, ``export`` and ``schema``."""
+"""The ``tensorgate`` command: ``serve``, ``health``, ``export`` and ``schema``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service import __version__
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+
+log = logging.getLogger("tensorgate.cli")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,6 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument(
         "--poll", type=float, metavar="SECONDS", dest="poll_interval_s",
         help="watch the repository and load changed models every SECONDS (TG_POLL_INTERVAL_S)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--model-name", help="serve the repository's one model under this name; the repository "
+        "may then be that model's own folder, as KServe's storageUri gives it (TG_MODEL_NAME)",
+    )  # fmt: skip
+
+    health = commands.add_parser(
+        "health", help="probe the server this environment configures (a container HEALTHCHECK): "
+        "exit 0 when it answers 200, 1 otherwise; sends the API token when the routes need it",
+    )  # fmt: skip
+    health.add_argument(
+        "probe", nargs="?", default="ready", choices=["live", "ready", "startup"],
+        help="which health route to ask (default: ready)",
     )  # fmt: skip
 
     export = commands.add_parser("export", help="export a PyTorch module into a model repository")
@@ -49,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "health":
+        return _health(args.probe)
     if args.command == "export":
         from service.export_cli import run_export
 
@@ -66,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service import logs
     from service.app import create_app, serving_app
     from service.server import DrainingServer
-    from service.settings import Settings
+    from service.settings import unknown_variables
     from service.transport import CoalescingHttpToolsProtocol
 
     overrides: dict[str, Any] = {
@@ -77,11 +98,16 @@ def _serve(args: argparse.Namespace) -> int:
             "model_repository": args.model_repository,
             "log_level": args.log_level,
             "poll_interval_s": args.poll_interval_s,
+            "model_name": args.model_name,
         }.items()
         if value is not None
     }
-    settings = Settings(**overrides)
+    settings = _settings(**overrides)
+    if settings is None:
+        return 2
     logs.configure(settings.log_level)
+    for warning in unknown_variables():
+        log.warning(warning)
     app = create_app(settings)
     config = uvicorn.Config(
         serving_app(app, settings),
@@ -95,3 +121,42 @@ def _serve(args: argparse.Namespace) -> int:
     )
     DrainingServer(config, app, settings).run()
     return 0
+
+
+def _settings(**overrides: Any) -> Settings | None:
+    """The settings, or None after one line per problem on stderr (not a traceback)."""
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            field = f"TG_{where.upper()}: " if where else ""
+            sys.stderr.write(f"tensorgate: invalid setting: {field}{error['msg']}\n")
+        return None
+
+
+def _health(probe: str) -> int:
+    """One request to this server's own health route, as a container HEALTHCHECK runs it."""
+    import http.client
+
+    settings = _settings()
+    if settings is None:
+        return 2
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    headers = {}
+    if settings.protect_health_and_metrics and settings.api_token is not None:
+        headers["Authorization"] = f"Bearer {settings.api_token}"
+    connection = http.client.HTTPConnection(host, settings.port, timeout=2)
+    try:
+        connection.request("GET", f"/v2/health/{probe}", headers=headers)
+        status = connection.getresponse().status
+    except OSError as exc:
+        sys.stderr.write(f"tensorgate health: {host}:{settings.port}: {exc}\n")
+        return 1
+    finally:
+        connection.close()
+    return 0 if status == 200 else 1

@@ -76,13 +76,36 @@ class ModelRepository:
         """Find models and the versions to serve; every version starts LOADING."""
         if not self.root.is_dir():
             raise ModelLoadError(f"model repository {self.root} is not a directory")
-        wanted = set(self.settings.models) if self.settings.models else None
-        for folder in sorted(p for p in self.root.iterdir() if (p / "config.yaml").is_file()):
-            if wanted is None or folder.name in wanted:
-                self.models[folder.name] = _scan_model(folder)
-                self._fingerprints[folder.name] = fingerprint(folder)
-        if wanted is not None and (missing := wanted - set(self.models)):
+        for name, folder in self.on_disk(chosen_only=True).items():
+            self.models[name] = _scan_model(name, folder)
+            self._fingerprints[name] = fingerprint(folder)
+        if self.settings.models and (missing := set(self.settings.models) - set(self.models)):
             raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
+
+    def on_disk(self, chosen_only: bool = False) -> dict[str, Path]:
+        """Each model's name and folder as the repository holds them now; ``chosen_only``:
+        only those ``settings.models`` names (all when unset)."""
+        if self.settings.model_name is not None:
+            return {self.settings.model_name: self._single_model_folder()}
+        found = {
+            p.name: p for p in sorted(self.root.iterdir()) if (p / "config.yaml").is_file()
+        }  # fmt: skip
+        if chosen_only and self.settings.models:
+            return {n: p for n, p in found.items() if n in self.settings.models}
+        return found
+
+    def _single_model_folder(self) -> Path:
+        """``model_name``'s folder: the repository itself, or the one model folder in it."""
+        if (self.root / "config.yaml").is_file():
+            return self.root
+        folders = sorted(p for p in self.root.iterdir() if (p / "config.yaml").is_file())
+        if len(folders) != 1:
+            raise ModelLoadError(
+                f"model name {self.settings.model_name!r} is set, so {self.root} must be one "
+                "model's folder (config.yaml at its root) or hold exactly one model folder; it "
+                f"holds {[p.name for p in folders]}"
+            )
+        return folders[0]
 
     def load_all(self) -> None:
         """Load every discovered version, one after another (called off the event loop)."""
@@ -121,7 +144,7 @@ class ModelRepository:
         with self._change:
             # Recorded first: a model that fails is retried by --poll only when it changes.
             self._fingerprints[name] = fingerprint(folder)
-            fresh = _scan_model(folder)
+            fresh = _scan_model(name, folder)
             self._load_entry(fresh)
             old = self.models.get(name)
             if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
@@ -147,11 +170,9 @@ class ModelRepository:
     def changes(self) -> tuple[list[str], list[str]]:
         """Models whose folder changed since they were loaded, and models whose folder is gone
         (for ``--poll``). A model that failed to load is retried only when its folder changes."""
-        on_disk = {p.name: p for p in self.root.iterdir() if (p / "config.yaml").is_file()}
-        if self.settings.models:
-            on_disk = {n: p for n, p in on_disk.items() if n in self.settings.models}
+        on_disk = self.on_disk(chosen_only=True)
         changed = [
-            name for name, folder in sorted(on_disk.items())
+            name for name, folder in on_disk.items()
             if NAME_PATTERN.match(name) and self._fingerprints.get(name) != fingerprint(folder)
         ]  # fmt: skip
         gone = [n for n, e in self.models.items() if n not in on_disk and not e.unloaded]
@@ -160,8 +181,8 @@ class ModelRepository:
     def _folder(self, name: str) -> Path:
         if not NAME_PATTERN.match(name):
             raise ModelNotFound(f"model name {name!r} is not valid (letters, digits, _ . -)")
-        folder = (self.root / name).resolve()
-        if folder.parent != self.root.resolve() or not (folder / "config.yaml").is_file():
+        folder = self.on_disk().get(name)
+        if folder is None:
             raise ModelNotFound(f"no model '{name}' in the repository (no {name}/config.yaml)")
         return folder
 
@@ -190,7 +211,7 @@ class ModelRepository:
                     f"model '{name}' is unavailable: {entry.error}", retry_after_s=30
                 )
             return max(entry.versions.values(), key=lambda v: v.version)
-        if not version.isdigit() or int(version) not in entry.versions:
+        if not _is_number(version) or int(version) not in entry.versions:
             raise ModelNotFound(
                 f"model '{name}' has no version '{version}'; it serves {sorted(entry.versions)}"
             )
@@ -266,18 +287,18 @@ class ModelRepository:
             _retire(entry)
 
 
-def _scan_model(folder: Path) -> ModelEntry:
-    entry = ModelEntry(folder.name, folder)
-    if not NAME_PATTERN.match(folder.name):
-        entry.error = f"model name {folder.name!r} must match {NAME_PATTERN.pattern}"
+def _scan_model(name: str, folder: Path) -> ModelEntry:
+    entry = ModelEntry(name, folder)
+    if not NAME_PATTERN.match(name):
+        entry.error = f"model name {name!r} must match {NAME_PATTERN.pattern}"
         return entry
     try:
         entry.config = load_model_config(folder / "config.yaml")
     except ModelLoadError as exc:
         entry.error = str(exc)
-        log.error("model %s is unavailable: %s", folder.name, exc)
+        log.error("model %s is unavailable: %s", name, exc)
         return entry
-    found = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+    found = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and _is_number(p.name))
     chosen = select_versions(found, entry.config.version_policy)
     if not chosen:
         entry.error = (
@@ -285,10 +306,16 @@ def _scan_model(folder: Path) -> ModelEntry:
             f"{entry.config.version_policy.model_dump(exclude_defaults=True)}); "
             "run `make models` or export one"
         )
-        log.error("model %s is unavailable: %s", folder.name, entry.error)
+        log.error("model %s is unavailable: %s", name, entry.error)
     for number in chosen:
-        entry.versions[number] = ModelVersion(folder.name, number, folder / str(number))
+        entry.versions[number] = ModelVersion(name, number, folder / str(number))
     return entry
+
+
+def _is_number(text: str) -> bool:
+    """A version number: ASCII digits only (``str.isdigit`` also takes ``²`` and ``①``, which
+    ``int`` refuses)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 def fingerprint(folder: Path) -> tuple[object, ...]:

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.cpus import available_cpus
+
+ENV_PREFIX = "TG_"
+MIN_TOKEN_LENGTH = 16
+"""A bearer token shorter than this is refused at start: short tokens are guessed."""
 
 
 def _default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)))
+    return available_cpus()
 
 
 class Settings(BaseSettings):
     """Everything the server reads from its environment. Each field is ``TG_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="TG_", extra="ignore", protected_namespaces=())
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=()
+    )
 
     host: str = "127.0.0.1"
     """Address to listen on. Use 0.0.0.0 in a container."""
@@ -27,6 +36,10 @@ class Settings(BaseSettings):
     """The model repository: one folder a model, each with config.yaml and version folders."""
     models: list[str] | None = None
     """Load only these models from the repository (default: every model in it)."""
+    model_name: str | None = None
+    """Serve the repository's one model under this name (KServe passes the InferenceService's
+    name, ``{{.Name}}``). The repository is then that model's own folder (``config.yaml`` at
+    its root, as KServe's storageUri gives it) or holds exactly one model folder."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the server's own logs."""
     access_log: bool = True
@@ -59,11 +72,17 @@ class Settings(BaseSettings):
     """Ready only when every model meant to load is READY; false: when any model is READY."""
     api_token: str | None = None
     """Bearer token for inference and model routes (health and metrics stay open unless
-    protect_health_and_metrics). Unset: those routes are open."""
+    protect_health_and_metrics). Unset: those routes are open. At least 16 characters."""
+    api_token_file: Path | None = None
+    """Read the API token from this file instead (a mounted Kubernetes or Docker secret);
+    surrounding whitespace is dropped. Not together with api_token."""
     protect_health_and_metrics: bool = False
     """Ask for the API token on /v2/health/* and /metrics too."""
     admin_token: str | None = None
-    """Bearer token for the model repository routes (load/unload/index); they exist only if set."""
+    """Bearer token for the model repository routes (load/unload/index); they exist only if set.
+    At least 16 characters."""
+    admin_token_file: Path | None = None
+    """Read the admin token from this file instead (a mounted secret). Not with admin_token."""
     expect_torch: str | None = None
     """Refuse to start unless this is the torch version running (set by the image)."""
     expect_onnxruntime: str | None = None
@@ -72,3 +91,38 @@ class Settings(BaseSettings):
     """Refuse to start unless torch is built for this CUDA, e.g. 12.8 (set by the GPU image)."""
     server_name: str = "tensorgate"
     """The name reported in server metadata."""
+
+    @model_validator(mode="after")
+    def _read_tokens(self) -> Self:
+        for kind in ("api", "admin"):
+            token, file = getattr(self, f"{kind}_token"), getattr(self, f"{kind}_token_file")
+            variable = f"{ENV_PREFIX}{kind.upper()}_TOKEN"
+            if file is not None:
+                if token is not None:
+                    raise ValueError(f"set {variable} or {variable}_FILE, not both")
+                try:
+                    token = file.read_text().strip()
+                except OSError as exc:
+                    message = f"{variable}_FILE: cannot read {file}: {exc.strerror}"
+                    raise ValueError(message) from exc
+                variable += f"_FILE ({file})"
+                setattr(self, f"{kind}_token", token)
+            if token is not None and len(token) < MIN_TOKEN_LENGTH:
+                raise ValueError(
+                    f"{variable} is {len(token)} characters long; a token needs at least "
+                    f"{MIN_TOKEN_LENGTH} (unset it to leave the routes open)"
+                )
+        return self
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """A warning for each ``TG_*`` variable the server does not read, naming the closest one
+    it does: a misspelt setting would otherwise be ignored in silence."""
+    known = [f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields]
+    warnings = []
+    for variable in sorted(environ if environ is not None else os.environ):
+        if variable.startswith(ENV_PREFIX) and variable not in known:
+            close = difflib.get_close_matches(variable, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(f"{variable} is not a tensorgate setting and is ignored{hint}")
+    return warnings

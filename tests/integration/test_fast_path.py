@@ -19,7 +19,7 @@ from PIL import Image
 from tests.server import MODELS, Server
 
 pytestmark = pytest.mark.integration
-TOKEN = "fast-path-token"
+TOKEN = "fast-path-token-01"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HEADER, TIMEOUT = "Inference-Header-Content-Length", "X-Request-Timeout"
 COMPARED_HEADERS = ("content-type", "inference-header-content-length", "www-authenticate")

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server import MODELS, Server
 
 pytestmark = pytest.mark.integration
-API = "api-s3cret"
+API = "api-s3cret-token-123"
 DIGIT = {
     "inputs": [{"name": "image", "datatype": "FP32", "shape": [2, 1, 8, 8], "data": [0.5] * 128}]
 }
@@ -111,7 +111,9 @@ def test_metrics_count_exactly_what_was_served(ops: Server) -> None:
     assert (
         metric(after, "tensorgate_unwarmed_shape_requests_total", model="digits", version="1") == 0
     )
-    assert metric(after, "tensorgate_process_resident_memory_bytes") > 10_000_000
+    assert metric(after, "process_resident_memory_bytes") > 10_000_000  # the conventional name
+    pending = ("tensorgate_pending_requests", (("model", "digits"), ("version", "1")))
+    assert after[pending] == 0  # one series per version, labelled by it
     assert metric(after, "tensorgate_warmup_duration_seconds", model="digits", version="1") > 0
 
 
@@ -125,6 +127,8 @@ def test_label_values_are_only_names_that_exist(ops: Server) -> None:
         assert ops.client.post(path, json=DIGIT).status_code == 404
     text = ops.client.get("/metrics").text
     assert "nosuchmodel-x1" not in text and "nosuchversion-x1" not in text
+    assert "_created" not in text  # a timestamp series per counter that rate() never needs
+    assert "tensorgate_process_" not in text
     assert 'tensorgate_queue_duration_seconds_count{model=""}' not in text  # stages: successes
     assert (
         metric(samples(ops), "tensorgate_requests_total",
@@ -325,7 +329,7 @@ def test_a_new_version_swaps_in_under_load_without_a_failed_request(
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
     }))  # fmt: skip
-    env = {"TG_ADMIN_TOKEN": "adm", "TG_ACCESS_LOG": "false"}
+    env = {"TG_ADMIN_TOKEN": "admin-token-of-16+", "TG_ACCESS_LOG": "false"}
     if trigger == "poll":
         env["TG_POLL_INTERVAL_S"] = "0.2"
     server = Server(folder.parent, env=env, log_path=tmp_path / "server.log")
@@ -361,7 +365,7 @@ def test_a_new_version_swaps_in_under_load_without_a_failed_request(
             if trigger == "api":
                 loaded = httpx.post(
                     f"{server.url}/v2/repository/models/times/load",
-                    headers={"Authorization": "Bearer adm"},
+                    headers={"Authorization": "Bearer admin-token-of-16+"},
                     timeout=60,
                 )
                 assert loaded.status_code == 200, loaded.text

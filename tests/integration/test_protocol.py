@@ -18,7 +18,7 @@ from tests.identity import ONNX_TYPES, write_identity_model
 from tests.server import MODELS, Server
 
 pytestmark = pytest.mark.integration
-TOKEN = "s3cret-admin"
+TOKEN = "s3cret-admin-token-1"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -1,0 +1,117 @@
+"""Settings an operator meets when deploying: tokens from mounted secrets, the container health
+command, misspelt variables, one-line setting errors, and one model served under KServe's name."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server import MODELS, REPO_ROOT, Server
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "a-mounted-secret-token"
+DIGIT = {
+    "inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]
+}
+
+
+def tensorgate(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "service", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})  # fmt: skip
+
+
+def test_a_token_file_protects_health_and_the_health_command_sends_it(
+    repository: Path, tmp_path: Path
+) -> None:
+    secret = tmp_path / "api-token"
+    secret.write_text(TOKEN + "\n")  # as `kubectl create secret --from-file` leaves it
+    env = {"TG_API_TOKEN_FILE": str(secret), "TG_PROTECT_HEALTH_AND_METRICS": "true",
+           "TG_API_TOKN": "misspelt"}  # fmt: skip
+    server = Server(repository, env=env, log_path=tmp_path / "server.log")
+    try:
+        server.client.headers["Authorization"] = f"Bearer {TOKEN}"
+        server.wait_until()
+        assert server.client.post("/v2/models/digits/infer", json=DIGIT).status_code == 200
+        assert (
+            server.client.get("/v2/health/ready", headers={"Authorization": ""}).status_code == 401
+        )
+        probe_env = {**env, "TG_PORT": str(server.port), "TG_HOST": "0.0.0.0"}
+        for probe in ("live", "ready", "startup"):
+            done = tensorgate("health", probe, env=probe_env)
+            assert done.returncode == 0, done.stderr
+        without_token = {k: v for k, v in probe_env.items() if k != "TG_API_TOKEN_FILE"}
+        assert "TG_API_TOKEN_FILE" not in os.environ
+        assert tensorgate("health", env=without_token).returncode == 1  # 401 is not healthy
+    finally:
+        assert server.stop() == 0
+    assert (
+        "TG_API_TOKN is not a tensorgate setting and is ignored; did you mean TG_API_TOKEN?"
+        in server.log()
+    )
+
+
+def test_the_health_command_fails_when_nothing_listens(tmp_path: Path) -> None:
+    from tests.server import free_port
+
+    done = tensorgate("health", env={"TG_PORT": str(free_port())})
+    assert done.returncode == 1
+    assert "Connection refused" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"TG_API_TOKEN": "short"},
+            "tensorgate: invalid setting: Value error, TG_API_TOKEN is 5 characters long",
+        ),
+        (
+            {"TG_PORT": "eighty"},
+            "tensorgate: invalid setting: TG_PORT: Input should be a valid integer",
+        ),
+    ],
+)
+def test_a_bad_setting_is_one_line_not_a_traceback(env: dict[str, str], message: str) -> None:
+    done = tensorgate("serve", env=env)
+    assert done.returncode == 2
+    assert done.stderr.startswith(message)
+    assert "Traceback" not in done.stderr
+
+
+def test_one_model_folder_serves_under_the_name_kserve_gives(tmp_path: Path) -> None:
+    """KServe's storage initializer leaves the storageUri's folder in /mnt/models; the runtime's
+    args pass the InferenceService's name as --model-name."""
+    storage = tmp_path / "mnt-models"
+    shutil.copytree(MODELS / "digits", storage, ignore=shutil.ignore_patterns("build.py"))
+    server = Server(storage, env={"TG_MODEL_NAME": "my-digits"}, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        assert server.client.get("/v2/models/my-digits/ready").json() == {
+            "name": "my-digits",
+            "ready": True,
+        }
+        assert server.client.post("/v2/models/my-digits/infer", json=DIGIT).status_code == 200
+        assert server.client.get("/v2/models/digits").status_code == 404
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_model_name_over_a_repository_of_several_models_names_them(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    for name in ("a", "b"):
+        shutil.copytree(MODELS / "digits", root / name, ignore=shutil.ignore_patterns("build.py"))
+    server = Server(root, env={"TG_MODEL_NAME": "one"}, log_path=tmp_path / "server.log")
+    try:
+        assert server.process.wait(timeout=60) != 0
+    finally:
+        server.stop()
+    assert (
+        "must be one model's folder (config.yaml at its root) or hold exactly one model folder; it holds ['a', 'b']"
+        in server.log()
+    )

@@ -1,0 +1,96 @@
+"""Thread defaults follow the CPU the process may use: affinity capped by the cgroup quota."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service.cpus import available_cpus, cgroup_cpu_quota
+
+AFFINITY = len(os.sched_getaffinity(0))
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Path:
+    return tmp_path / "proc-self-cgroup"
+
+
+def test_no_cgroup_files_means_the_affinity_mask(tmp_path: Path, proc: Path) -> None:
+    assert cgroup_cpu_quota(tmp_path / "none", proc) is None
+    assert available_cpus(tmp_path / "none", proc) == AFFINITY
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "quota"),
+    [("max 100000", None), ("200000 100000", 2.0), ("150000 100000", 1.5), ("50000 100000", 0.5)],
+)
+def test_v2_cpu_max_at_the_namespace_root(
+    tmp_path: Path, proc: Path, cpu_max: str, quota: float | None
+) -> None:
+    write(tmp_path / "cpu.max", cpu_max + "\n")
+    write(proc, "0::/\n")
+    assert cgroup_cpu_quota(tmp_path, proc) == quota
+
+
+def test_a_quota_rounds_up_and_never_goes_below_one(tmp_path: Path, proc: Path) -> None:
+    write(proc, "0::/\n")
+    write(tmp_path / "cpu.max", "50000 100000")
+    assert available_cpus(tmp_path, proc) == 1
+    write(tmp_path / "cpu.max", "150000 100000")
+    assert available_cpus(tmp_path, proc) == min(AFFINITY, 2)
+
+
+def test_a_quota_above_the_affinity_mask_changes_nothing(tmp_path: Path, proc: Path) -> None:
+    write(proc, "0::/\n")
+    write(tmp_path / "cpu.max", f"{(AFFINITY + 8) * 100000} 100000")
+    assert available_cpus(tmp_path, proc) == AFFINITY
+
+
+def test_v2_the_tightest_of_the_process_cgroup_and_its_parents(tmp_path: Path, proc: Path) -> None:
+    write(proc, "0::/kubepods/pod1/ctr\n")
+    write(tmp_path / "kubepods" / "cpu.max", "max 100000")
+    write(tmp_path / "kubepods" / "pod1" / "cpu.max", "400000 100000")  # the pod's limit
+    write(tmp_path / "kubepods" / "pod1" / "ctr" / "cpu.max", "max 100000")
+    assert cgroup_cpu_quota(tmp_path, proc) == 4.0
+
+
+def test_v2_path_not_mounted_here_reads_the_mount_root(tmp_path: Path, proc: Path) -> None:
+    write(proc, "0::/host/only/path\n")  # a cgroup namespace: the host's path is not visible
+    write(tmp_path / "cpu.max", "300000 100000")
+    assert cgroup_cpu_quota(tmp_path, proc) == 3.0
+
+
+@pytest.mark.parametrize("mount", ["cpu", "cpu,cpuacct"])
+def test_v1_cfs_quota_and_period(tmp_path: Path, proc: Path, mount: str) -> None:
+    write(proc, "4:cpu,cpuacct:/docker/abc\n2:memory:/docker/abc\n")
+    write(tmp_path / mount / "docker" / "abc" / "cpu.cfs_quota_us", "250000\n")
+    write(tmp_path / mount / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(tmp_path, proc) == 2.5
+    assert available_cpus(tmp_path, proc) == min(AFFINITY, 3)
+
+
+def test_v1_no_quota_is_minus_one(tmp_path: Path, proc: Path) -> None:
+    write(proc, "4:cpu:/\n")
+    write(tmp_path / "cpu" / "cpu.cfs_quota_us", "-1")
+    write(tmp_path / "cpu" / "cpu.cfs_period_us", "100000")
+    assert cgroup_cpu_quota(tmp_path, proc) is None
+
+
+def test_garbage_in_a_cgroup_file_is_ignored(tmp_path: Path, proc: Path) -> None:
+    write(proc, "not a cgroup line\n0::/\n")
+    write(tmp_path / "cpu.max", "lots 100000")
+    assert cgroup_cpu_quota(tmp_path, proc) is None
+
+
+def test_settings_default_threads_follow_the_cpus() -> None:
+    from service.settings import Settings
+
+    settings = Settings()
+    assert settings.intra_op_threads == settings.preprocess_threads == available_cpus()
