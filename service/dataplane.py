@@ -85,6 +85,13 @@ class DataPlane:
                     )
         return True, ""
 
+    def started(self) -> tuple[bool, str]:
+        """Whether loading has finished, whatever its outcome: a model refused by a gate leaves
+        a started, not-ready server (a stable NotReady pod that says why), not a restart loop."""
+        if self.repository.loading_done.is_set():
+            return True, ""
+        return False, "models are loading"
+
     def ready(self) -> tuple[bool, str]:
         """Whether the server takes traffic, and if not, why."""
         repository = self.repository

@@ -1,10 +1,18 @@
-"""Logging: one JSON object per line, so that log pipelines need no parsing rules."""
+"""Logging: one JSON object per line, so that log pipelines need no parsing rules.
+
+Lines are written by a thread of their own: a log pipe that stops reading (a stalled collector,
+a full terminal) blocks that thread, never the event loop that serves requests. Records wait
+in an unbounded queue meanwhile and none is lost once the pipe drains.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import itertools
 import logging
+import logging.handlers
+import queue
 import re
 import sys
 import time
@@ -46,7 +54,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        request_id = REQUEST_ID.get()
+        request_id = REQUEST_ID.get()  # set on the record instead when it was queued
         if request_id is not None:
             entry["request_id"] = request_id
         entry.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
@@ -55,16 +63,44 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+class _Enqueue(logging.handlers.QueueHandler):
+    """Queues the record itself; the writer thread formats it. Only what belongs to the
+    writing thread (the request id) is read here."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        request_id = REQUEST_ID.get()
+        if request_id is not None and not hasattr(record, "request_id"):
+            record.request_id = request_id
+        return record
+
+
+_listener: logging.handlers.QueueListener | None = None
+
+
 def configure(level: str) -> None:
-    """Route every logger, uvicorn's included, through one JSON handler on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
+    """Route every logger, uvicorn's included, through one JSON writer thread on stderr."""
+    global _listener
+    stop()
+    writer = logging.StreamHandler(sys.stderr)
     formatter = JsonFormatter()
     formatter.converter = time.gmtime
-    handler.setFormatter(formatter)
+    writer.setFormatter(formatter)
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    _listener = logging.handlers.QueueListener(records, writer)
+    _listener.start()
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_Enqueue(records)]
     root.setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+
+
+@atexit.register
+def stop() -> None:
+    """Write every queued line, then end the writer thread (at exit: nothing is dropped)."""
+    global _listener
+    if _listener is not None:
+        _listener.stop()
+        _listener = None

@@ -12,7 +12,13 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -56,6 +62,9 @@ class Metrics:
     """The server's metrics; one instance per app."""
 
     def __init__(self, repository: ModelRepository) -> None:
+        # A `_created` series per counter and histogram doubles the series count for a
+        # timestamp that rate() never needs (process-wide switch: the registry is ours alone).
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # the library leaves it untyped
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -71,7 +80,7 @@ class Metrics:
         self.preprocess = self._stage("preprocess", "Decoding, preprocessing and validation.")
         self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
         self._children: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
-        ProcessCollector(namespace="tensorgate", registry=r)
+        ProcessCollector(registry=r)  # process_*: the names stock dashboards and alerts use
         r.register(_RepositoryCollector(repository))
         r.register(_GpuCollector())
 
@@ -131,8 +140,8 @@ class _RepositoryCollector(Collector):
         )  # fmt: skip
         pending = GaugeMetricFamily(
             "tensorgate_pending_requests",
-            "Requests waiting in the queue plus batches running, per model.",
-            labels=["model"],
+            "Requests waiting in the queue plus batches running, per model version.",
+            labels=["model", "version"],
         )
         warmup = GaugeMetricFamily(
             "tensorgate_warmup_duration_seconds", "Time warmup took at load.",
@@ -171,7 +180,7 @@ class _RepositoryCollector(Collector):
                 scheduler = loaded.scheduler
                 if scheduler is not None:
                     busy = sum(b is not None for b in scheduler.busy_since)
-                    pending.add_metric([name], scheduler.pending + busy)
+                    pending.add_metric(labels, scheduler.pending + busy)
         yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory)
         yield self._batch_sizes()
 

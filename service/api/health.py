@@ -18,6 +18,11 @@ class LiveResponse(BaseModel):
     reason: str | None = None
 
 
+class StartedResponse(BaseModel):
+    started: bool
+    reason: str | None = None
+
+
 class ReadyResponse(BaseModel):
     ready: bool
     reason: str | None = None
@@ -46,6 +51,23 @@ async def live(request: Request) -> Response:
     if ok:
         return json_response({"live": True})
     return json_response({"live": False, "reason": reason}, 503)
+
+
+@router.get(
+    "/v2/health/startup",
+    response_model=StartedResponse,
+    responses={503: {"model": StartedResponse, "description": "Models are still loading"}},
+)
+async def startup(request: Request) -> Response:
+    """True once every model has been loaded or refused: what a Kubernetes startupProbe asks.
+    Readiness stays false for a refused model (strict readiness), without a restart."""
+    dataplane = dataplane_of(request)
+    if dataplane.settings.protect_health_and_metrics:
+        require_api(request)
+    ok, reason = dataplane.started()
+    if ok:
+        return json_response({"started": True})
+    return json_response({"started": False, "reason": reason}, 503)
 
 
 @router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)

@@ -20,15 +20,19 @@ def test_ready_stays_503_until_every_bucket_of_every_model_has_run(tmp_path: Pat
         server.wait_until("/v2/health/live")
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
+            started = server.client.get("/v2/health/startup").status_code
             ready = server.client.get("/v2/health/ready")
             state = server.client.get("/v2/models/minilm").json()["state"]
             observed.append((ready.status_code, state))
+            if started == 503:  # loading: neither started nor ready
+                assert ready.status_code == 503
             if ready.status_code == 200:
                 break
         assert observed[-1][0] == 200, server.log(3000)
         not_ready = [entry for entry in observed if entry[0] == 503]
         assert not_ready, "readiness was never observed as 503 during start-up"
         assert all(code == 503 for code, state in observed if state == "LOADING")
+        assert server.client.get("/v2/health/startup").json() == {"started": True}
         metadata = server.client.get("/v2/models/minilm").json()
         expected = {f"batch_{b}_len_{n}" for b in (1, 2, 4, 8, 16) for n in (16, 32, 64, 128, 256)}
         assert set(metadata["warmup_timings_s"]) == expected
