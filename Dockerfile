@@ -4,6 +4,13 @@
 #   docker build -t tensorgate:cpu --target cpu .  (slim Python, no CUDA)
 # Versions are pinned here and checked again by the server at start (TG_EXPECT_*): see
 # docs/deploy.md for the CUDA / torch / onnxruntime matrix.
+# Both images carry the three bundled demo models at /models (no VOLUME: a rebuild serves the
+# rebuilt models). Serve your own by mounting a repository read-only over /models, or point
+# TG_MODEL_REPOSITORY elsewhere. Labels: --build-arg VERSION=… REVISION=$(git rev-parse HEAD)
+# SOURCE=<your repository's URL>.
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=unknown
 
 # ---------------------------------------------------------------------------------------------
 # build: install the locked export/test environment and build the bundled models' artifacts.
@@ -28,6 +35,13 @@ RUN /opt/build/bin/pip install --no-deps . \
 # ---------------------------------------------------------------------------------------------
 # cpu: the server alone, on slim Python, from the CPU lock.
 FROM python:3.11.14-slim-bookworm AS cpu
+ARG VERSION REVISION SOURCE
+LABEL org.opencontainers.image.title="tensorgate" \
+      org.opencontainers.image.description="Open Inference Protocol server for PyTorch-trained models" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
 COPY requirements/cpu.txt /tmp/cpu.txt
@@ -46,16 +60,24 @@ ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
 EXPOSE 8000
-VOLUME ["/models"]
 STOPSIGNAL SIGTERM
+# `tensorgate health` reads the same TG_* settings as the server (port, API token or its file),
+# so the check still passes when TG_PROTECT_HEALTH_AND_METRICS asks for the token.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-  CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2).status != 200)"]
+  CMD ["tensorgate", "health", "ready"]
 ENTRYPOINT ["tensorgate"]
 CMD ["serve"]
 
 # ---------------------------------------------------------------------------------------------
 # gpu (default): CUDA 12.8 + cuDNN 9 runtime, torch and onnxruntime-gpu built for CUDA 12.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04 AS gpu
+ARG VERSION REVISION SOURCE
+LABEL org.opencontainers.image.title="tensorgate" \
+      org.opencontainers.image.description="Open Inference Protocol server for PyTorch-trained models" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}"
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
 # Packages from the distribution and the deadsnakes PPA float within their release: the image
@@ -84,9 +106,10 @@ ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
 EXPOSE 8000
-VOLUME ["/models"]
 STOPSIGNAL SIGTERM
+# `tensorgate health` reads the same TG_* settings as the server (port, API token or its file),
+# so the check still passes when TG_PROTECT_HEALTH_AND_METRICS asks for the token.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-  CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2).status != 200)"]
+  CMD ["tensorgate", "health", "ready"]
 ENTRYPOINT ["tensorgate"]
 CMD ["serve"]

@@ -7,80 +7,133 @@ real process with the compose file's environment, and probed the way Kubernetes 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shlex
-import signal
-import subprocess
-import time
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
 from service.app import create_app
 from service.settings import Settings
-from tests.server import MODELS, REPO_ROOT, free_port
+from tests.e2e.manifests import (
+    COMPOSE,
+    DEPLOY,
+    containers_with_probes,
+    deployment,
+    image_env,
+    instruction,
+    k8s,
+    serving_runtime,
+)
+from tests.server import MODELS
 
-DEPLOY = REPO_ROOT / "deploy"
-DOCKERFILE = (REPO_ROOT / "Dockerfile").read_text()
-COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
 SETTINGS_ENV = {f"TG_{name.upper()}" for name in Settings.model_fields}
 ROUTES = set(create_app(Settings(model_repository=MODELS)).openapi()["paths"])
 
 
-def stages() -> dict[str, list[str]]:
-    """Dockerfile instructions (continuations joined) per stage name."""
-    lines = re.sub(r"\\\n", " ", DOCKERFILE).splitlines()
-    found: dict[str, list[str]] = {}
-    current = ""
-    for line in lines:
-        line = line.strip()
-        if line.startswith("FROM "):
-            current = line.split(" AS ")[-1].strip() if " AS " in line else line
-            found[current] = []
-        elif line and not line.startswith("#") and current:
-            found[current].append(line)
-    return found
-
-
-def instruction(stage: str, keyword: str) -> list[str]:
-    return [line[len(keyword) + 1 :] for line in stages()[stage] if line.startswith(keyword + " ")]
-
-
-def image_env(stage: str) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for line in instruction(stage, "ENV"):
-        for token in shlex.split(line):
-            key, _, value = token.partition("=")
-            env[key] = value
-    return env
-
-
-def k8s() -> list[dict[str, Any]]:
-    rendered = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "k8s" / "overlays" / "gpu")],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
-    return list(yaml.safe_load_all(rendered))
-
-
-def deployment() -> dict[str, Any]:
-    (found,) = [d for d in k8s() if d["kind"] == "Deployment"]
-    return found
-
-
 def test_probe_paths_are_routes_the_server_has() -> None:
-    container = deployment()["spec"]["template"]["spec"]["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] in ROUTES
+    for where, container in containers_with_probes():
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["path"] in ROUTES, (where, probe)
     for stage in ("cpu", "gpu"):
         (check,) = instruction(stage, "HEALTHCHECK")
-        assert "/v2/health/ready" in check and "/v2/health/ready" in ROUTES
-    assert "/v2/health/ready" in " ".join(COMPOSE["x-tensorgate"]["healthcheck"]["test"])
+        assert json.loads(check.split("CMD", 1)[1]) == ["tensorgate", "health", "ready"]
+    assert COMPOSE["x-tensorgate"]["healthcheck"]["test"] == [
+        "CMD",
+        "tensorgate",
+        "health",
+        "ready",
+    ]
     assert (
         deployment()["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"] in ROUTES
     )
+
+
+def test_probes_mean_what_kubernetes_means() -> None:
+    """Startup ends when loading has, whatever the outcome (a refused model is a NotReady pod,
+    not a restart loop); one slow readiness probe does not drop the endpoint; every probe asks
+    the port the container declares."""
+    for where, container in containers_with_probes():
+        ports = {p.get("name"): p["containerPort"] for p in container["ports"]}
+        assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/startup", where
+        assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready", where
+        assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live", where
+        assert container["readinessProbe"]["failureThreshold"] >= 3, where
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            port = container[probe]["httpGet"]["port"]
+            assert ports.get(port, port) in ports.values(), (where, probe, port)
+
+
+def test_threads_follow_the_cpu_limit_everywhere() -> None:
+    """Both overlays and the KServe runtime size the thread pools from the container's own
+    limits.cpu (downward API), and nothing sets them to a number that could disagree."""
+    for where, container in containers_with_probes():
+        env = {e["name"]: e for e in container.get("env", [])}
+        assert "cpu" in container["resources"]["limits"], where
+        for name in ("TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"):
+            field = env[name]["valueFrom"]["resourceFieldRef"]
+            assert field["resource"] == "limits.cpu", (where, name)
+            assert field["containerName"] == container["name"], (where, name)
+            assert str(field.get("divisor", "1")) == "1", (where, name)
+    for overlay in ("cpu", "gpu"):
+        data = next(d for d in k8s(overlay) if d["kind"] == "ConfigMap")["data"]
+        assert not {"TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"} & set(data), overlay
+    for service in COMPOSE["services"].values():  # compose: the server reads its cgroup quota
+        assert not {"TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"} & set(
+            service.get("environment", {})
+        )
+    assert not {"TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"} & set(
+        COMPOSE["x-tensorgate"]["environment"]
+    )
+
+
+def test_metrics_are_scraped_once() -> None:
+    """Scrape hints on the Pod only; the ServiceMonitor (Prometheus Operator) selects the
+    Service by its labels and names its port."""
+    for overlay in ("cpu", "gpu"):
+        objects = k8s(overlay)
+        service = next(d for d in objects if d["kind"] == "Service")
+        assert not any(
+            k.startswith("prometheus.io/") for k in service["metadata"].get("annotations", {})
+        )
+        pod = deployment(overlay)["spec"]["template"]["metadata"]["annotations"]
+        assert pod["prometheus.io/scrape"] == "true" and pod["prometheus.io/path"] == "/metrics"
+        monitor = yaml.safe_load(
+            (DEPLOY / "k8s" / "monitoring" / "servicemonitor.yaml").read_text()
+        )
+        assert monitor["kind"] == "ServiceMonitor"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= service["metadata"]["labels"].items()
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+        assert endpoint["path"] in ROUTES
+
+
+def test_kserve_runtime_follows_kserve_conventions() -> None:
+    runtime = serving_runtime()
+    assert "annotations" not in runtime["metadata"]  # KServe copies spec.annotations to pods
+    assert runtime["spec"]["annotations"]["prometheus.kserve.io/path"] in ROUTES
+    container = runtime["spec"]["containers"][0]
+    assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == str(
+        container["ports"][0]["containerPort"]
+    )
+    assert all(f["autoSelect"] is False for f in runtime["spec"]["supportedModelFormats"])
+    args = container["args"]
+    assert args[args.index("--model-name") + 1] == "{{.Name}}"
+    assert args[args.index("--port") + 1] == str(container["ports"][0]["containerPort"])
+
+
+def test_images_and_compose_serve_what_they_ship() -> None:
+    """No VOLUME over the shipped models (a rebuild would keep serving the old ones) and no
+    named compose volume; OCI labels name source, version and revision."""
+    for stage in ("cpu", "gpu"):
+        assert instruction(stage, "VOLUME") == []
+        labels = " ".join(instruction(stage, "LABEL"))
+        for key in ("source", "version", "revision"):
+            assert f"org.opencontainers.image.{key}=" in labels, (stage, key)
+    assert "volumes" not in COMPOSE
+    for name, service in COMPOSE["services"].items():
+        for volume in service.get("volumes", []):
+            assert str(volume).endswith(":ro"), (name, volume)
 
 
 def test_ports_agree_everywhere() -> None:
@@ -104,8 +157,8 @@ def test_every_env_var_is_a_setting_the_server_reads() -> None:
     names |= set(next(d for d in k8s() if d["kind"] == "ConfigMap")["data"])
     for stage in ("cpu", "gpu"):
         names |= {k for k in image_env(stage) if k.startswith("TG_")}
-    runtime = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
-    names |= {e["name"] for e in runtime["spec"]["containers"][0]["env"]}
+    for _, container in containers_with_probes():
+        names |= {e["name"] for e in container.get("env", [])}
     assert names - SETTINGS_ENV == set()
 
 
@@ -183,50 +236,8 @@ def test_kserve_resources_match_their_crd_models(file: str, model: str) -> None:
     _kserve_check(document, getattr(kserve.models, model), file)
     if model == "V1alpha1ServingRuntime":
         spec = document["spec"]
-        assert spec["protocolVersions"] == ["v2"]
+        assert "v2" in spec["protocolVersions"]
         assert {f["name"] for f in spec["supportedModelFormats"]} == {"onnx", "pytorch"}
-
-
-@pytest.mark.integration
-def test_the_images_command_line_starts_serves_and_drains(tmp_path: Path) -> None:
-    """ENTRYPOINT + CMD of the cpu target with the compose file's environment, outside Docker."""
-    (entrypoint,) = instruction("cpu", "ENTRYPOINT")
-    (cmd,) = instruction("cpu", "CMD")
-    argv = json.loads(entrypoint) + json.loads(cmd)
-    env = {**os.environ, **image_env("cpu"), **COMPOSE["x-tensorgate"]["environment"],
-           **COMPOSE["services"]["tensorgate-cpu"]["environment"]}  # fmt: skip
-    port = free_port()
-    env.update(TG_PORT=str(port), TG_HOST="127.0.0.1", TG_MODEL_REPOSITORY=str(MODELS),
-               TG_DRAIN_PRE_STOP_S="0.5", PATH=f"{REPO_ROOT / '.venv' / 'bin'}:{env['PATH']}")  # fmt: skip
-    log = tmp_path / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # the startupProbe's budget: 5 s × 60
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)  # the probe period, scaled down
-        assert httpx.get(f"{url}/v2/health/ready").json() == {"ready": True}
-        assert httpx.get(f"{url}/v2/health/live").json() == {"live": True}
-        answer = httpx.post(
-            f"{url}/v1/models/minilm:predict", json={"instances": ["from the image"]}
-        )
-        assert answer.status_code == 200 and len(answer.json()["predictions"][0]) == 384
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-    text = log.read_text()
-    assert "running torch 2.13.0+cpu, onnxruntime 1.32.0" in text  # TG_EXPECT_* matched
 
 
 def test_the_kserve_check_refuses_unknown_fields_and_wrong_types() -> None:
