@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import PROCESS_STARTED, __version__
 from service.api import routers
+from service.api.admission import BodyBudget
 from service.api.deps import ClientGone, client_gone, error_body
 from service.api.fast import InferFastPath
 from service.dataplane import DataPlane
@@ -79,8 +80,9 @@ def create_app(settings: Settings) -> FastAPI:
 
 def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
     """What uvicorn runs: the app, wrapped in the plain-ASGI inference routes unless they are
-    turned off (``TG_FAST_PATH=false``)."""
-    return InferFastPath(app) if settings.fast_path else app
+    turned off (``TG_FAST_PATH=false``), under the server-wide budget for request bodies."""
+    routes: ASGIApp = InferFastPath(app) if settings.fast_path else app
+    return BodyBudget(routes, settings.max_inflight_bytes, settings.max_body_bytes)
 
 
 class RequestIdMiddleware:

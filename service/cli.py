@@ -86,9 +86,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service import logs
     from service.app import create_app, serving_app
+    from service.connections import ConnectionLimits, guarded_protocol
+    from service.resources import raise_open_file_limit
     from service.server import DrainingServer
     from service.settings import unknown_variables
-    from service.transport import CoalescingHttpToolsProtocol
 
     overrides: dict[str, Any] = {
         key: value
@@ -102,6 +103,7 @@ def _serve(args: argparse.Namespace) -> int:
         }.items()
         if value is not None
     }
+    raise_open_file_limit()  # before the settings: the connection limit's default reads it
     settings = _settings(**overrides)
     if settings is None:
         return 2
@@ -116,7 +118,15 @@ def _serve(args: argparse.Namespace) -> int:
         log_config=None,
         access_log=False,  # tensorgate writes its own structured line per inference request
         loop="auto",
-        http=CoalescingHttpToolsProtocol,
+        http=guarded_protocol(
+            ConnectionLimits(
+                max_connections=settings.max_connections,
+                max_header_bytes=settings.max_header_bytes,
+                header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s,
+            )
+        ),
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn says int; it takes seconds as a float (loop.call_later)
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),
     )
     DrainingServer(config, app, settings).run()

@@ -27,6 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from service.connections import REFUSED
 from service.repository import ModelRepository, ModelState
 from service.stats import RequestTiming
 
@@ -183,6 +184,17 @@ class _RepositoryCollector(Collector):
                     pending.add_metric(labels, scheduler.pending + busy)
         yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory)
         yield self._batch_sizes()
+        refused = CounterMetricFamily(
+            "tensorgate_refused",
+            "Connections or requests refused by a server-wide bound before the application "
+            "read them: too_many (connections), header_too_large, header_timeout, "
+            "body_timeout, body_budget (TG_MAX_INFLIGHT_BYTES).",
+            labels=["reason"],
+        )
+        for reason in ("too_many", "header_too_large", "header_timeout", "body_timeout",
+                       "body_budget"):  # fmt: skip
+            refused.add_metric([reason], REFUSED[reason])
+        yield refused
 
     def _batch_sizes(self) -> Metric:
         """Rows per execution, as a histogram built from the exact per-size counts."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import difflib
 import os
+import resource
 from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.cpus import available_cpus
+from service.resources import available_cpus, memory_limit_bytes
 
 ENV_PREFIX = "TG_"
 MIN_TOKEN_LENGTH = 16
@@ -19,6 +20,13 @@ MIN_TOKEN_LENGTH = 16
 
 def _default_threads() -> int:
     return available_cpus()
+
+
+def _default_max_connections() -> int:
+    """4096, or half the open-file limit when that is lower: the other half stays for models,
+    logs and the connections refused politely (a refusal needs a descriptor too)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(1, min(4096, soft // 2)) if soft != resource.RLIM_INFINITY else 4096
 
 
 class Settings(BaseSettings):
@@ -56,6 +64,22 @@ class Settings(BaseSettings):
     """Largest request body accepted; larger ones get 413 before they are read in full."""
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
     """Most elements one input tensor may hold; more is a 413."""
+    max_inflight_bytes: int = Field(default=0, ge=0)
+    """Request body bytes held at once over all connections; a request whose body would pass
+    it gets 503 + Retry-After before its body is read. 0: sized to the machine, a sixteenth of
+    the memory limit (cgroup, else physical) up to 1 GiB, and at least max_body_bytes."""
+    max_connections: int = Field(default_factory=_default_max_connections, ge=1)
+    """Open connections at most; one more is answered 503 + Retry-After and closed. Default:
+    4096, or half the open-file limit when that is lower."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Largest request head (request line and headers); a larger one gets 431, closed."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's head must arrive within this long of the connection opening (or of the
+    request's first byte, on a kept-alive connection): silent or slow senders get 408, closed."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """A request's body must arrive within this long of its head; else 408, closed."""
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0)
+    """An idle connection between two requests is closed after this long."""
     drain_pre_stop_s: float = Field(default=5.0, ge=0)
     """After SIGTERM: how long readiness is false while requests are still served, so that
     load balancers stop sending before the server stops accepting."""
@@ -91,6 +115,18 @@ class Settings(BaseSettings):
     """Refuse to start unless torch is built for this CUDA, e.g. 12.8 (set by the GPU image)."""
     server_name: str = "tensorgate"
     """The name reported in server metadata."""
+
+    @model_validator(mode="after")
+    def _size_inflight_bytes(self) -> Self:
+        if self.max_inflight_bytes == 0:
+            machine = min(1 << 30, memory_limit_bytes() // 16)
+            self.max_inflight_bytes = max(self.max_body_bytes, machine)
+        elif self.max_inflight_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"TG_MAX_INFLIGHT_BYTES ({self.max_inflight_bytes}) is below TG_MAX_BODY_BYTES "
+                f"({self.max_body_bytes}): no request of the largest size could ever be read"
+            )
+        return self
 
     @model_validator(mode="after")
     def _read_tokens(self) -> Self:

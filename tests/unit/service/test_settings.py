@@ -80,3 +80,13 @@ def test_unknown_variables_name_the_closest_setting() -> None:
 
 def test_every_setting_is_known() -> None:
     assert unknown_variables({f"TG_{name.upper()}": "" for name in Settings.model_fields}) == []
+
+
+def test_the_inflight_budget_is_sized_to_the_machine_and_fits_one_largest_body() -> None:
+    settings = Settings()
+    assert settings.max_body_bytes <= settings.max_inflight_bytes <= 1 << 30
+    assert Settings(max_inflight_bytes=123_456_789).max_inflight_bytes == 123_456_789
+    with pytest.raises(
+        ValidationError, match="TG_MAX_INFLIGHT_BYTES .* is below TG_MAX_BODY_BYTES"
+    ):
+        Settings(max_inflight_bytes=10, max_body_bytes=100)

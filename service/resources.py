@@ -1,4 +1,5 @@
-"""How many CPUs this process may use: the affinity mask, capped by the cgroup's CPU quota.
+"""What this process may use: CPUs (the affinity mask, capped by the cgroup's CPU quota) and
+memory (the cgroup's limit, else the machine's), for the defaults that are sized by them.
 
 ``os.sched_getaffinity`` alone is wrong in most containers: on a Kubernetes node without the
 static CPU manager it lists every core of the node, while the pod's ``limits.cpu`` is enforced as
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
-V1_MOUNTS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
-"""Where a v1 hierarchy mounts the cpu controller."""
+V1_MOUNTS = {"cpu": ("cpu", "cpu,cpuacct", "cpuacct,cpu"), "memory": ("memory",)}
+"""Where a v1 hierarchy mounts each controller."""
 
 
 def available_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
@@ -44,7 +46,8 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) 
     return min(limits, default=None)
 
 
-def _cgroup_folders(root: Path, proc_cgroup: Path) -> Iterator[Path]:
+def _cgroup_folders(root: Path, proc_cgroup: Path, controller: str = "cpu") -> Iterator[Path]:
+    """The cgroup folders that can limit ``controller`` for this process, its own first."""
     v2_path = v1_path = ""
     try:
         lines = proc_cgroup.read_text().splitlines()
@@ -54,10 +57,10 @@ def _cgroup_folders(root: Path, proc_cgroup: Path) -> Iterator[Path]:
         controllers, _, path = line.partition(":")[2].partition(":")
         if controllers == "":
             v2_path = path
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1_path = path
     yield from _up_to(root, root / v2_path.strip("/"))
-    for mount in V1_MOUNTS:
+    for mount in V1_MOUNTS[controller]:
         yield from _up_to(root / mount, root / mount / v1_path.strip("/"))
 
 
@@ -97,3 +100,32 @@ def _ratio(quota: str, period: str) -> float | None:
     except ValueError:
         return None
     return q / p if q > 0 and p > 0 else None
+
+
+def memory_limit_bytes(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+    """The tightest cgroup memory limit over this process's cgroup and its parents (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``), else the machine's physical memory."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [physical]
+    for folder in _cgroup_folders(root, proc_cgroup, "memory"):
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            try:
+                text = (folder / name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit():  # "max" (v2) means none; v1 says "none" with a huge number
+                limits.append(int(text))
+    return min(limits)
+
+
+def raise_open_file_limit() -> int:
+    """Lift the soft open-file limit to the hard one (each connection holds a descriptor);
+    returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a hard limit of "unlimited" is refused on some kernels
+            pass
+    return soft

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cpus import available_cpus, cgroup_cpu_quota
+from service.resources import available_cpus, cgroup_cpu_quota, memory_limit_bytes
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -94,3 +94,20 @@ def test_settings_default_threads_follow_the_cpus() -> None:
 
     settings = Settings()
     assert settings.intra_op_threads == settings.preprocess_threads == available_cpus()
+
+
+def test_memory_limit_is_the_tightest_cgroup_limit(tmp_path: Path, proc: Path) -> None:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert memory_limit_bytes(tmp_path / "none", proc) == physical
+    write(proc, "0::/pod/ctr\n")
+    write(tmp_path / "pod" / "memory.max", str(4 << 30))
+    write(tmp_path / "pod" / "ctr" / "memory.max", "max")
+    assert memory_limit_bytes(tmp_path, proc) == min(physical, 4 << 30)
+
+
+def test_memory_limit_v1(tmp_path: Path, proc: Path) -> None:
+    write(proc, "4:memory:/docker/abc\n1:cpu:/\n")
+    write(tmp_path / "memory" / "docker" / "abc" / "memory.limit_in_bytes", str(2 << 30))
+    assert memory_limit_bytes(tmp_path, proc) == min(
+        2 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )

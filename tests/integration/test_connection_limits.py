@@ -1,0 +1,188 @@
+"""Server-wide bounds on what clients may hold: connections, request heads, slow senders and
+request bodies in flight. Raw sockets on 127.0.0.1, every wait bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.server import Server
+
+pytestmark = pytest.mark.integration
+
+LIMITS = {
+    "TG_MAX_CONNECTIONS": "40",
+    "TG_MAX_HEADER_BYTES": "8192",
+    "TG_HEADER_TIMEOUT_S": "1.5",
+    "TG_BODY_TIMEOUT_S": "1.5",
+    "TG_MAX_BODY_BYTES": "400000",
+    "TG_MAX_INFLIGHT_BYTES": "1000000",
+}
+DIGIT = json.dumps(
+    {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]}
+).encode()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    import shutil
+
+    from tests.server import MODELS
+
+    root = tmp_path_factory.mktemp("limits") / "models"
+    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    server = Server(root, env=LIMITS, log_path=root.parent / "server.log")
+    try:
+        server.wait_until()
+        yield server
+    finally:
+        server.stop()
+
+
+def connect(server: Server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=15)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (bounded by the socket's timeout)."""
+    chunks = []
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def head(path: str = "/v2/models/digits/infer", length: int = len(DIGIT)) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def refused(server: Server) -> dict[str, float]:
+    found = {}
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith("tensorgate_refused_total{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            found[reason] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def served(server: Server) -> bool:
+    return server.client.post("/v2/models/digits/infer", content=DIGIT).status_code == 200
+
+
+def test_a_connection_that_never_sends_is_answered_408_and_closed(guarded: Server) -> None:
+    before = refused(guarded)["header_timeout"]
+    with connect(guarded) as sock:
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"the request head did not arrive within 1.5 s" in answer
+    assert refused(guarded)["header_timeout"] == before + 1
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(guarded: Server) -> None:
+    """Slowloris: each byte arrives in time for any per-read timeout, the whole head never."""
+    request = head()
+    with connect(guarded) as sock:
+        started = time.monotonic()
+        answer = b""
+        for byte in request:
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                answer = sock.recv(65536)
+                if answer:
+                    break
+            assert time.monotonic() - started < 30, "the server never cut the slow head off"
+        sock.settimeout(15)
+        answer += read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_body_that_stops_arriving_is_answered_408(guarded: Server) -> None:
+    with connect(guarded) as sock:
+        sock.sendall(head(length=10_000) + b'{"inputs": ')
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b"the request body did not arrive within 1.5 s" in answer
+    assert served(guarded)  # the request it held is gone; others are served
+
+
+def test_a_head_over_the_limit_is_answered_431(guarded: Server) -> None:
+    with connect(guarded) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for _ in range(100):  # 100 × 1 KiB of headers, far past 8 KiB
+                sock.sendall(b"X-Padding: " + b"a" * 1010 + b"\r\n")
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert b"exceeds 8192 bytes" in answer
+
+
+def test_a_head_under_the_limit_is_served(guarded: Server) -> None:
+    answer = guarded.client.get("/v2/health/live", headers={"X-Padding": "a" * 4000})
+    assert answer.status_code == 200
+
+
+def test_past_the_connection_limit_new_connections_get_503_and_the_rest_serve(
+    guarded: Server,
+) -> None:
+    held = []
+    try:
+        for _ in range(45):  # the limit is 40 (the test client holds one more)
+            sock = connect(guarded)
+            held.append(sock)
+        with connect(guarded) as extra:
+            answer = read_all(extra)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert b"retry-after: 1" in answer.lower()
+        assert b"40 connections open, its limit" in answer
+    finally:
+        for sock in held:
+            sock.close()
+    guarded.wait_for(lambda: served(guarded), timeout=30)  # closed ones free their slots
+    assert refused(guarded)["too_many"] >= 1
+
+
+def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(guarded: Server) -> None:
+    """Two stalled 400 kB uploads hold 800 kB of a 1 MB budget: a third is refused at once,
+    a small request still fits, and the budget comes back when the stalled ones are cut off."""
+    stalled = [connect(guarded) for _ in range(2)]
+    try:
+        for sock in stalled:
+            sock.sendall(head(length=400_000) + b"{")
+        guarded.wait_for(  # both heads read and their bodies reserved
+            lambda: (
+                guarded.client.post("/v2/models/digits/infer", content=b"x" * 300_000).status_code
+                == 503
+            ),
+            timeout=10,
+        )
+        answer = guarded.client.post("/v2/models/digits/infer", content=b"x" * 300_000)
+        assert answer.status_code == 503
+        assert answer.headers["retry-after"] == "1"
+        assert "TG_MAX_INFLIGHT_BYTES" in answer.json()["error"]
+        assert served(guarded)  # a small body still fits
+        for sock in stalled:
+            assert read_all(sock).startswith(b"HTTP/1.1 408 ")
+    finally:
+        for sock in stalled:
+            sock.close()
+    answer = guarded.client.post("/v2/models/digits/infer", content=b"x" * 300_000)
+    assert answer.status_code == 400  # read now, and refused for what it is
+    assert refused(guarded)["body_budget"] >= 1
+
+
+def test_a_body_over_the_per_request_limit_is_still_413(guarded: Server) -> None:
+    answer = guarded.client.post("/v2/models/digits/infer", content=b"x" * 500_000)
+    assert answer.status_code == 413
