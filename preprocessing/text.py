@@ -49,6 +49,11 @@ class TextPipeline:
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(max_length=spec.max_length)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this tokenizer makes lie in ``[0, vocab_size)``."""
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
     def bucket(self, length: int) -> int:
         """The smallest bucket that holds ``length`` tokens (the largest when none does)."""
         buckets = self.spec.buckets

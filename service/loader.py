@@ -236,6 +236,8 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         for runtime in runtimes:  # every device answers as the exporter's did
             check_golden(path, runtime.run, tolerance)
     pipeline = _pipeline(config, signature, path)
+    if isinstance(pipeline, TextPipeline):
+        signature = _text_ranges(signature, pipeline.vocab_size)
     _warm_pipeline(pipeline)
     classifier = (
         Classifier(config.postprocessing, path.parent, signature.outputs)
@@ -335,6 +337,18 @@ def _text_pipeline(spec: TextSpec, signature: Signature, folder: Path) -> TextPi
         return TextPipeline(spec, folder)
     except PreprocessingError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def _text_ranges(signature: Signature, vocab_size: int) -> Signature:
+    """Token ids within the tokenizer's vocabulary, masks 0 or 1: a request that sends its own
+    ids is checked before it can fail the batch it would join (the model's embedding lookup
+    fails the whole batch on one id out of range)."""
+    bounds = {"input_ids": (0.0, float(vocab_size - 1)), "attention_mask": (0.0, 1.0)}
+    inputs = tuple(
+        t.model_copy(update={"range": bounds[t.name]}) if t.range is None else t
+        for t in signature.inputs
+    )
+    return Signature(inputs, signature.outputs)
 
 
 def _warm_up(

@@ -165,6 +165,12 @@ class _RepositoryCollector(Collector):
             "Batches that ran out of device memory (retried in halves, down to one request).",
             labels=["model", "version"],
         )
+        isolated = CounterMetricFamily(
+            "tensorgate_isolated_batches",
+            "Batches of several requests that failed (not out of memory) and ran again one "
+            "request at a time, so that only the request at fault failed.",
+            labels=["model", "version"],
+        )
         for name, entry in self.repository.models.items():
             for number, version in entry.versions.items():
                 labels = [name, str(number)]
@@ -178,11 +184,12 @@ class _RepositoryCollector(Collector):
                 rows.add_metric(labels, loaded.stats.inference_count)
                 unwarmed.add_metric(labels, loaded.stats.unwarmed_count)
                 out_of_memory.add_metric(labels, loaded.stats.out_of_memory_count)
+                isolated.add_metric(labels, loaded.stats.isolated_count)
                 scheduler = loaded.scheduler
                 if scheduler is not None:
                     busy = sum(b is not None for b in scheduler.busy_since)
                     pending.add_metric(labels, scheduler.pending + busy)
-        yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory)
+        yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory, isolated)
         yield self._batch_sizes()
         refused = CounterMetricFamily(
             "tensorgate_refused",

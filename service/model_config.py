@@ -8,7 +8,7 @@ the dotted path of the field, e.g. ``models/digits/config.yaml: warmup.batch_siz
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,6 +35,20 @@ class TensorConfig(_Strict):
     name: str = Field(min_length=1)
     datatype: Datatype
     shape: tuple[int, ...]
+    range: tuple[float, float] | None = None
+    """The values the model takes, inclusive (e.g. token ids within the vocabulary): a request
+    outside it gets 400 before it can fail a batch it would have joined. Text models get theirs
+    from the tokenizer."""
+
+    @model_validator(mode="after")
+    def _numeric_range(self) -> Self:
+        if self.range is None:
+            return self
+        if self.datatype == "BYTES":
+            raise ValueError("range: BYTES values have no range")
+        if not self.range[0] <= self.range[1]:
+            raise ValueError(f"range must be [low, high] with low ≤ high (got {list(self.range)})")
+        return self
 
     @field_validator("shape")
     @classmethod

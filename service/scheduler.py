@@ -9,7 +9,9 @@ Rules, after Triton's dynamic batcher:
 - it runs at once when it is full, or has reached a preferred size; otherwise it waits up to
   ``max_queue_delay`` after its oldest request arrived, then runs with what it has;
 - a request past its deadline is answered 504 before it runs; a cancelled one is dropped;
-- a request with more rows than ``max_batch_size`` is split into chunks and reassembled.
+- a request with more rows than ``max_batch_size`` is split into chunks and reassembled;
+- a batch of several requests that fails (other than out of memory) runs again one request at
+  a time, so that one bad input fails only its own request (:meth:`Scheduler._isolate`).
 
 And one shortcut of its own: a request alone in flight, with nothing queued and an instance
 idle, may hand that instance its preprocessing too (:meth:`Scheduler.submit_alone`), so that at
@@ -31,6 +33,7 @@ import numpy as np
 
 from service.errors import (
     DeadlineExceeded,
+    InvalidInput,
     ModelExecutionError,
     PayloadTooLarge,
     ServerBusy,
@@ -348,9 +351,11 @@ class Scheduler:
         executor: ThreadPoolExecutor,
         items: list[Pending],
         prepare: Callable[[], Batch] | None = None,
+        failures: list[tuple[Pending, Exception]] | None = None,
     ) -> None:
         """Run ``items`` as one batch on ``instance`` (or, with ``prepare``, the one lone
-        request whose inputs ``prepare`` makes, on the instance's thread) and answer each."""
+        request whose inputs ``prepare`` makes, on the instance's thread) and answer each.
+        With ``failures``, a model error is recorded there instead of answered."""
         rows = sum(p.rows for p in items)
         padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
@@ -394,6 +399,12 @@ class Scheduler:
             if is_out_of_memory(exc):
                 await self._after_oom(instance, executor, items)
                 return
+            if failures is not None:
+                failures.extend((p, exc) for p in items)
+                return
+            if len(items) > 1:
+                await self._isolate(instance, executor, items, exc)
+                return
             log.exception("model %s failed on a batch of %d rows", self.model, len(items))
             _fail(items, ModelExecutionError(f"model '{self.model}' failed: {exc}"))
             return
@@ -423,6 +434,34 @@ class Scheduler:
             log.warning("model %s met an unwarmed shape %s (logged once per shape; "
                         "tensorgate_unwarmed_shape_requests counts every request)",
                         self.model, shape)  # fmt: skip
+
+    async def _isolate(
+        self, instance: int, executor: ThreadPoolExecutor, items: list[Pending], error: Exception
+    ) -> None:
+        """One bad input must not fail the other requests of its batch: run each request
+        alone. One that still fails while another of the batch ran gets 400 with the model's
+        error (its own input is the cause); when every one fails, the model is: 500 for all."""
+        self.stats.record_isolated()
+        log.warning("model %s failed on a batch of %d requests (%s); running each alone",
+                    self.model, len(items), error)  # fmt: skip
+        failures: list[tuple[Pending, Exception]] = []
+        for p in items:
+            if not p.future.done():  # a client that left while its batch ran
+                await self._execute(instance, executor, [p], failures=failures)
+        ran = any(
+            p.future.done() and not p.future.cancelled() and p.future.exception() is None
+            for p in items
+        )
+        for p, exc in failures:
+            if ran:
+                _fail([p], InvalidInput(
+                    f"model '{self.model}' failed on this request's input, while the other "
+                    f"requests of its batch ran: {exc}"
+                ))  # fmt: skip
+            else:
+                log.error("model %s failed on every request of a batch, each alone: %s",
+                          self.model, exc, exc_info=exc)  # fmt: skip
+                _fail([p], ModelExecutionError(f"model '{self.model}' failed: {exc}"))
 
     async def _after_oom(
         self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]

@@ -35,6 +35,7 @@ class ModelStats:
         self.last_inference_ms = 0
         self.unwarmed_count = 0
         self.out_of_memory_count = 0
+        self.isolated_count = 0
         self._phases = {phase: [0, 0] for phase in PHASES}
         self._batches: dict[int, dict[str, list[int]]] = {}
 
@@ -55,6 +56,11 @@ class ModelStats:
         """A batch that ran out of device memory (it is retried in halves)."""
         with self._lock:
             self.out_of_memory_count += 1
+
+    def record_isolated(self) -> None:
+        """A batch of several requests that failed and was run again one request at a time."""
+        with self._lock:
+            self.isolated_count += 1
 
     def record_success(self, rows: int, timing: RequestTiming) -> None:
         total = time.perf_counter_ns() - timing.started_ns
@@ -87,6 +93,7 @@ class ModelStats:
                 "execution_count": self.execution_count,
                 "unwarmed_shape_count": self.unwarmed_count,
                 "out_of_memory_count": self.out_of_memory_count,
+                "isolated_batch_count": self.isolated_count,
                 "inference_stats": {
                     phase: {"count": count, "ns": ns} for phase, (count, ns) in self._phases.items()
                 },

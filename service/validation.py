@@ -49,6 +49,8 @@ def check_inputs(
             raise InvalidInput(
                 f"input '{spec.name}': expected shape {list(want)}, got {list(tensor.shape)}"
             )
+        if spec.range is not None:
+            check_range(spec.name, data, spec.range)
         if batched:
             rows.add(tensor.shape[0])
         batch[spec.name] = data
@@ -57,6 +59,18 @@ def check_inputs(
     if rows:
         check_rows(rows.pop(), config, name)
     return batch
+
+
+def check_range(name: str, data: np.ndarray, bounds: tuple[float, float]) -> None:
+    """Every value within ``bounds`` (inclusive): an out-of-range id would fail the batch."""
+    if data.size == 0:
+        return
+    low, high = data.min(), data.max()
+    if low < bounds[0] or high > bounds[1] or np.isnan(low) or np.isnan(high):
+        raise InvalidInput(
+            f"input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; got values "
+            f"from {low:g} to {high:g}"
+        )
 
 
 def _castable(config: ModelConfig, given: str, wanted: str) -> bool:

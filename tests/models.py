@@ -55,3 +55,13 @@ class Slow(nn.Module):
         for _ in range(self.steps):
             y = torch.tanh(y @ self.w) + x
         return y
+
+
+class Poisoned(nn.Module):
+    """Fails the whole batch when any of its values is negative: one bad request among others,
+    as an embedding lookup fails on one id out of range."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x < 0).any()):
+            raise RuntimeError("a negative value poisons this model")
+        return x * 2.0

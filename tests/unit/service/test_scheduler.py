@@ -293,6 +293,60 @@ def test_a_failing_model_fails_only_its_batch_and_the_scheduler_goes_on() -> Non
     asyncio.run(main())
 
 
+def test_one_poisoned_request_fails_alone_and_its_batch_mates_are_answered() -> None:
+    """A batch that fails runs again one request at a time: only the request whose input the
+    model cannot take fails, with 400 naming the model's error; the others get their answers."""
+
+    async def main() -> tuple[list[int], ModelStats]:
+        sizes: list[int] = []
+
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            sizes.append(batch["x"].shape[0])
+            if (batch["x"] < 0).any():
+                raise RuntimeError("indices element out of data bounds, idx=-7")
+            return {"y": batch["x"] * 2}
+
+        s = scheduler(run, max_queue_delay_s=0.05)
+        s.start()
+        inputs = [np.full((1, 2), i, np.float32) for i in (1, 2, -7, 3)]
+        answers = await asyncio.gather(
+            *(s.submit({"x": x}, None, None) for x in inputs), return_exceptions=True
+        )
+        for x, answer in zip(inputs, answers, strict=True):
+            if x[0, 0] < 0:
+                assert isinstance(answer, InvalidInput)
+                assert "model 'm' failed on this request's input" in answer.message
+                assert "out of data bounds" in answer.message
+            else:
+                assert isinstance(answer, dict)
+                np.testing.assert_array_equal(answer["y"], x * 2)
+        await s.stop()
+        return sizes, s.stats
+
+    sizes, stats = asyncio.run(main())
+    assert sizes == [4, 1, 1, 1, 1]  # the batch, then each request alone
+    assert stats.isolated_count == 1
+
+
+def test_when_every_request_fails_alone_the_model_is_at_fault() -> None:
+    async def main() -> list[BaseException | dict[str, np.ndarray]]:
+        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            raise RuntimeError("the model is broken")
+
+        s = scheduler(run, max_queue_delay_s=0.05)
+        s.start()
+        answers = await asyncio.gather(
+            *(s.submit({"x": np.zeros((1, 2))}, None, None) for _ in range(3)),
+            return_exceptions=True,
+        )
+        await s.stop()
+        return answers
+
+    for answer in asyncio.run(main()):
+        assert isinstance(answer, ModelExecutionError)
+        assert answer.message == "model 'm' failed: the model is broken"
+
+
 class OutOfMemoryError(RuntimeError):
     """Named like torch.cuda.OutOfMemoryError: what a GPU runtime raises."""
 
