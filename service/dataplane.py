@@ -7,6 +7,7 @@ HTTP; everything that decides anything lives here.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,13 @@ import orjson
 
 from preprocessing.image import ImagePipeline, PreprocessingError
 from preprocessing.text import TextPipeline
-from service.errors import InvalidInput, ServerBusy, TensorgateError, UnsupportedMediaType
+from service.errors import (
+    InvalidInput,
+    PayloadTooLarge,
+    ServerBusy,
+    TensorgateError,
+    UnsupportedMediaType,
+)
 from service.loader import LoadedModel
 from service.metrics import Metrics
 from service.post import CLASSIFICATION, classification_tensor
@@ -44,6 +51,9 @@ access = logging.getLogger("tensorgate.access")
 
 # Decoding a body this large (or larger) moves to the thread pool; below it the hop costs more.
 _OFFLOAD_BYTES = 32 * 1024
+PREPROCESS_MAX_ROWS = 32
+"""Rows one ``:preprocess`` request may ask for: a debugging route whose answer is the model's
+input tensors (each row of an ImageNet model is 600 kB, whatever the image's size)."""
 
 
 class DataPlane:
@@ -199,10 +209,10 @@ class DataPlane:
         observation: Observation,
     ) -> tuple[bytes, dict[str, str]]:
         timing = observation.timing
-        # Only the JSON part costs anything to decode; binary tensors are views of the body.
-        json_size = header_length if header_length is not None else len(body)
+        # By the whole body: binary BYTES tensors are unpacked element by element, and a small
+        # JSON header may announce millions of them.
         request = await self._offload(
-            json_size, v2.decode_request, body, header_length, self.settings.max_tensor_elements
+            len(body), v2.decode_request, body, header_length, self.settings.max_tensor_elements
         )
         prepared = await self._request_batch(request, loaded, name)
         deadline = self.deadline(timeout_s, request.parameters)
@@ -243,14 +253,17 @@ class DataPlane:
         timing.compute_output_ns = time.perf_counter_ns() - encode_started
         return answer
 
-    async def preprocess(self, name: str, body: bytes, content_type: str) -> dict[str, np.ndarray]:
-        """What predict would feed the model for this body: the tensors, not the answer."""
+    async def preprocess(self, name: str, body: bytes, content_type: str) -> bytes:
+        """What predict would feed the model for this body, as an ``.npz`` archive (built in the
+        pool); at most :data:`PREPROCESS_MAX_ROWS` rows, since the answer is far larger than the
+        body (a 1×1 PNG becomes 600 kB of float32)."""
         _, loaded = self.repository.ready_model(name)
         with loaded.in_use():
-            prepared = await self._v1_batch(loaded, name, body, content_type)
+            prepared = await self._v1_batch(loaded, name, body, content_type, PREPROCESS_MAX_ROWS)
+            loop = asyncio.get_running_loop()
             if prepared.lone is not None:
-                return await asyncio.get_running_loop().run_in_executor(self.pool, prepared.lone)
-            return prepared.batch
+                prepared.batch = await loop.run_in_executor(self.pool, prepared.lone)
+            return await loop.run_in_executor(self.pool, _npz, prepared.batch)
 
     async def _execute(
         self,
@@ -291,7 +304,12 @@ class DataPlane:
         return Prepared(pad_to_buckets(batch, loaded.signature, loaded.config, name))
 
     async def _v1_batch(
-        self, loaded: LoadedModel, name: str, body: bytes, content_type: str
+        self,
+        loaded: LoadedModel,
+        name: str,
+        body: bytes,
+        content_type: str,
+        max_rows: int | None = None,
     ) -> Prepared:
         if not body:
             raise InvalidInput(
@@ -301,13 +319,15 @@ class DataPlane:
         if media.startswith("image/") or media == "application/octet-stream":
             return await self._image_batch(loaded, name, [body])
         if media == "application/json" or not media:
-            return await self._instances(loaded, name, body)
+            return await self._instances(loaded, name, body, max_rows)
         raise UnsupportedMediaType(
             f"Content-Type {content_type!r} is not accepted; send an image (image/jpeg, "
             'image/png, ...) or application/json with {"instances": [...]}'
         )
 
-    async def _instances(self, loaded: LoadedModel, name: str, body: bytes) -> Prepared:
+    async def _instances(
+        self, loaded: LoadedModel, name: str, body: bytes, max_rows: int | None
+    ) -> Prepared:
         try:
             payload = await self._offload(len(body), orjson.loads, body)
         except orjson.JSONDecodeError as exc:
@@ -316,6 +336,11 @@ class DataPlane:
         if not isinstance(instances, list) or not instances:
             raise InvalidInput(
                 'expected a JSON object {"instances": [...]} with at least one instance'
+            )
+        if max_rows is not None and len(instances) > max_rows:
+            raise PayloadTooLarge(
+                f"{len(instances)} instances; :preprocess answers at most {max_rows} (its "
+                "answer is the model's input tensors, far larger than the request)"
             )
         if isinstance(loaded.pipeline, TextPipeline):
             if not all(isinstance(item, str) for item in instances):
@@ -392,6 +417,12 @@ class Prepared:
     lone: Callable[[], dict[str, np.ndarray]] | None = None
     """Set instead of ``batch`` for a request alone in flight: makes the batch, on whichever
     thread runs it (the instance's, see ``DataPlane._execute``)."""
+
+
+def _npz(tensors: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **tensors)
+    return buffer.getvalue()
 
 
 def _preprocess(pipeline: ImagePipeline, image: bytes, name: str) -> np.ndarray:

@@ -45,6 +45,10 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
     if found is not None:
         metadata["version"] = str(found.version)
     reason = found.reason if found and found.reason else entry.error
+    if entry.last_load_error:  # a reload was refused: say what serves instead, and why
+        serving = f"version {found.version} serves" if found else "nothing serves"
+        reason = f"{serving}; the last reload was refused: {entry.last_load_error}"
+        metadata["last_load_error"] = entry.last_load_error
     if reason:
         metadata["reason"] = reason
     if loaded is not None:
@@ -76,8 +80,8 @@ def config(repository: ModelRepository, name: str, version: str | None) -> dict[
         **served.model_dump(mode="json", exclude_none=True),
     }
     if found.loaded is not None:
-        body["inputs"] = [t.model_dump() for t in found.loaded.signature.inputs]
-        body["outputs"] = [t.model_dump() for t in found.loaded.signature.outputs]
+        body["inputs"] = [t.model_dump(exclude_none=True) for t in found.loaded.signature.inputs]
+        body["outputs"] = [t.model_dump(exclude_none=True) for t in found.loaded.signature.outputs]
     return body
 
 

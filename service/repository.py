@@ -57,6 +57,8 @@ class ModelEntry:
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     unloaded: bool = False
     """Unloaded on request: not served, and not counted against readiness."""
+    last_load_error: str = ""
+    """Why the last reload of this model was refused, while these versions serve on."""
 
 
 class ModelRepository:
@@ -152,6 +154,8 @@ class ModelRepository:
                 for version in fresh.versions.values():
                     if version.loaded is not None:
                         version.loaded.close()
+                if old is not None:
+                    old.last_load_error = str(reasons)
                 raise InvalidInput(f"failed to load '{name}': {reasons}")
             self.models[name] = fresh  # one assignment: requests see the old or the new entry
             log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
@@ -192,7 +196,8 @@ class ModelRepository:
         """The model called ``name``, or 404."""
         entry = self.models.get(name) if NAME_PATTERN.match(name) else None
         if entry is None:
-            raise ModelNotFound(f"unknown model '{name}'; this server has {sorted(self.models)}")
+            # The models are not listed: this answer goes to any caller, authenticated or not.
+            raise ModelNotFound(f"unknown model '{name}'")
         return entry
 
     def version(self, name: str, version: str | None = None) -> ModelVersion:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from service.api.auth import require_api
@@ -92,7 +89,5 @@ async def preprocess(request: Request, name: str) -> Response:
     dataplane = dataplane_of(request)
     body = await read_body(request, dataplane.settings.max_body_bytes)
     content_type = request.headers.get("content-type", "")
-    tensors = await dataplane.preprocess(name, body, content_type)
-    buffer = io.BytesIO()
-    np.savez(buffer, allow_pickle=False, **tensors)
-    return Response(buffer.getvalue(), media_type="application/x-npz")
+    archive = await dataplane.preprocess(name, body, content_type)
+    return Response(archive, media_type="application/x-npz")

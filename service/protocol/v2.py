@@ -19,6 +19,9 @@ from service.errors import InvalidInput, PayloadTooLarge
 from service.protocol.datatypes import TO_NUMPY
 
 HEADER_LENGTH = "inference-header-content-length"
+MAX_BYTES_ELEMENTS = 65_536
+"""Most elements one BYTES tensor may hold: each becomes a Python object (an encoded image or a
+text a row), far costlier than a number, so TG_MAX_TENSOR_ELEMENTS is no bound for them."""
 _MAX_NESTING = 64
 
 
@@ -136,6 +139,11 @@ def _decode_input(
         raise PayloadTooLarge(
             f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
         )
+    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
+        raise PayloadTooLarge(
+            f"input '{name}': shape {list(shape)} has {count} BYTES elements; the limit is "
+            f"{MAX_BYTES_ELEMENTS} (each element is an object of its own)"
+        )
     size = parameters.get("binary_data_size")
     if size is not None:
         if "data" in raw:
@@ -194,6 +202,11 @@ def _unpack_bytes(chunk: memoryview, count: int, name: str) -> np.ndarray:
     offset = 0
     end = len(chunk)
     while offset < end:
+        if len(items) == count:  # never unpack more than the shape holds
+            raise InvalidInput(
+                f"input '{name}': binary data holds more than the {count} BYTES elements its "
+                f"shape needs ({end - offset} bytes left over)"
+            )
         if offset + 4 > end:
             raise InvalidInput(f"input '{name}': BYTES element length is cut off at byte {offset}")
         (length,) = struct.unpack_from("<I", chunk, offset)
@@ -251,9 +264,13 @@ def _decode_outputs(raw: Any, binary_default: bool) -> list[RequestedOutput] | N
     if not isinstance(raw, list):
         raise InvalidInput(f"'outputs' must be a list, got {_kind(raw)}")
     outputs = []
+    names: set[str] = set()
     for index, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidInput(f"outputs[{index}] must be an object with a string 'name'")
+        if item["name"] in names:  # each copy would be encoded again: a cheap amplifier
+            raise InvalidInput(f"output '{item['name']}' is requested more than once")
+        names.add(item["name"])
         parameters = _parameters(item.get("parameters"), f"output '{item['name']}'")
         binary = parameters.get("binary_data", binary_default)
         if not isinstance(binary, bool):

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.http._utils import _get_inference_request
 
-from service.errors import InvalidInput
+from service.errors import InvalidInput, PayloadTooLarge
 from service.protocol.datatypes import TO_NUMPY
 from service.protocol.v2 import (
+    MAX_BYTES_ELEMENTS,
     OutputTensor,
     decode_request,
     encode_response,
@@ -178,6 +179,12 @@ def _binary_request(
         (6, struct.pack("<I", 9) + b"ab", "BYTES", "claims 9 bytes"),
         (2, b"\1\0", "BYTES", "length is cut off"),
         (5, struct.pack("<I", 1) + b"a", "BYTES", "needs 2 BYTES elements, binary data holds 1"),
+        (
+            12,
+            struct.pack("<I", 0) * 3,
+            "BYTES",
+            "holds more than the 2 BYTES elements its shape needs",
+        ),
     ],
 )
 def test_malformed_binary_data_is_refused(
@@ -186,6 +193,25 @@ def test_malformed_binary_data_is_refused(
     body, length = _binary_request(size, payload, datatype)
     with pytest.raises(InvalidInput, match=message):
         decode_request(body, length)
+
+
+def test_millions_of_empty_bytes_elements_are_refused_before_unpacking() -> None:
+    """8 M empty BYTES elements are 32 MB behind a tiny JSON header: refused by their count,
+    before a single one becomes an object."""
+    count = 8_000_000
+    body, length = _binary_request(4 * count, b"\0" * (4 * count), "BYTES", [count])
+    with pytest.raises(
+        PayloadTooLarge, match=f"has {count} BYTES elements; the limit is {MAX_BYTES_ELEMENTS}"
+    ):
+        decode_request(body, length)
+
+
+def test_an_output_requested_twice_is_refused() -> None:
+    """Each copy would be encoded again: 100,000 copies turned 2 MB into 710 MB."""
+    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+                         "outputs": [{"name": "y"}, {"name": "z"}, {"name": "y"}]})  # fmt: skip
+    with pytest.raises(InvalidInput, match="output 'y' is requested more than once"):
+        decode_request(body)
 
 
 @pytest.mark.parametrize(
