@@ -3,7 +3,6 @@ values, and isolated after a failed batch where it does not."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
