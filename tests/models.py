@@ -65,3 +65,19 @@ class Poisoned(nn.Module):
         if bool((x < 0).any()):
             raise RuntimeError("a negative value poisons this model")
         return x * 2.0
+
+
+class Dawdle(nn.Module):
+    """Runs as many steps as its first input value says: 1 for a normal request, 10 for one
+    slowed ten times, a billion for an instance that hangs."""
+
+    def __init__(self, steps_per_unit: int) -> None:
+        super().__init__()
+        self.steps_per_unit = steps_per_unit
+        self.register_buffer("w", torch.eye(16) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(int(x[0, 0]) * self.steps_per_unit):
+            y = torch.tanh(y @ self.w) + x
+        return y

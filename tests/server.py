@@ -37,8 +37,9 @@ class Server:
         repository: Path,
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         environment = {
