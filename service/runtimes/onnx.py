@@ -94,6 +94,10 @@ class OnnxRuntime(Runtime):
             self.options.device, ort.get_available_providers(), self.options.gpu,
             self.options.cache_dir,
         )  # fmt: skip
+        if self.options.device != "cpu" and hasattr(ort, "preload_dlls"):
+            # The GPU image takes CUDA and cuDNN from pip's nvidia-* wheels, not from system
+            # paths: onnxruntime finds them only once they are loaded (or torch imported).
+            ort.preload_dlls()
         try:
             self._session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own unexported exception types

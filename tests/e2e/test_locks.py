@@ -1,0 +1,153 @@
+"""The locks are complete and install where the project says they do.
+
+- requirements/gpu.txt resolves to itself: pip's resolver, asked for the lock alone from PyPI (no
+  pip configuration, no local wheels or constraints) for the GPU image's CPython 3.11 on
+  manylinux x86_64, adds no package and changes no version. Only metadata is read (HTTP range
+  requests, pip's fast-deps); no wheel is downloaded.
+- cpu.txt, dev.txt and deploy.txt install on the oldest Python that requires-python allows: every
+  pinned release has a wheel for it and accepts it (its Requires-Python).
+- The GPU image agrees with gpu.txt: its base image's CUDA and its TG_EXPECT_* pins.
+
+The first two need PyPI: offline they are skipped, saying so (under CI=true they fail instead).
+`make lock` writes gpu.txt with the same resolver settings (GPU_PLATFORMS in the Makefile).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIREMENTS = ROOT / "requirements"
+PYPI = "https://pypi.org/simple"
+GPU_PYTHON = "3.11"  # the GPU image's interpreter (python3.11 from deadsnakes)
+# The wheels a manylinux_2_35 x86_64 system (Ubuntu 22.04, the GPU image) takes. pip expands only
+# the legacy manylinux2014 alias to older tags, so each manylinux_2_N is named.
+PLATFORMS = ["manylinux2014_x86_64", *(f"manylinux_2_{n}_x86_64" for n in range(17, 36))]
+# pip settings that would change the answer on a developer's machine (local wheels, constraints,
+# mirrors); network settings (certificates, proxy, timeouts) are kept.
+PIP_KEEP = {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_DEFAULT_TIMEOUT", "PIP_RETRIES"}
+
+
+def pins(lock: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for line in (REQUIREMENTS / lock).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            name, _, version = line.partition("==")
+            assert version, f"{lock}: {line!r} is not pinned with =="
+            found[canonicalize_name(name.split("[")[0])] = version.strip()
+    return found
+
+
+def oldest_python() -> str:
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    lower = [s.version for s in SpecifierSet(spec) if s.operator == ">="]
+    assert len(lower) == 1, f"requires-python {spec!r}: expected one >= bound"
+    return lower[0]
+
+
+@pytest.fixture(scope="module")
+def pypi() -> None:
+    try:
+        request = urllib.request.Request(f"{PYPI}/pip/", method="HEAD")
+        urllib.request.urlopen(request, timeout=15).close()
+    except (urllib.error.URLError, OSError) as exc:
+        message = f"PyPI ({PYPI}) is unreachable ({exc}): the lock checks need the network"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def pip_dry_run(tmp_path: Path, python: str, lock: Path, *extra: str) -> dict[str, str]:
+    """What pip would install for the lock, from PyPI alone, for CPython ``python`` on Linux."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in PIP_KEEP}
+    env |= {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+               "--quiet", "--use-feature=fast-deps", "--index-url", PYPI,
+               "--python-version", python, *(f"--platform={p}" for p in PLATFORMS),
+               "--only-binary=:all:", "--target", str(tmp_path / "target"),
+               "--report", str(report), *extra, "-r", str(lock)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (
+        f"pip cannot install {lock.name} for Python {python}:\n{done.stderr[-4000:]}\n"
+        f"command: {shlex.join(command)}"
+    )
+    installs = json.loads(report.read_text())["install"]
+    return {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+
+
+def test_gpu_lock_resolves_to_itself(pypi: None, tmp_path: Path) -> None:
+    locked = pins("gpu.txt")
+    resolved = pip_dry_run(tmp_path, GPU_PYTHON, REQUIREMENTS / "gpu.txt")
+    added = {name: version for name, version in resolved.items() if name not in locked}
+    changed = {
+        name: f"{locked[name]} → {version}"
+        for name, version in resolved.items()
+        if name in locked and version != locked[name]
+    }
+    assert not added and not changed, (
+        f"requirements/gpu.txt is incomplete: pip adds {added or 'nothing'} and changes "
+        f"{changed or 'nothing'} (regenerate it with `make lock-gpu`)"
+    )
+
+
+@pytest.mark.parametrize("lock", ["cpu.txt", "dev.txt", "deploy.txt"])
+def test_lock_installs_on_the_oldest_python_allowed(pypi: None, tmp_path: Path, lock: str) -> None:
+    """Each pinned release has a wheel for, and accepts, the oldest Python requires-python allows
+    (e.g. Debian 12's 3.11.2). pip names the first release that does not."""
+    plain = tmp_path / lock  # the CPU lock's torch comes from local wheels or PyTorch's CPU index
+    plain.write_text(re.sub(r"\+cpu$", "", (REQUIREMENTS / lock).read_text(), flags=re.M))
+    pip_dry_run(tmp_path, oldest_python(), plain, "--no-deps")
+
+
+def test_gpu_lock_is_the_cpu_lock_with_cuda_builds() -> None:
+    cpu, gpu = pins("cpu.txt"), pins("gpu.txt")
+    assert set(cpu) - set(gpu) == {"onnxruntime"}, set(cpu) - set(gpu)
+    assert "onnxruntime-gpu" in gpu
+    differ = {n: (cpu[n], gpu[n]) for n in cpu.keys() & gpu.keys() if cpu[n] != gpu[n]}
+    assert not differ, f"cpu.txt and gpu.txt pin different versions: {differ}"
+    cuda_wheels = {n for n in gpu if n.startswith("nvidia-") and n != "nvidia-ml-py"}
+    for needed in ("nvidia-cuda-runtime", "nvidia-cublas", "nvidia-cudnn-cu13"):
+        assert needed in cuda_wheels, f"gpu.txt lacks {needed}"
+
+
+def gpu_stage() -> tuple[str, dict[str, str]]:
+    """The gpu stage's FROM image and its ENV (continuation lines joined)."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    stage = text[text.index(" AS gpu") :]
+    image = re.findall(r"^FROM (\S+) AS gpu$", text, flags=re.M)
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV (.*)$", stage, flags=re.M):
+        env |= dict(token.partition("=")[::2] for token in shlex.split(line))
+    return image[0], env
+
+
+def test_gpu_image_agrees_with_the_gpu_lock() -> None:
+    """One CUDA: the base image's (driver compatibility only), the nvidia-* wheels' (the
+    libraries), and TG_EXPECT_*, which the server checks at start."""
+    gpu = pins("gpu.txt")
+    cuda = ".".join(gpu["nvidia-cuda-runtime"].split(".")[:2])
+    image, env = gpu_stage()
+    tag = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-base-ubuntu\d+\.\d+", image)
+    assert tag, f"gpu stage FROM {image}: expected a pinned nvidia/cuda:X.Y.Z-base-ubuntu image"
+    assert tag[1] == cuda, f"base image CUDA {tag[1]}, the lock's CUDA wheels {cuda}"
+    expected = {"TG_EXPECT_CUDA": cuda, "TG_EXPECT_TORCH": gpu["torch"],
+                "TG_EXPECT_ONNXRUNTIME": gpu["onnxruntime-gpu"]}  # fmt: skip
+    wrong = {k: f"{env.get(k)} (gpu.txt: {v})" for k, v in expected.items() if env.get(k) != v}
+    assert not wrong, f"the gpu stage's ENV disagrees with requirements/gpu.txt: {wrong}"
