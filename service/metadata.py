@@ -80,8 +80,8 @@ def config(repository: ModelRepository, name: str, version: str | None) -> dict[
         **served.model_dump(mode="json", exclude_none=True),
     }
     if found.loaded is not None:
-        body["inputs"] = [t.model_dump(exclude_none=True) for t in found.loaded.signature.inputs]
-        body["outputs"] = [t.model_dump(exclude_none=True) for t in found.loaded.signature.outputs]
+        body["inputs"] = [t.model_dump() for t in found.loaded.signature.inputs]
+        body["outputs"] = [t.model_dump() for t in found.loaded.signature.outputs]
     return body
 
 

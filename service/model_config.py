@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from preprocessing.spec import PreprocessingSpec
 from service.errors import ModelLoadError
@@ -39,6 +48,14 @@ class TensorConfig(_Strict):
     """The values the model takes, inclusive (e.g. token ids within the vocabulary): a request
     outside it gets 400 before it can fail a batch it would have joined. Text models get theirs
     from the tokenizer."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_range(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Written only when set: manifests and configs stay readable by servers that predate it.
+        data: dict[str, Any] = handler(self)
+        if self.range is None:
+            data.pop("range", None)
+        return data
 
     @model_validator(mode="after")
     def _numeric_range(self) -> Self:

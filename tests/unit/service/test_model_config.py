@@ -56,3 +56,17 @@ def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: 
 )
 def test_version_policy_selects_versions(policy: VersionPolicy, expected: list[int]) -> None:
     assert select_versions([1, 3, 7], policy) == expected
+
+
+def test_a_value_range_is_written_only_when_set() -> None:
+    """Manifests and configs without one stay readable by servers that predate the field."""
+    from service.model_config import TensorConfig
+
+    plain = TensorConfig(name="x", datatype="FP32", shape=(3,))
+    assert "range" not in plain.model_dump_json()
+    ids = TensorConfig(name="ids", datatype="INT64", shape=(-1,), range=(0, 30521))
+    assert TensorConfig.model_validate_json(ids.model_dump_json()) == ids
+    with pytest.raises(ValueError, match="BYTES values have no range"):
+        TensorConfig(name="s", datatype="BYTES", shape=(1,), range=(0, 1))
+    with pytest.raises(ValueError, match="low ≤ high"):
+        TensorConfig(name="x", datatype="FP32", shape=(1,), range=(2, 1))
