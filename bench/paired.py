@@ -1,0 +1,109 @@
+"""Old code against new code, alternately, in one sitting: the paired measurement that a claim
+like "this change costs nothing" or "this buys 5 %" needs on a shared, drifting machine.
+
+    .venv/bin/python -m bench.paired --old d5a6af0 [--pairs 5] [--seconds 5]
+
+The old revision is checked out in a temporary git worktree and served by this venv (its
+packages are the same unless the locks changed between the two); the new side is the working
+tree. Both servers serve one repository (efficientnet_lite0 and the W2 MLP) with the same
+settings and stay up; each pair runs every workload against one server and then the other (the
+order flips every pair), so that drift falls on both sides alike:
+W1 (a 640×480 JPEG → top-5, v1 predict) at 16 connections; W2 (the 64→256→10 MLP, a JSON
+tensor, v2 infer) at 64 and at 1 connection. Loopback only; wrk is the client.
+Writes bench/results/paired.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from bench.batching import W1_PATH, jpeg_640x480, mlp_models
+from bench.common import publish, table, wait_until_up, wrk
+from tests.server import MODELS, REPO_ROOT, free_port
+
+ENV = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2",
+       "TG_PREPROCESS_THREADS": "2"}  # fmt: skip
+
+
+def serve(tree: Path, repository: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, **ENV, "TG_PORT": str(port), "TG_HOST": "127.0.0.1",
+           "TG_MODEL_REPOSITORY": str(repository)}  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=tree, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return process, f"http://127.0.0.1:{port}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="the git revision to compare against")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--seconds", type=int, default=5)
+    args = parser.parse_args()
+    image = jpeg_640x480()
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    mlp = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
+                                    "data": x.ravel().tolist()}]})  # fmt: skip
+    workloads = {
+        "W1 c=16": (W1_PATH, image, "image/jpeg", 16),
+        "W2 c=64": ("/v2/models/mlp/infer", mlp, "application/json", 64),
+        "W2 c=1": ("/v2/models/mlp/infer", mlp, "application/json", 1),
+    }
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        old_tree = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.old],
+                       cwd=REPO_ROOT, check=True, capture_output=True)  # fmt: skip
+        repository = Path(tmp) / "models"
+        repository.mkdir()
+        (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
+        mlp_models(repository)
+        servers = {"old": serve(old_tree, repository), "new": serve(REPO_ROOT, repository)}
+        try:
+            for _, url in servers.values():
+                wait_until_up(f"{url}/v2/health/ready", timeout_s=300)
+            for pair in range(args.pairs):
+                sides = ("old", "new") if pair % 2 == 0 else ("new", "old")
+                for name, (path, body, content_type, connections) in workloads.items():
+                    for side in sides:
+                        result = wrk(servers[side][1] + path, body, content_type,
+                                     connections=connections, seconds=args.seconds)  # fmt: skip
+                        assert result.errors == 0, (side, name, result)
+                        results.setdefault((name, side), []).append(
+                            (result.requests_per_s, result.p50_ms)
+                        )
+        finally:
+            for process, _ in servers.values():
+                process.terminate()
+                process.wait(timeout=60)
+            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)],
+                           cwd=REPO_ROOT, check=False, capture_output=True)  # fmt: skip
+    rows = []
+    for name in workloads:
+        old, new = results[(name, "old")], results[(name, "new")]
+        ratios = sorted(n[0] / o[0] for o, n in zip(old, new, strict=True))
+        rows.append([
+            name, _spread([r for r, _ in old], "{:.0f}"), _spread([r for r, _ in new], "{:.0f}"),
+            _spread([p for _, p in old], "{:.2f}"), _spread([p for _, p in new], "{:.2f}"),
+            _spread(ratios, "{:.3f}"),
+        ])  # fmt: skip
+    header = ["workload", "old req/s", "new req/s", "old p50 ms", "new p50 ms", "new/old req/s"]
+    publish("paired", f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "
+                      f"of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n")  # fmt: skip
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+if __name__ == "__main__":
+    main()
