@@ -2,11 +2,16 @@
 
 Built once from an :class:`~preprocessing.spec.ImageSpec`; calling it is pure and thread-safe, so
 the server runs it in a thread pool (Pillow releases the GIL while it decodes and resizes).
+
+What an image may cost is bounded by what the pipeline produces, not by what a client sends: the
+formats Pillow may open are an allow-list, and the decoded pixel count and the aspect ratio (which
+bounds the resized image) are checked from the header before any pixel is decoded.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import numpy as np
@@ -20,6 +25,15 @@ from preprocessing.spec import ImageSpec
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
 
+MAX_ASPECT_RATIO = 20
+"""Longest side over shortest side for an image that is resized. Beyond it the centre crop keeps
+a sliver too thin to mean anything, and a resize without a crop would produce a tensor that grows
+with the ratio (a 10000x1 strip resized to 256 is 2.56 M pixels long)."""
+
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""The formats Pillow may open (its format names; JPEG covers MPO). Pillow reads some forty, each
+a decoder a client could reach; these are the ones photos and datasets come in."""
+
 _RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
@@ -30,6 +44,9 @@ _RESAMPLE = {
 
 # EXIF orientations that need the image turned or flipped (1: upright; absent: upright).
 _TRANSPOSED = frozenset(range(2, 9))
+
+# "<_io.BytesIO object at 0x7f…>" in a decoder's message says nothing to a client.
+_ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>|\s+at 0x[0-9a-fA-F]+")
 
 
 class PreprocessingError(ValueError):
@@ -64,24 +81,40 @@ class ImagePipeline:
         return (c, side, side) if self.spec.layout == "NCHW" else (side, side, c)
 
     def decode(self, data: bytes) -> Image.Image:
-        """Bytes of any format Pillow reads → an upright image in the spec's colour mode."""
-        if not data:
-            raise PreprocessingError("image is empty (0 bytes)")
+        """Bytes in one of :data:`FORMATS` → an upright image in the spec's colour mode.
+
+        The size is checked from the header, before the pixels are decoded; any error Pillow
+        raises while it reads, decodes or converts the image is a :class:`PreprocessingError`.
+        """
+        image = _open(data)
+        self.check_size(*image.size)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(data))
-                image.load()
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise PreprocessingError(f"image too large: {exc}") from None
-        except UnidentifiedImageError:
+            image.load()
+            return self.normalize_mode(image)
+        except MemoryError:
+            raise  # the server's trouble, not the client's
+        except Exception as exc:  # every decoder raises its own kinds: all mean a bad file
             raise PreprocessingError(
-                f"cannot decode image ({len(data)} bytes): not in a format Pillow reads "
-                "(JPEG, PNG, WebP, BMP, TIFF, GIF, ...)"
+                f"cannot decode image ({len(data)} bytes, {image.format}): {_reason(exc)}"
             ) from None
-        except (OSError, SyntaxError, ValueError) as exc:
-            raise PreprocessingError(f"cannot decode image ({len(data)} bytes): {exc}") from None
-        return self.normalize_mode(image)
+
+    def check_size(self, width: int, height: int) -> None:
+        """Refuse an image this pipeline cannot make a meaningful tensor of, before decoding it."""
+        spec = self.spec
+        if spec.resize is not None and max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise PreprocessingError(
+                f"image is {width}x{height}, an aspect ratio of "
+                f"{max(width, height) / max(1, min(width, height)):.0f}:1; this model resizes "
+                f"images and takes aspect ratios up to {MAX_ASPECT_RATIO}:1 (long side over "
+                "short side)"
+            )
+        if spec.crop is not None:
+            resized = _resized_size(width, height, spec.resize)
+            if min(resized) < spec.crop:
+                raise PreprocessingError(
+                    f"image is {resized[0]}x{resized[1]} after resizing, smaller than the "
+                    f"{spec.crop}x{spec.crop} crop"
+                )
 
     def normalize_mode(self, image: Image.Image) -> Image.Image:
         """Apply EXIF orientation and convert any mode (P, LA, RGBA, CMYK, I;16…) to RGB or L."""
@@ -102,6 +135,7 @@ class ImagePipeline:
 
     def from_image(self, image: Image.Image) -> NDArray[np.generic]:
         """A decoded image → the input tensor for one row (no batch dimension)."""
+        self.check_size(*image.size)
         return self._tensor(self.normalize_mode(image))
 
     def __call__(self, data: bytes) -> NDArray[np.generic]:
@@ -109,12 +143,9 @@ class ImagePipeline:
         return self._tensor(self.decode(data))
 
     def _tensor(self, image: Image.Image) -> NDArray[np.generic]:
-        """An upright RGB or L image → resize → crop → scale → normalize → layout → dtype."""
+        """An upright RGB or L image → resize and crop → scale → normalize → layout → dtype."""
         spec = self.spec
-        if spec.resize is not None:
-            image = _resize_shorter_side(image, spec.resize, _RESAMPLE[spec.interpolation])
-        if spec.crop is not None:
-            image = _centre_crop(image, spec.crop)
+        image = _resize_and_crop(image, spec.resize, spec.crop, _RESAMPLE[spec.interpolation])
         pixels = np.asarray(image)  # uint8: RGB and L are 8 bits a channel
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
@@ -132,23 +163,71 @@ class ImagePipeline:
         return tensor
 
 
-def _resize_shorter_side(image: Image.Image, size: int, resample: Image.Resampling) -> Image.Image:
-    width, height = image.size
-    if min(width, height) == size:
-        return image
-    if width <= height:
-        new = (size, max(1, round(height * size / width)))
-    else:
-        new = (max(1, round(width * size / height)), size)
-    return image.resize(new, resample)
-
-
-def _centre_crop(image: Image.Image, size: int) -> Image.Image:
-    width, height = image.size
-    if width < size or height < size:
+def _open(data: bytes) -> Image.Image:
+    """Read the header of an image in one of :data:`FORMATS`, refusing more than the pixel limit."""
+    if not data:
+        raise PreprocessingError("image is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns between the limit and twice it; checked below with a clearer message.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:
         raise PreprocessingError(
-            f"image is {width}x{height} after resizing, smaller than the {size}x{size} crop"
+            f"image too large: more than {2 * MAX_IMAGE_PIXELS} pixels; this server decodes "
+            f"images of at most {MAX_IMAGE_PIXELS} pixels ({MAX_IMAGE_PIXELS // 2**20} Mi)"
+        ) from None
+    except UnidentifiedImageError:
+        raise PreprocessingError(
+            f"cannot decode image ({len(data)} bytes): not in a format this server reads "
+            f"({', '.join(FORMATS)})"
+        ) from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # a header a plugin recognised and then could not parse
+        raise PreprocessingError(
+            f"cannot decode image ({len(data)} bytes): {_reason(exc)}"
+        ) from None
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise PreprocessingError(
+            f"image too large: {width}x{height} is {width * height} pixels; this server decodes "
+            f"images of at most {MAX_IMAGE_PIXELS} pixels ({MAX_IMAGE_PIXELS // 2**20} Mi)"
         )
-    left = (width - size) // 2
-    top = (height - size) // 2
-    return image.crop((left, top, left + size, top + size))
+    return image
+
+
+def _reason(exc: Exception) -> str:
+    """A decoder's error as a client may read it: its message without object addresses."""
+    message = _ADDRESS.sub("", str(exc)).strip()
+    return message or type(exc).__name__
+
+
+def _resized_size(width: int, height: int, size: int | None) -> tuple[int, int]:
+    """The image's size once its shorter side is ``size`` (aspect kept); unchanged for None."""
+    if size is None or min(width, height) == size:
+        return width, height
+    if width <= height:
+        return size, max(1, round(height * size / width))
+    return max(1, round(width * size / height)), size
+
+
+def _resize_and_crop(
+    image: Image.Image, size: int | None, crop: int | None, resample: Image.Resampling
+) -> Image.Image:
+    """Resize the shorter side to ``size``, then centre crop ``crop`` × ``crop``.
+
+    The whole image is resized, then cropped: resampling only the source box under the crop
+    (``resize(box=...)``) passes the box to Pillow as float32 and moves pixels by a level, which
+    moves the logits of the bundled classifier beyond its golden tolerance. The resize stays
+    bounded without it: :data:`MAX_ASPECT_RATIO` keeps it under ``size² × MAX_ASPECT_RATIO``
+    pixels, whatever the image.
+    """
+    width, height = image.size
+    new_size = _resized_size(width, height, size)
+    if new_size != (width, height):
+        image = image.resize(new_size, resample)
+    if crop is None:
+        return image
+    left, top = (new_size[0] - crop) // 2, (new_size[1] - crop) // 2
+    return image.crop((left, top, left + crop, top + crop))

@@ -4,6 +4,10 @@ Built once per model from a :class:`~preprocessing.spec.TextSpec` and the tokeni
 names (checked against its sha256). Padding and truncation are set here explicitly, whatever
 the tokenizer file says: a batch is padded to the smallest configured bucket that holds its
 longest text, so the model only ever sees the lengths it was warmed up on.
+
+A long text is shortened before it is tokenized (:mod:`preprocessing.text_cut`), so that its
+cost follows the ``max_length`` tokens kept rather than its length, with the very tokens the
+whole text would give.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from tokenizers import Tokenizer
 
 from preprocessing.image import PreprocessingError
 from preprocessing.spec import TextSpec
+from preprocessing.text_cut import TextCutter
+
+CHARS_PER_TOKEN = 8
+"""A long text is first cut after this many characters per token kept, plenty for prose; a text
+whose tokens are sparser (long words, runs of whitespace) is cut again at the cutter's proven
+bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,11 @@ class TextPipeline:
         self._tokenizer = Tokenizer.from_str(data.decode())
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(max_length=spec.max_length)
+        self._cutter = TextCutter.for_tokenizer(self._tokenizer)
+        self._budgets: tuple[int, ...] = ()
+        if self._cutter is not None:
+            proven = self._cutter.budget(spec.max_length)
+            self._budgets = (min(CHARS_PER_TOKEN * spec.max_length, proven), proven)
 
     @property
     def vocab_size(self) -> int:
@@ -62,7 +77,7 @@ class TextPipeline:
     def __call__(self, texts: list[str]) -> TokenBatch:
         if not texts:
             raise PreprocessingError("no texts to tokenize")
-        encodings = self._tokenizer.encode_batch(texts)
+        encodings = self._tokenizer.encode_batch([self.head(text) for text in texts])
         truncated = [bool(e.overflowing) for e in encodings]
         if not self.spec.truncate and any(truncated):
             first = truncated.index(True)
@@ -78,3 +93,18 @@ class TextPipeline:
             ids[row, :n] = encoding.ids
             mask[row, :n] = 1
         return TokenBatch(ids, mask, truncated)
+
+    def head(self, text: str) -> str:
+        """What of ``text`` the tokenizer needs to read: a text whose first ``max_length``
+        tokens are those of ``text``, and which is over-long exactly when ``text`` is. ``text``
+        itself when it is short, or when the tokenizer is not one that
+        :class:`~preprocessing.text_cut.TextCutter` has reasoned about."""
+        if self._cutter is None or len(text) <= self._budgets[0]:
+            return text
+        for budget in self._budgets:
+            head, whole = self._cutter.cut(text, budget)
+            if whole or self._tokenizer.encode(head).overflowing:
+                return head
+        # Not reached when the cutter's bound holds (characters it cannot class may break it):
+        # the whole text rewritten gives every token the text gives.
+        return self._cutter.cut(text, len(text) + 1)[0]

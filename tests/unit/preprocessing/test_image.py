@@ -1,12 +1,16 @@
 import io
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import skimage.data
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessing import ImagePipeline, ImageSpec, PreprocessingError
+from preprocessing.image import FORMATS, MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS
 from preprocessing.torch import ImageDataset, ImageTransform
 from tests.conftest import encode
 
@@ -164,3 +168,151 @@ def test_torch_adapter_gives_the_servers_tensor_byte_for_byte(
     tensor, label = dataset[0]
     assert label == 7
     assert tensor.numpy().tobytes() == served.tobytes()
+
+
+IMAGENET = ImageSpec(resize=256, crop=224, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+@pytest.mark.parametrize("size", [(10_000, 1), (1, 10_000)])
+def test_a_strip_is_refused_before_decoding_naming_the_aspect_ratio_limit(
+    size: tuple[int, int],
+) -> None:
+    """A 10000×1 PNG is about a hundred bytes; resized whole it would be 2.56 M × 256 pixels."""
+    strip = png(Image.new("L", size))
+    assert len(strip) < 200
+    width, height = size
+    with pytest.raises(
+        PreprocessingError,
+        match=rf"image is {width}x{height}, an aspect ratio of 10000:1; .* up to 20:1",
+    ):
+        ImagePipeline(IMAGENET)(strip)
+    with pytest.raises(PreprocessingError, match="up to 20:1"):
+        ImagePipeline(IMAGENET).from_image(Image.new("L", size))
+
+
+def test_the_aspect_ratio_limit_itself_is_served() -> None:
+    assert MAX_ASPECT_RATIO == 20
+    at_limit = png(Image.new("RGB", (20 * 13, 13)))
+    assert ImagePipeline(IMAGENET)(at_limit).shape == (3, 224, 224)
+    with pytest.raises(PreprocessingError, match="21:1"):
+        ImagePipeline(IMAGENET)(png(Image.new("RGB", (21 * 13, 13))))
+    # Without a resize the crop reads what the image has: no aspect ratio to refuse.
+    assert ImagePipeline(ImageSpec(crop=8))(png(Image.new("L", (10_000, 8)))).shape == (3, 8, 8)
+
+
+def test_pixels_beyond_the_limit_are_refused_naming_the_limit_and_the_image() -> None:
+    assert MAX_IMAGE_PIXELS == 64 * 2**20
+    big = png(Image.new("1", (9000, 8000)))  # 72 M pixels: above the limit, below Pillow's 2x
+    with pytest.raises(
+        PreprocessingError,
+        match=r"image too large: 9000x8000 is 72000000 pixels; this server decodes images of "
+        r"at most 67108864 pixels \(64 Mi\)",
+    ):
+        ImagePipeline(PLAIN)(big)
+
+
+def dds_with_an_unknown_pixel_format() -> bytes:
+    """A DDS header whose FourCC Pillow's DDS reader raises NotImplementedError for."""
+    header = struct.pack("<4s7I", b"DDS ", 124, 0x1007, 4, 4, 0, 0, 0) + bytes(44)
+    pixel_format = struct.pack("<2I4s5I", 32, 0x4, b"ABCD", 0, 0, 0, 0, 0)
+    return header + pixel_format + struct.pack("<5I", 0x1000, 0, 0, 0, 0) + bytes(64)
+
+
+def pillow_encoded(fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), (10, 20, 30)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [dds_with_an_unknown_pixel_format(), *(pillow_encoded(f) for f in ("ICO", "TGA", "PCX", "PPM",
+                                                                        "SGI", "QOI", "DDS"))],
+    ids=["dds-unknown-pixel-format", "ico", "tga", "pcx", "ppm", "sgi", "qoi", "dds"],
+)  # fmt: skip
+def test_a_format_outside_the_allow_list_is_refused_by_name(data: bytes) -> None:
+    with pytest.raises(
+        PreprocessingError,
+        match=r"not in a format this server reads \(JPEG, PNG, WEBP, GIF, BMP, TIFF\)",
+    ):
+        ImagePipeline(PLAIN)(data)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_on_the_allow_list_decodes(astronaut: Image.Image, fmt: str) -> None:
+    buffer = io.BytesIO()
+    astronaut.save(buffer, format=fmt)
+    assert ImagePipeline(PLAIN)(buffer.getvalue()).shape == (3, 64, 64)
+
+
+def test_a_camera_jpeg_holding_several_pictures_decodes_its_first() -> None:
+    first, second = Image.new("RGB", (40, 30), (200, 10, 10)), Image.new("RGB", (40, 30), 0)
+    buffer = io.BytesIO()
+    first.save(buffer, format="MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(buffer.getvalue())).format == "MPO"  # a JPEG to Image.open
+    out = ImagePipeline(ImageSpec(resize=16, crop=16, scale=1.0))(buffer.getvalue())
+    assert out[0].mean() > 150
+
+
+def _samples() -> list[bytes]:
+    base = Image.fromarray(skimage.data.astronaut()).resize((24, 20))
+    samples = []
+    for fmt, mode, options in [
+        ("JPEG", "RGB", {}), ("JPEG", "CMYK", {}), ("PNG", "RGBA", {}), ("PNG", "P", {}),
+        ("PNG", "I;16", {}), ("WEBP", "RGB", {}), ("WEBP", "RGBA", {"lossless": True}),
+        ("GIF", "P", {}), ("BMP", "RGB", {}), ("BMP", "P", {}), ("TIFF", "RGB", {}),
+        ("TIFF", "RGB", {"compression": "tiff_lzw"}), ("TIFF", "I;16", {}),
+    ]:  # fmt: skip
+        buffer = io.BytesIO()
+        base.convert(mode).save(buffer, format=fmt, **options)
+        samples.append(buffer.getvalue())
+    return samples
+
+
+SAMPLES = _samples()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sample=st.sampled_from(SAMPLES),
+    edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+                   min_size=1, max_size=4),
+    keep=st.floats(0.05, 1),
+)  # fmt: skip
+def test_a_damaged_image_is_a_tensor_or_a_preprocessing_error(
+    sample: bytes, edits: list[tuple[float, int]], keep: float
+) -> None:
+    """Whatever a decoder raises on a damaged file in an allowed format reaches the client as a
+    PreprocessingError (a 400), without the addresses of Python objects."""
+    data = bytearray(sample[: max(1, int(len(sample) * keep))])
+    for where, byte in edits:
+        data[int(where * len(data))] = byte
+    try:
+        tensor = ImagePipeline(PLAIN)(bytes(data))
+    except PreprocessingError as exc:
+        assert " at 0x" not in str(exc)
+    else:
+        assert tensor.shape == (3, 64, 64)
+
+
+@pytest.mark.parametrize("name", ["chelsea", "coffee", "astronaut"])
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos", "nearest"])
+def test_a_photo_gets_pillows_resize_of_the_whole_image_then_the_crop(
+    name: str, interpolation: str
+) -> None:
+    """The exact pixels training code that resizes then crops gets: cropping first (Pillow's
+    resize(box=...)) moved pixels by a level and the bundled classifier's logits by 30x its
+    golden tolerance, so the pipeline does not."""
+    photo = Image.fromarray(getattr(skimage.data, name)())
+    spec = ImageSpec(resize=256, crop=224, scale=1.0, interpolation=interpolation)
+    width, height = photo.size
+    size = (
+        (256, round(height * 256 / width))
+        if width <= height
+        else (round(width * 256 / height), 256)
+    )
+    resized = photo.resize(size, getattr(Image.Resampling, interpolation.upper()))
+    left, top = (size[0] - 224) // 2, (size[1] - 224) // 2
+    expected = np.asarray(resized.crop((left, top, left + 224, top + 224)), np.float32)
+    got = ImagePipeline(spec)(png(photo))
+    assert got.tobytes() == np.ascontiguousarray(expected.transpose(2, 0, 1)).tobytes()
