@@ -26,7 +26,8 @@ import orjson
 from onnx import TensorProto, helper
 
 from bench.common import WrkResult, publish, table, wait_until_up, wrk
-from service.protocol.v2 import OutputTensor, decode_request, encode_response
+from service.inference import InferenceResult, OutputTensor
+from service.protocol.v2 import decode_request, encode_result
 from tests.server import MODELS, Server, free_port
 
 SHAPE = [1, 3, 224, 224]
@@ -54,13 +55,15 @@ def codec_times(reps: int) -> list[list[str]]:
     rows = []
     for kind, (body, header_length) in bodies().items():
         binary = kind == "binary"
-        output = [OutputTensor("logits", logits, "FP32", binary)]
+        result = InferenceResult(
+            "m", "1", None, [OutputTensor("logits", "FP32", logits)], {}, {}, None, True
+        )
         decode, encode = [], []
         for _ in range(reps):
             started = time.perf_counter()
             decode_request(body, header_length)
             decoded = time.perf_counter()
-            encode_response("m", "1", None, None, output)
+            encode_result(result, binary)
             encode.append(time.perf_counter() - decoded)
             decode.append(decoded - started)
         rows.append([
@@ -93,21 +96,15 @@ def served(seconds: int, connections: int) -> list[list[str]]:
         (root / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
         env = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2"}
         server = Server(root, env=env)
-        plain_root = Path(tmp) / "plain"
-        sink_model(plain_root)
-        plain = Server(plain_root, env={**env, "TG_FAST_PATH": "false"})
         noop_port = free_port()
         noop = subprocess.Popen([sys.executable, "bench/noop_server.py", str(noop_port)])
         try:
             server.wait_until()
-            plain.wait_until()
             payloads = bodies()
             binary, header_length = payloads["binary"]
             runs: list[tuple[str, str, bytes, int | None]] = [
                 ("no-op endpoint, same bytes", f"http://127.0.0.1:{noop_port}/noop", binary, None),
                 ("sink model, binary", f"{server.url}/v2/models/sink/infer", binary, header_length),
-                ("sink model, binary, through FastAPI (TG_FAST_PATH=false)",
-                 f"{plain.url}/v2/models/sink/infer", binary, header_length),
                 ("sink model, JSON", f"{server.url}/v2/models/sink/infer", *payloads["json"]),
                 ("efficientnet_lite0, binary", f"{server.url}/v2/models/efficientnet_lite0/infer",
                  binary, header_length),
@@ -128,15 +125,11 @@ def served(seconds: int, connections: int) -> list[list[str]]:
                 ])  # fmt: skip
             ceiling = results["no-op endpoint, same bytes"].requests_per_s
             sink = results["sink model, binary"].requests_per_s
-            routed = results["sink model, binary, through FastAPI (TG_FAST_PATH=false)"]
             rows.append(["**sink binary / no-op**", f"**{sink / ceiling:.3f}**", "", "", ""])
-            rows.append(["**sink binary: fast path / FastAPI route**",
-                         f"**{sink / routed.requests_per_s:.3f}**", "", "", ""])  # fmt: skip
         finally:
             noop.terminate()
             noop.wait(timeout=30)
             server.stop()
-            plain.stop()
     return rows
 
 

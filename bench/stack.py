@@ -32,13 +32,14 @@ from pydantic import BaseModel
 
 from bench.batching import SERVER_ENV, mlp_models, read_response
 from bench.common import publish, table, wait_until_up, wrk
-from service.protocol.v2 import OutputTensor, decode_request, encode_response
+from service.inference import InferenceResult, OutputTensor
+from service.protocol.v2 import decode_request, encode_result
 from tests.server import free_port
 
-# "coalescing" is tensorgate's own: uvicorn's httptools protocol, each response in one write
-# (service/transport.py). The chosen pair runs first and last.
-PAIRS = [("uvloop", "coalescing"), ("uvloop", "httptools"), ("asyncio", "httptools"),
-         ("uvloop", "h11"), ("asyncio", "h11"), ("uvloop", "coalescing")]  # fmt: skip
+# "guarded" is tensorgate's own: uvicorn's httptools protocol with the connection bounds of
+# service/connections.py (what `tensorgate serve` runs). It runs first and last.
+PAIRS = [("uvloop", "guarded"), ("uvloop", "httptools"), ("asyncio", "httptools"),
+         ("uvloop", "h11"), ("asyncio", "h11"), ("uvloop", "guarded")]  # fmt: skip
 
 
 def serve(repository: Path, port: int, loop: str, http: str) -> None:
@@ -47,16 +48,19 @@ def serve(repository: Path, port: int, loop: str, http: str) -> None:
 
     from service import logs
     from service.app import create_app, serving_app
+    from service.connections import ConnectionLimits, guarded_protocol
     from service.settings import Settings
-    from service.transport import CoalescingHttpToolsProtocol
 
     settings = Settings(model_repository=repository, port=port, access_log=False,
                         log_level="warning", intra_op_threads=2)  # fmt: skip
     logs.configure(settings.log_level)
     app = create_app(settings)
     protocol: type[asyncio.Protocol] | str = http
-    if http == "coalescing":
-        protocol = CoalescingHttpToolsProtocol
+    if http == "guarded":
+        protocol = guarded_protocol(ConnectionLimits(
+            settings.max_connections, settings.max_header_bytes, settings.header_timeout_s,
+            settings.body_timeout_s,
+        ))  # fmt: skip
     config = uvicorn.Config(serving_app(app, settings), host="127.0.0.1", port=port,
                             loop=loop, http=protocol, log_config=None, access_log=False)  # fmt: skip
     uvicorn.Server(config).run()
@@ -92,7 +96,7 @@ def served(seconds: int) -> list[list[str]]:
 
 
 def alternating(requests: int) -> list[list[str]]:
-    """The coalescing transport against uvicorn's own httptools protocol, under uvloop: single
+    """tensorgate's guarded protocol against uvicorn's own httptools protocol, under uvloop: single
     W2 requests sent to a server of each kind in turn (``requests`` each, keep-alive sockets),
     so that the machine's drift falls on both alike; a difference of 1 % shows."""
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
@@ -100,7 +104,7 @@ def alternating(requests: int) -> list[list[str]]:
                                      "data": x.ravel().tolist()}]})  # fmt: skip
     head = (f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-    kinds = ("coalescing", "httptools")
+    kinds = ("guarded", "httptools")
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp) / "models"
@@ -175,8 +179,9 @@ def in_process() -> list[list[str]]:
         theirs = _median_ms(lambda b=body: _pydantic_decode(b), reps)
         rows.append([f"decode {label}", "orjson → numpy", f"{ours:.3f}", "pydantic model",
                      f"{theirs:.3f}", f"{theirs / ours:.1f}"])  # fmt: skip
-    output = OutputTensor("y", rng.standard_normal((1, 1000)).astype(np.float32), "FP32", False)
-    ours = _median_ms(lambda: encode_response("m", "1", None, None, [output]), 2000)
+    output = OutputTensor("y", "FP32", rng.standard_normal((1, 1000)).astype(np.float32))
+    result = InferenceResult("m", "1", None, [output], {}, {}, None, True)
+    ours = _median_ms(lambda: encode_result(result, False), 2000)
     theirs = _median_ms(
         lambda: json.dumps({"model_name": "m", "model_version": "1", "outputs": [{
             "name": "y", "datatype": "FP32", "shape": [1, 1000],

@@ -11,7 +11,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -24,14 +24,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import PROCESS_STARTED, __version__
 from service.api import routers
 from service.api.admission import BodyBudget
-from service.api.deps import ClientGone, client_gone, error_body
 from service.api.fast import InferFastPath
+from service.api.http import CLIENT_GONE, Answer, ClientGone, error_answer, error_body
 from service.dataplane import DataPlane
 from service.errors import TensorgateError
 from service.logs import REQUEST_ID, request_id_for
+from service.metrics import Metrics
+from service.observation import Drain, Observer
+from service.pins import check_pinned
 from service.repository import ModelRepository
 from service.settings import Settings
-from service.versions import check_pinned
 
 log = logging.getLogger("tensorgate.app")
 
@@ -45,7 +47,9 @@ def create_app(settings: Settings) -> FastAPI:
         repository = ModelRepository(settings)
         repository.scan()
         pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
-        app.state.dataplane = DataPlane(repository, settings, pool)
+        drain = Drain()
+        observer = Observer(repository, Metrics(repository), drain, settings.access_log)
+        app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
         loading = asyncio.create_task(asyncio.to_thread(_load, repository))
         loading.add_done_callback(lambda _: start_schedulers(repository))
         polling = None
@@ -67,8 +71,9 @@ def create_app(settings: Settings) -> FastAPI:
         version=__version__,
         summary="Open Inference Protocol (KServe v2) server for TorchScript and ONNX models",
         lifespan=lifespan,
-        # FastAPI's OpenTelemetry hooks look up the global providers on every request (~8 % of
-        # the event loop at W2 load, py-spy); tensorgate exports its own Prometheus metrics.
+        # FastAPI's OpenTelemetry hooks look up the global providers on every request (a
+        # visible share of the event loop under load, docs/performance.md); tensorgate exports
+        # its own Prometheus metrics.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     for routes in routers(settings):
@@ -79,10 +84,9 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
-    """What uvicorn runs: the app, wrapped in the plain-ASGI inference routes unless they are
-    turned off (``TG_FAST_PATH=false``), under the server-wide budget for request bodies."""
-    routes: ASGIApp = InferFastPath(app) if settings.fast_path else app
-    return BodyBudget(routes, settings.max_inflight_bytes, settings.max_body_bytes)
+    """What uvicorn runs: the app, its inference routes answered on plain ASGI, under the
+    server-wide budget for request bodies."""
+    return BodyBudget(InferFastPath(app), settings.max_inflight_bytes, settings.max_body_bytes)
 
 
 class RequestIdMiddleware:
@@ -146,9 +150,9 @@ def _settle_heap() -> None:
 
     Under load, objects that live across a few collections (bodies, futures, arrays of requests
     in flight) are promoted to the oldest generation, and each full collection then walked every
-    object the process holds: W2 at 64 connections ran 46 full collections of up to 36 ms in
-    16 s, and they were its p99. Frozen objects are never walked; they are never freed either,
-    which is what objects loaded for the life of the process want.
+    object the process holds, and those pauses were the p99 (docs/performance.md). Frozen
+    objects are never walked; they are never freed either, which is what objects loaded for the
+    life of the process want.
     """
     gc.collect()
     gc.freeze()
@@ -160,17 +164,17 @@ _GC_THRESHOLDS = (10_000, 20, 20)
 
 def start_schedulers(repository: ModelRepository) -> None:
     """Start the scheduler of every ready version (in the event loop, where they run)."""
-    for _, loaded in repository.loaded_versions():
-        loaded.start()
+    for _, served in repository.served_versions():
+        served.start()
 
 
 def _load(repository: ModelRepository) -> None:
     repository.load_all()
     _settle_heap()
     parts = {"load_s": 0.0, "gates_s": 0.0, "warmup_s": 0.0}
-    for _, loaded in repository.loaded_versions():
+    for _, served in repository.served_versions():
         for part in parts:
-            parts[part] += loaded.timings[part]
+            parts[part] += served.loaded.timings[part]
     total = time.perf_counter() - PROCESS_STARTED
     states = {
         name: {v.version: v.state.value for v in entry.versions.values()} or entry.error
@@ -186,37 +190,33 @@ def _load(repository: ModelRepository) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    """The routes' errors, mapped as the inference routes map theirs (one mapping)."""
+
     @app.exception_handler(TensorgateError)
     async def tensorgate_error(request: Request, exc: TensorgateError) -> Response:
-        if exc.status == 500:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc.message,
-                      exc_info=exc.__cause__)  # fmt: skip
-        return _error(exc.message, exc.status, exc.headers)
+        return _response(error_answer(exc, f"{request.method} {request.url.path}"))
 
     @app.exception_handler(ClientGone)
     async def client_left(request: Request, exc: ClientGone) -> Response:
-        return client_gone()
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
-        return _error(str(message), exc.status_code, exc.headers)
+        return _response(Answer(exc.status_code, error_body(str(message)), dict(exc.headers or {})))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _error(f"invalid request: {exc.errors()}", 400)
+        return _response(Answer(400, error_body(f"invalid request: {exc.errors()}")))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("%s %s: internal error", request.method, request.url.path)
-        request_id = REQUEST_ID.get() or ""
+        answer = error_answer(exc, f"{request.method} {request.url.path}")
         # Starlette answers this one from its outermost middleware, outside RequestIdMiddleware:
         # the header is set here, as every other response gets it.
-        return _error(
-            f"internal server error (request {request_id}); see the server log", 500,
-            {"x-request-id": request_id},
-        )  # fmt: skip
+        answer.headers["x-request-id"] = REQUEST_ID.get() or ""
+        return _response(answer)
 
 
-def _error(message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(error_body(message), status, headers, media_type="application/json")
+def _response(answer: Answer) -> Response:
+    return Response(answer.body, answer.status, answer.headers, media_type="application/json")

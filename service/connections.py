@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import orjson
-
-from service.transport import CoalescingHttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
@@ -56,7 +55,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
 
 
-class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
+class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the guards of this module."""
 
     limits: ClassVar[ConnectionLimits]

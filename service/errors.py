@@ -72,6 +72,12 @@ class DeadlineExceeded(TensorgateError):
     status = 504
 
 
+class ModelLoadRefused(TensorgateError):
+    """A load asked for (the repository API, ``--poll``) was refused; what served goes on."""
+
+    status = 400
+
+
 class ModelLoadError(Exception):
     """A model version cannot be served; the message is its UNAVAILABLE reason. Never sent raw."""
 

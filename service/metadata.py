@@ -7,9 +7,8 @@ from typing import Any
 from service import __version__
 from service.model_config import ModelConfig, TensorConfig
 from service.repository import ModelRepository, ModelState, ModelVersion
+from service.runtimes import PLATFORMS
 from service.settings import Settings
-
-PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}
 
 
 def extensions(settings: Settings) -> list[str]:
@@ -32,7 +31,8 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
     """OIP model metadata plus state, reason, gate results and timings."""
     entry = repository.entry(name)
     found: ModelVersion | None = repository.version(name, version) if entry.versions else None
-    loaded = found.loaded if found else None
+    served = found.served if found else None
+    loaded = served.loaded if served else None
     backend = entry.config.backend if entry.config else ""
     metadata: dict[str, Any] = {
         "name": name,
@@ -58,10 +58,10 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
             metadata["warnings"] = loaded.warnings
         metadata["load_timings_s"] = loaded.timings
         metadata["warmup_timings_s"] = loaded.warmup_timings
-        scheduler = loaded.scheduler
+        scheduler = served.scheduler if served else None
         metadata["queue"] = {
             "pending": scheduler.pending if scheduler else 0,
-            "busy_instances": sum(b is not None for b in scheduler.busy_since) if scheduler else 0,
+            "busy_instances": scheduler.busy_instances() if scheduler else 0,
             "instances": loaded.config.instances,
         }
     return metadata
@@ -79,9 +79,10 @@ def config(repository: ModelRepository, name: str, version: str | None) -> dict[
         "platform": PLATFORMS[served.backend],
         **served.model_dump(mode="json", exclude_none=True),
     }
-    if found.loaded is not None:
-        body["inputs"] = [t.model_dump() for t in found.loaded.signature.inputs]
-        body["outputs"] = [t.model_dump() for t in found.loaded.signature.outputs]
+    if found.served is not None:
+        signature = found.served.loaded.signature
+        body["inputs"] = [t.model_dump() for t in signature.inputs]
+        body["outputs"] = [t.model_dump() for t in signature.outputs]
     return body
 
 
@@ -90,14 +91,14 @@ def statistics(
 ) -> dict[str, Any]:
     """Triton's ``model_stats`` for every loaded version, one model, or one version."""
     if name is None:
-        chosen = repository.loaded_versions()
+        chosen = repository.served_versions()
     elif version is None:
         repository.entry(name)
-        chosen = [(v, loaded) for v, loaded in repository.loaded_versions() if v.name == name]
+        chosen = [(v, served) for v, served in repository.served_versions() if v.name == name]
     else:
         found = repository.version(name, version)
-        chosen = [(found, found.loaded)] if found.loaded is not None else []
-    return {"model_stats": [loaded.stats.snapshot(v.name, str(v.version)) for v, loaded in chosen]}
+        chosen = [(found, found.served)] if found.served is not None else []
+    return {"model_stats": [served.stats.snapshot(v.name, str(v.version)) for v, served in chosen]}
 
 
 def _tensors(tensors: list[TensorConfig], config: ModelConfig) -> list[dict[str, Any]]:

@@ -176,19 +176,19 @@ class _RepositoryCollector(Collector):
                 labels = [name, str(number)]
                 for candidate in ModelState:
                     state.add_metric([*labels, candidate.value], float(version.state is candidate))
-                loaded = version.loaded
-                if loaded is None:
+                served = version.served
+                if served is None:
                     continue
-                warmup.add_metric(labels, loaded.timings["warmup_s"])
-                executions.add_metric(labels, loaded.stats.execution_count)
-                rows.add_metric(labels, loaded.stats.inference_count)
-                unwarmed.add_metric(labels, loaded.stats.unwarmed_count)
-                out_of_memory.add_metric(labels, loaded.stats.out_of_memory_count)
-                isolated.add_metric(labels, loaded.stats.isolated_count)
-                scheduler = loaded.scheduler
+                stats = served.stats
+                warmup.add_metric(labels, served.loaded.timings["warmup_s"])
+                executions.add_metric(labels, stats.execution_count)
+                rows.add_metric(labels, stats.inference_count)
+                unwarmed.add_metric(labels, stats.unwarmed_count)
+                out_of_memory.add_metric(labels, stats.out_of_memory_count)
+                isolated.add_metric(labels, stats.isolated_count)
+                scheduler = served.scheduler
                 if scheduler is not None:
-                    busy = sum(b is not None for b in scheduler.busy_since)
-                    pending.add_metric(labels, scheduler.pending + busy)
+                    pending.add_metric(labels, scheduler.pending + scheduler.busy_instances())
         yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory, isolated)
         yield self._batch_sizes()
         refused = CounterMetricFamily(
@@ -208,9 +208,9 @@ class _RepositoryCollector(Collector):
         family = HistogramMetricFamily(
             "tensorgate_batch_size", "Rows per model execution.", labels=["model", "version"]
         )
-        for version, loaded in self.repository.loaded_versions():
+        for version, served in self.repository.served_versions():
             sizes = {b["batch_size"]: b["compute_infer"]["count"]
-                     for b in loaded.stats.snapshot(version.name, "")["batch_stats"]}  # fmt: skip
+                     for b in served.stats.snapshot(version.name, "")["batch_stats"]}  # fmt: skip
             buckets = [
                 (str(bound), float(sum(n for size, n in sizes.items() if size <= bound)))
                 for bound in BATCH_BUCKETS

@@ -175,18 +175,33 @@ class ModelConfig(_Strict):
     """Widen the manifest's golden tolerance explicitly (e.g. on another device)."""
 
     @model_validator(mode="after")
-    def _sizes_fit(self) -> ModelConfig:
+    def _consistent(self) -> ModelConfig:
+        """What the config alone decides, checked when it is read (not at load)."""
         if self.gpu.cuda_graphs and self.backend != "torchscript":
             raise ValueError(
                 "gpu.cuda_graphs is for TorchScript models; for ONNX use gpu.tensorrt, which "
                 "compiles the graph for the GPU"
             )
+        if self.precision != "fp32" and self.backend != "torchscript":
+            raise ValueError(
+                f"precision {self.precision} is for TorchScript models; export the ONNX graph in "
+                "half precision instead"
+            )
+        if (self.inputs is None) != (self.outputs is None):
+            raise ValueError("name both 'inputs' and 'outputs', or neither")
         for size in self.batching.preferred_batch_sizes:
             if not 1 <= size <= max(self.max_batch_size, 1):
                 raise ValueError(
                     f"batching.preferred_batch_sizes has {size}, outside 1..max_batch_size "
                     f"({self.max_batch_size})"
                 )
+        if self.max_batch_size > 0 and any(
+            size > self.max_batch_size for size in self.warmup_batch_sizes()
+        ):
+            raise ValueError(
+                f"warmup.batch_sizes has {max(self.warmup_batch_sizes())}, above max_batch_size "
+                f"{self.max_batch_size}"
+            )
         return self
 
     def warmup_batch_sizes(self) -> tuple[int, ...]:

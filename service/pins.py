@@ -1,4 +1,5 @@
-"""The versions the server runs with, checked against the ones its image pinned.
+"""Library pins: the torch / onnxruntime / CUDA versions the server runs with, checked against
+the ones its image pinned.
 
 The image sets ``TG_EXPECT_TORCH``, ``TG_EXPECT_ONNXRUNTIME`` and ``TG_EXPECT_CUDA``; at start the
 server logs what it really runs and refuses to start when any differs: a drifted runtime is the
@@ -12,7 +13,7 @@ import logging
 
 from service.settings import Settings
 
-log = logging.getLogger("tensorgate.versions")
+log = logging.getLogger("tensorgate.pins")
 
 
 class VersionDrift(RuntimeError):

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.errors import InvalidInput, ModelLoadError, ModelNotFound, ModelNotReady
-from service.loader import LoadedModel, load_version
+from service.errors import ModelLoadError, ModelLoadRefused, ModelNotFound, ModelNotReady
+from service.loader import load_version
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
+from service.serving import ServedVersion
 from service.settings import Settings
 
 log = logging.getLogger("tensorgate.repository")
@@ -43,7 +44,7 @@ class ModelVersion:
     path: Path
     state: ModelState = ModelState.LOADING
     reason: str = ""
-    loaded: LoadedModel | None = None
+    served: ServedVersion | None = None
 
 
 @dataclass(eq=False)
@@ -124,7 +125,7 @@ class ModelRepository:
 
     def _load_version(self, config: ModelConfig, version: ModelVersion) -> None:
         try:
-            version.loaded = load_version(version.name, version.path, config, self.settings)
+            loaded = load_version(version.name, version.path, config, self.settings)
         except ModelLoadError as exc:
             version.state, version.reason = ModelState.UNAVAILABLE, str(exc)
             log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
@@ -134,13 +135,15 @@ class ModelRepository:
             version.reason = f"unexpected error while loading: {type(exc).__name__}: {exc}"
             log.exception("model %s version %d failed to load", version.name, version.version)
             return
+        version.served = ServedVersion(loaded)
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
 
     def load_model(self, name: str) -> ModelEntry:
         """(Re)load one model from its folder; swap its versions in once they are ready.
 
-        Blocking: call it off the event loop. Raises InvalidInput when nothing could be loaded.
+        Blocking: call it off the event loop. Raises ModelLoadRefused when nothing could be
+        loaded (the versions already serving go on).
         """
         folder = self._folder(name)
         with self._change:
@@ -152,11 +155,11 @@ class ModelRepository:
             if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
                 reasons = fresh.error or {v.version: v.reason for v in fresh.versions.values()}
                 for version in fresh.versions.values():
-                    if version.loaded is not None:
-                        version.loaded.close()
+                    if version.served is not None:
+                        version.served.close()
                 if old is not None:
                     old.last_load_error = str(reasons)
-                raise InvalidInput(f"failed to load '{name}': {reasons}")
+                raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
             self.models[name] = fresh  # one assignment: requests see the old or the new entry
             log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
         if old is not None:
@@ -224,23 +227,24 @@ class ModelRepository:
 
     def ready_model(
         self, name: str, version: str | None = None
-    ) -> tuple[ModelVersion, LoadedModel]:
+    ) -> tuple[ModelVersion, ServedVersion]:
         """A version that can take requests now, or 404/503 naming why not."""
         found = self.version(name, version)
-        if found.state is not ModelState.READY or found.loaded is None:
+        if found.state is not ModelState.READY or found.served is None:
             detail = f": {found.reason}" if found.reason else ""
             raise ModelNotReady(
                 f"model '{name}' version {found.version} is {found.state.value}{detail}",
                 retry_after_s=1 if found.state is ModelState.LOADING else 30,
             )
-        return found, found.loaded
+        return found, found.served
 
-    def loaded_versions(self) -> list[tuple[ModelVersion, LoadedModel]]:
+    def served_versions(self) -> list[tuple[ModelVersion, ServedVersion]]:
+        """Every READY version with what serves it."""
         return [
-            (v, v.loaded)
+            (v, v.served)
             for entry in self.models.values()
             for v in entry.versions.values()
-            if v.loaded is not None and v.state is ModelState.READY
+            if v.served is not None and v.state is ModelState.READY
         ]
 
     # -- state ----------------------------------------------------------------------------
@@ -250,7 +254,7 @@ class ModelRepository:
         return self.loading_done.is_set() and not self.problems()
 
     def any_ready(self) -> bool:
-        return bool(self.loaded_versions())
+        return bool(self.served_versions())
 
     def problems(self) -> dict[str, Any]:
         """Each model meant to load that is not READY, with why."""
@@ -336,8 +340,8 @@ def fingerprint(folder: Path) -> tuple[object, ...]:
 def _retire(entry: ModelEntry) -> None:
     """Close an entry's loaded versions after their in-flight requests finish."""
     for version in entry.versions.values():
-        if version.loaded is not None:
-            version.loaded.close()
+        if version.served is not None:
+            version.served.close()
 
 
 def select_versions(found: list[int], policy: VersionPolicy) -> list[int]:

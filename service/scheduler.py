@@ -13,9 +13,10 @@ Rules, after Triton's dynamic batcher:
 - a batch of several requests that fails (other than out of memory) runs again one request at
   a time, so that one bad input fails only its own request (:meth:`Scheduler._isolate`).
 
-And one shortcut of its own: a request alone in flight, with nothing queued and an instance
-idle, may hand that instance its preprocessing too (:meth:`Scheduler.submit_alone`), so that at
-concurrency 1 it crosses threads once instead of three times.
+A request may come unprepared: ``work`` is then a function that makes its inputs, and the
+instance's own thread calls it before running the model. The caller does this only for a request
+alone in flight for its version, which nothing could batch with: it runs at once, alone, and
+crosses threads once instead of three times (loop → preprocessing pool → loop → instance).
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ from service.stats import ModelStats, RequestTiming
 log = logging.getLogger("tensorgate.scheduler")
 
 Batch = dict[str, np.ndarray]
+Work = Batch | Callable[[], Batch]
+"""A request's inputs, or a function that makes them on the instance's thread."""
 ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+ALONE: ShapeKey = (("", "unprepared", ()),)
+"""The key of an unprepared request: no other request shares it, so it is batched alone."""
 
 
 BatchShape = tuple[tuple[str, tuple[int, ...]], ...]
@@ -78,7 +83,7 @@ def shape_key(inputs: Mapping[str, np.ndarray], batched: bool) -> ShapeKey:
 class Pending:
     """One request (or one chunk of an oversize request) waiting in the queue."""
 
-    inputs: Batch
+    work: Work
     rows: int
     key: ShapeKey
     enqueued: float
@@ -116,9 +121,9 @@ def plan(
     """
     if not queue:
         return Plan(wait_s=None)
-    if max_rows == 0:
-        return Plan(take=(0,))
     _, head_key, head_enqueued = queue[0]
+    if max_rows == 0 or head_key == ALONE:
+        return Plan(take=(0,))
     cap = min(max(preferred), max_rows) if preferred else max_rows
     if queue[0][0] > cap:
         return Plan(take=(0,))
@@ -158,10 +163,16 @@ def _preferred_cut(
 
 
 def collate(items: Sequence[Pending]) -> Batch:
-    """Concatenate requests' inputs along the batch dim."""
+    """Concatenate requests' inputs along the batch dim (an unprepared one, always alone, makes
+    its own here: on the instance's thread)."""
     if len(items) == 1:
-        return items[0].inputs
-    return {name: np.concatenate([p.inputs[name] for p in items]) for name in items[0].inputs}
+        work = items[0].work
+        return work() if callable(work) else work
+    inputs: list[Batch] = []
+    for p in items:
+        assert isinstance(p.work, dict), "unprepared requests are batched alone"
+        inputs.append(p.work)
+    return {name: np.concatenate([i[name] for i in inputs]) for name in inputs[0]}
 
 
 def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int], model: str) -> list[Batch]:
@@ -195,6 +206,33 @@ class SchedulerConfig:
     """Warmed batch sizes to pad each batch's rows up to (empty: no padding)."""
 
 
+class Instance:
+    """One model instance: its own thread, its runtime's ``run``, and since when it has been
+    running a batch (liveness and the metrics ask, through :meth:`busy_for`)."""
+
+    def __init__(self, model: str, index: int, run: Callable[[Batch], dict[str, np.ndarray]]):
+        self.index = index
+        self.run = run
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{model}-instance-{index}")
+        self._busy_since: float | None = None
+
+    def busy_for(self, now: float) -> float | None:
+        """Seconds the current batch has run, or None when idle."""
+        since = self._busy_since
+        return None if since is None else now - since
+
+    def infer(self, batch: Batch) -> tuple[dict[str, np.ndarray], float, int]:
+        """Run one batch on the calling thread (the instance's): outputs, when it started
+        (monotonic) and how long it took (ns)."""
+        started = time.monotonic()
+        self._busy_since = started
+        clock = time.perf_counter_ns()
+        try:
+            return self.run(batch), started, time.perf_counter_ns() - clock
+        finally:
+            self._busy_since = None
+
+
 @dataclass(eq=False)
 class Scheduler:
     """The queue and instance workers of one model version."""
@@ -207,31 +245,46 @@ class Scheduler:
     warmed: set[BatchShape] | None = None
     """Shapes run at warmup; a batch of another shape is counted in stats.unwarmed."""
     queue: deque[Pending] = field(default_factory=deque)
+    instances: list[Instance] = field(default_factory=list)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
-    _executors: list[ThreadPoolExecutor] = field(default_factory=list)
     _warned: set[BatchShape] = field(default_factory=set)
-    busy_since: list[float | None] = field(default_factory=list)
-    """Per instance: when its current batch started (None when idle); liveness reads it."""
-    _committed: list[bool] = field(default_factory=list)
-    """Per instance, on the loop: a batch or a lone request has been given to it."""
 
     def start(self) -> None:
-        for instance in range(self.config.instances):
-            executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.model}-instance-{instance}")
-            self._executors.append(executor)
-            self.busy_since.append(None)
-            self._committed.append(False)
-            self._workers.append(asyncio.create_task(self._worker(instance, executor)))
+        for index in range(self.config.instances):
+            instance = Instance(self.model, index, self.runs[index])
+            self.instances.append(instance)
+            self._workers.append(asyncio.create_task(self._worker(instance)))
+
+    @property
+    def pending(self) -> int:
+        """Requests queued, not yet running."""
+        return len(self.queue)
+
+    def busy_instances(self) -> int:
+        """Instances running a batch now."""
+        now = time.monotonic()
+        return sum(i.busy_for(now) is not None for i in self.instances)
+
+    def longest_running(self) -> tuple[int, float] | None:
+        """The instance whose current batch has run longest, and for how many seconds."""
+        now = time.monotonic()
+        running = [(i.index, t) for i in self.instances if (t := i.busy_for(now)) is not None]
+        return max(running, key=lambda pair: pair[1], default=None)
 
     async def submit(
-        self, inputs: Batch, timing: RequestTiming | None, deadline: float | None
+        self, work: Work, timing: RequestTiming | None, deadline: float | None
     ) -> dict[str, np.ndarray]:
-        """Queue one request; its outputs once the batch it joined has run."""
+        """Queue one request (its inputs, or a function that makes one row of them); its
+        outputs once the batch it joined has run."""
         batched = self.config.max_batch_size > 0
-        rows = _rows(inputs, batched)
-        limit = self.config.max_batch_size
-        chunks = [inputs] if not batched or rows <= limit else _chunks(inputs, rows, limit)
+        if callable(work):
+            chunks: list[Work] = [work]
+            rows, key = 1, ALONE
+        else:
+            rows, key = rows_of(work, batched), shape_key(work, batched)
+            limit = self.config.max_batch_size
+            chunks = [work] if not batched or rows <= limit else [*_chunks(work, rows, limit)]
         if len(self.queue) + len(chunks) > self.config.max_queue_size:
             raise ServerBusy(
                 f"model '{self.model}' has {len(self.queue)} requests queued (limit "
@@ -239,11 +292,11 @@ class Scheduler:
             )
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        key = shape_key(inputs, batched)
         pending = [
-            Pending(chunk, _rows(chunk, batched), key, now, deadline, loop.create_future(), timing)
+            Pending(chunk, rows if callable(chunk) else rows_of(chunk, batched), key, now, deadline,
+                    loop.create_future(), timing)
             for chunk in chunks
-        ]
+        ]  # fmt: skip
         self.queue.extend(pending)
         self._arrived.set()
         try:
@@ -256,66 +309,18 @@ class Scheduler:
             return results[0]
         return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
 
-    async def submit_alone(
-        self, prepare: Callable[[], Batch], timing: RequestTiming | None
-    ) -> dict[str, np.ndarray] | None:
-        """Run ``prepare`` (a request's preprocessing, one row) and then the model on an idle
-        instance's own thread: one hand-off instead of three (loop → preprocessing pool →
-        loop → instance → loop), for a request that has nothing to wait for or to batch with.
-
-        Returns None, having done nothing, when a request is queued or no instance is idle:
-        the caller then preprocesses in its pool and submits as usual. No deadline: the request
-        starts at once or not at all.
-        """
-        if self.queue:
-            return None
-        instance = next((i for i, taken in enumerate(self._committed) if not taken), None)
-        if instance is None:
-            return None
-        loop = asyncio.get_running_loop()
-        executor = self._executors[instance]
-        pending = Pending({}, 1, (), time.monotonic(), None, loop.create_future(), timing)
-        self._committed[instance] = True
-        try:
-            await self._execute(instance, executor, [pending], prepare)
-        except asyncio.CancelledError:
-            # The client went away, but the instance's thread may still be on this request:
-            # the instance is free once a no-op queued behind it has run.
-            try:
-                behind = loop.run_in_executor(executor, int)
-            except RuntimeError:  # shut down: nothing runs on it any more
-                self._release(instance)
-            else:
-                behind.add_done_callback(lambda _: self._release(instance))
-            raise
-        self._release(instance)
-        return pending.future.result()  # the outputs, or the request's error
-
-    def _release(self, instance: int) -> None:
-        """A lone request is done with ``instance``: what queued meanwhile may run on it."""
-        self._committed[instance] = False
-        self._arrived.set()
-
-    async def _worker(self, instance: int, executor: ThreadPoolExecutor) -> None:
+    async def _worker(self, instance: Instance) -> None:
         while True:
-            batch = await self._next_batch(instance)
-            self._committed[instance] = True
-            try:
-                await self._execute(instance, executor, batch)
-            finally:
-                self._committed[instance] = False
+            await self._execute(instance, await self._next_batch())
 
-    async def _next_batch(self, instance: int) -> list[Pending]:
+    async def _next_batch(self) -> list[Pending]:
         while True:
-            if self._committed[instance]:  # a lone request runs on it: wait until it is done
-                decision = Plan(wait_s=None)
-            else:
-                self._expire(time.monotonic())
-                entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
-                decision = plan(
-                    entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
-                    self.config.max_queue_delay_s, time.monotonic(),
-                )  # fmt: skip
+            self._expire(time.monotonic())
+            entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
+            decision = plan(
+                entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
+                self.config.max_queue_delay_s, time.monotonic(),
+            )  # fmt: skip
             if decision.take:
                 chosen = [self.queue[i] for i in decision.take]
                 for index in sorted(decision.take, reverse=True):
@@ -347,49 +352,41 @@ class Scheduler:
 
     async def _execute(
         self,
-        instance: int,
-        executor: ThreadPoolExecutor,
+        instance: Instance,
         items: list[Pending],
-        prepare: Callable[[], Batch] | None = None,
         failures: list[tuple[Pending, Exception]] | None = None,
     ) -> None:
-        """Run ``items`` as one batch on ``instance`` (or, with ``prepare``, the one lone
-        request whose inputs ``prepare`` makes, on the instance's thread) and answer each.
-        With ``failures``, a model error is recorded there instead of answered."""
+        """Run ``items`` as one batch on ``instance`` and answer each. With ``failures``, a
+        model error is recorded there instead of answered."""
         rows = sum(p.rows for p in items)
         padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
         def work() -> tuple[dict[str, np.ndarray], float, int, int]:
-            if prepare is None:
+            try:
                 batch = collate(items)
-            else:
-                try:
-                    batch = prepare()
-                except Exception as exc:
-                    raise _Unprepared(exc) from exc
+            except TensorgateError:
+                raise
+            except Exception as exc:  # an unprepared request's own failure, never the model's
+                raise _PreparationFailed(exc) from exc
             prepared_ns = time.perf_counter_ns()
             if padded:
                 batch = pad_rows(batch, rows, self.config.pad_to)
             self._check_warmed(batch, len(items))
-            started = time.monotonic()
-            self.busy_since[instance] = started
-            clock = time.perf_counter_ns()
-            try:
-                outputs = self.runs[instance](batch)
-                return outputs, started, time.perf_counter_ns() - clock, prepared_ns
-            finally:
-                self.busy_since[instance] = None
+            outputs, started, infer_ns = instance.infer(batch)
+            return outputs, started, infer_ns, prepared_ns
 
         loop = asyncio.get_running_loop()
         try:
-            outputs, started, infer_ns, prepared_ns = await loop.run_in_executor(executor, work)
+            outputs, started, infer_ns, prepared_ns = await loop.run_in_executor(
+                instance.executor, work
+            )
             if padded:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
             if self.config.max_batch_size == 0:  # no batch dimension: one request, whole
                 parts = [dict(outputs)]
             else:
                 parts = split(outputs, [p.rows for p in items], self.model)
-        except _Unprepared as failed:  # the request's own error, as its preprocessing raised it
+        except _PreparationFailed as failed:
             _fail(items, failed.error)
             return
         except TensorgateError as exc:
@@ -397,23 +394,23 @@ class Scheduler:
             return
         except Exception as exc:
             if is_out_of_memory(exc):
-                await self._after_oom(instance, executor, items)
+                await self._after_oom(instance, items)
                 return
             if failures is not None:
                 failures.extend((p, exc) for p in items)
                 return
             if len(items) > 1:
-                await self._isolate(instance, executor, items, exc)
+                await self._isolate(instance, items, exc)
                 return
             log.exception("model %s failed on a batch of %d rows", self.model, len(items))
             _fail(items, ModelExecutionError(f"model '{self.model}' failed: {exc}"))
             return
-        self.stats.record_execution(sum(p.rows for p in items), infer_ns)
+        self.stats.record_execution(rows, infer_ns)
         for p, part in zip(items, parts, strict=True):
             if p.future.done():
                 continue
             if p.timing is not None:
-                if prepare is not None:  # preprocessed on the instance: no queue, no hand-off
+                if callable(p.work):  # made on the instance: no queue, no hand-off
                     p.timing.compute_input_ns = prepared_ns - p.timing.started_ns
                 else:
                     p.timing.queue_ns += int((started - p.enqueued) * 1e9)
@@ -435,9 +432,7 @@ class Scheduler:
                         "tensorgate_unwarmed_shape_requests counts every request)",
                         self.model, shape)  # fmt: skip
 
-    async def _isolate(
-        self, instance: int, executor: ThreadPoolExecutor, items: list[Pending], error: Exception
-    ) -> None:
+    async def _isolate(self, instance: Instance, items: list[Pending], error: Exception) -> None:
         """One bad input must not fail the other requests of its batch: run each request
         alone. One that still fails while another of the batch ran gets 400 with the model's
         error (its own input is the cause); when every one fails, the model is: 500 for all."""
@@ -447,7 +442,7 @@ class Scheduler:
         failures: list[tuple[Pending, Exception]] = []
         for p in items:
             if not p.future.done():  # a client that left while its batch ran
-                await self._execute(instance, executor, [p], failures=failures)
+                await self._execute(instance, [p], failures=failures)
         ran = any(
             p.future.done() and not p.future.cancelled() and p.future.exception() is None
             for p in items
@@ -463,9 +458,7 @@ class Scheduler:
                           self.model, exc, exc_info=exc)  # fmt: skip
                 _fail([p], ModelExecutionError(f"model '{self.model}' failed: {exc}"))
 
-    async def _after_oom(
-        self, instance: int, executor: ThreadPoolExecutor, items: list[Pending]
-    ) -> None:
+    async def _after_oom(self, instance: Instance, items: list[Pending]) -> None:
         """Out of device memory is a per-request error, never a dead server: run the batch again
         in halves, down to single requests; a request that fails alone gets 503 (413 when it
         failed with the device otherwise idle: it can never fit)."""
@@ -474,10 +467,11 @@ class Scheduler:
             half = len(items) // 2
             log.warning("model %s: out of memory on %d requests; retrying in halves",
                         self.model, len(items))  # fmt: skip
-            await self._execute(instance, executor, items[:half])
-            await self._execute(instance, executor, items[half:])
+            await self._execute(instance, items[:half])
+            await self._execute(instance, items[half:])
             return
-        others_busy = any(b is not None for i, b in enumerate(self.busy_since) if i != instance)
+        now = time.monotonic()
+        others_busy = any(i.busy_for(now) is not None for i in self.instances if i is not instance)
         if others_busy:
             _fail(items, ServerBusy(
                 f"model '{self.model}': out of device memory for this request while other "
@@ -498,17 +492,13 @@ class Scheduler:
         for task in self._workers:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
-        for executor in self._executors:
-            executor.shutdown(wait=True)
-
-    @property
-    def pending(self) -> int:
-        return len(self.queue)
+        for instance in self.instances:
+            instance.executor.shutdown(wait=True)
 
 
-class _Unprepared(Exception):
-    """A lone request's preprocessing failed: its error goes to it as it is (a 400 for a bad
-    image, the generic 500 for a bug), never taken for the model's (or for out of memory)."""
+class _PreparationFailed(Exception):
+    """An unprepared request's inputs could not be made: its error goes to it as it is (the
+    generic 500 for a bug), never taken for the model's (or for out of memory)."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
@@ -529,7 +519,8 @@ def _fail(items: Sequence[Pending], exc: BaseException) -> None:
             p.future.set_exception(exc)
 
 
-def _rows(inputs: Batch, batched: bool) -> int:
+def rows_of(inputs: Batch, batched: bool) -> int:
+    """Rows of a batch (1 for a model without a batch dimension)."""
     return int(next(iter(inputs.values())).shape[0]) if batched else 1
 
 

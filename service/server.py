@@ -51,7 +51,7 @@ class DrainingServer(uvicorn.Server):
         if dataplane is None:  # still starting: nothing accepted yet, nothing to drain
             self.should_exit = True
             return
-        dataplane.draining = True
+        dataplane.drain.draining = True
         log.info(
             "SIGTERM: readiness is now false; serving for %.1f s more, then finishing accepted "
             "requests (up to %.1f s)",
@@ -63,14 +63,14 @@ class DrainingServer(uvicorn.Server):
         # A timed delay by design: load balancers need this long to stop sending.
         if self._now.wait(self._settings.drain_pre_stop_s):
             return
-        dataplane.refusing = True
+        dataplane.drain.refusing = True
         deadline = time.monotonic() + self._settings.drain_grace_s
         quiet_since: float | None = None
         # Stop once nothing has been in flight for QUIET_S: a request still between the socket
         # and the app when in_flight first reads 0 gets its 503 instead of a closed connection.
         while time.monotonic() < deadline:
             now = time.monotonic()
-            if dataplane.in_flight > 0:
+            if dataplane.drain.in_flight > 0:
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = now
@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
                 break
             if self._now.wait(0.01):
                 return
-        left = dataplane.in_flight
+        left = dataplane.drain.in_flight
         if left:
             log.warning("grace period over with %d requests in flight: stopping anyway", left)
             self.force_exit = True

@@ -52,10 +52,6 @@ class Settings(BaseSettings):
     """Log level of the server's own logs."""
     access_log: bool = True
     """Write one line per HTTP request."""
-    fast_path: bool = True
-    """Answer ``POST /v2/models/{name}[/versions/{v}]/infer`` and ``/v1/models/{name}:predict``
-    on plain ASGI, without FastAPI's routing and middleware (same behaviour; false: through
-    FastAPI, to compare)."""
     intra_op_threads: int = Field(default_factory=_default_threads, ge=1)
     """Threads each model instance's runtime uses inside one operator (torch / onnxruntime)."""
     preprocess_threads: int = Field(default_factory=_default_threads, ge=1)

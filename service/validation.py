@@ -6,17 +6,15 @@ joined. Every error names the input and says what was expected and what came.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 import numpy as np
 
 from service.errors import InvalidInput, PayloadTooLarge
+from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
 from service.protocol.datatypes import TO_NUMPY
-from service.protocol.v2 import InputTensor
-from service.runtimes.base import Signature
+from service.runtimes.base import Signature, shape_fits
 
 
 def check_inputs(
@@ -89,10 +87,6 @@ def check_rows(rows: int, config: ModelConfig, name: str) -> None:
         )
 
 
-def shape_fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:
-    return len(want) == len(got) and all(w in (-1, g) for w, g in zip(want, got, strict=True))
-
-
 def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
     """v1 rows → one tensor per input: plain rows feed the only input, objects name their inputs."""
     if all(isinstance(item, dict) for item in instances):
@@ -115,15 +109,6 @@ def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> l
             ) from None
         tensors.append(InputTensor(spec.name, spec.datatype, array.shape, array))
     return tensors
-
-
-def b64_image(item: Any, index: int) -> bytes:
-    if not isinstance(item, dict) or not isinstance(item.get("b64"), str):
-        raise InvalidInput(f'instances[{index}] must be {{"b64": "<base64 image>"}}')
-    try:
-        return base64.b64decode(item["b64"], validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidInput(f"instances[{index}].b64 is not valid base64: {exc}") from None
 
 
 def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:

@@ -1,4 +1,8 @@
-"""Fixtures shared by every test: the bundled models, real servers, real photos."""
+"""Fixtures shared by every test: the bundled models, real servers, real photos.
+
+Each test is marked by its folder (``unit``, ``integration``, ``e2e``, ``chaos``, ``fuzz``)
+unless it says otherwise: ``pytest -m unit`` runs on a fresh clone after ``make venv``, without
+built models; every other kind needs ``make models`` first, and says so at once."""
 
 from __future__ import annotations
 
@@ -17,10 +21,25 @@ from tests.server import MODELS, Server
 BUNDLED = ("efficientnet_lite0", "digits", "minilm")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+KINDS = ("unit", "integration", "e2e", "chaos", "fuzz")
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(kind) for kind in KINDS):
+            folder = item.path.relative_to(TESTS).parts[0]
+            if folder in KINDS:
+                item.add_marker(folder)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("unit") is not None:
+        return
     missing = [m for m in BUNDLED if not (MODELS / m / "1" / "manifest.json").exists()]
     if missing:
-        raise pytest.UsageError(f"bundled models {missing} are not built: run `make models` first")
+        pytest.exit(f"bundled models {missing} are not built: run `make models` first (only "
+                    "`pytest -m unit` runs without them)", returncode=2)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

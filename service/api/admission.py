@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.deps import error_body
+from service.api.http import error_body
 from service.connections import REFUSED
 from service.errors import ServerBusy
 from service.logs import REQUEST_ID, request_id_for

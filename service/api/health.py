@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from service.api.auth import require_api
-from service.api.deps import dataplane_of, json_response
+from service.api.http import dataplane_of, json_response
+from service.dataplane import DataPlane
 
 router = APIRouter(tags=["health"])
 
@@ -38,19 +39,27 @@ _NOT_READY: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _checked(request: Request) -> DataPlane:
+    dataplane = dataplane_of(request)
+    if dataplane.settings.protect_health_and_metrics:
+        require_api(request)
+    return dataplane
+
+
+def _probe(key: str, answer: tuple[bool, str]) -> Response:
+    ok, reason = answer
+    if ok:
+        return json_response({key: True})
+    return json_response({key: False, "reason": reason}, 503)
+
+
 @router.get(
     "/v2/health/live",
     response_model=LiveResponse,
     responses={503: {"model": LiveResponse, "description": "An instance is stuck"}},
 )
 async def live(request: Request) -> Response:
-    dataplane = dataplane_of(request)
-    if dataplane.settings.protect_health_and_metrics:
-        require_api(request)
-    ok, reason = dataplane.live()
-    if ok:
-        return json_response({"live": True})
-    return json_response({"live": False, "reason": reason}, 503)
+    return _probe("live", _checked(request).live())
 
 
 @router.get(
@@ -61,24 +70,12 @@ async def live(request: Request) -> Response:
 async def startup(request: Request) -> Response:
     """True once every model has been loaded or refused: what a Kubernetes startupProbe asks.
     Readiness stays false for a refused model (strict readiness), without a restart."""
-    dataplane = dataplane_of(request)
-    if dataplane.settings.protect_health_and_metrics:
-        require_api(request)
-    ok, reason = dataplane.started()
-    if ok:
-        return json_response({"started": True})
-    return json_response({"started": False, "reason": reason}, 503)
+    return _probe("started", _checked(request).started())
 
 
 @router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)
 async def ready(request: Request) -> Response:
-    dataplane = dataplane_of(request)
-    if dataplane.settings.protect_health_and_metrics:
-        require_api(request)
-    ok, reason = dataplane.ready()
-    if ok:
-        return json_response({"ready": True})
-    return json_response({"ready": False, "reason": reason}, 503)
+    return _probe("ready", _checked(request).ready())
 
 
 @router.get("/v2/models/{name}/ready", response_model=ModelReadyResponse, responses=_NOT_READY)
@@ -88,8 +85,5 @@ async def ready(request: Request) -> Response:
     responses=_NOT_READY,
 )
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    dataplane = dataplane_of(request)
-    if dataplane.settings.protect_health_and_metrics:
-        require_api(request)
-    ok = dataplane.model_ready(name, version)
+    ok = _checked(request).model_ready(name, version)
     return json_response({"name": name, "ready": ok}, 200 if ok else 503)

@@ -1,18 +1,31 @@
-"""Dependencies and small HTTP helpers shared by the routes."""
+"""HTTP for every route, in one place: the one function that answers an inference request
+(:func:`answer_inference`, given its route, headers and ASGI ``receive``), the one that turns
+any error into a status, headers and body (:func:`error_answer`), and the small helpers the
+other routes share. The plain-ASGI inference routes (:mod:`service.api.fast`) and the FastAPI
+ones (:mod:`service.api.infer`, which also document the API) both call them."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 from collections.abc import Awaitable, Mapping
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
+import numpy as np
 import orjson
 from fastapi import Request, Response
 from starlette.types import Receive
 
+from service.api.auth import check_authorization
 from service.dataplane import DataPlane
-from service.errors import InvalidInput, PayloadTooLarge
+from service.errors import InvalidInput, PayloadTooLarge, TensorgateError
+from service.inference import InferenceRequest
 from service.logs import REQUEST_ID
+from service.protocol import v1, v2
+
+log = logging.getLogger("tensorgate.app")
 
 T = TypeVar("T")
 
@@ -21,12 +34,128 @@ class ClientGone(Exception):
     """The client disconnected while its request was read: nobody is there to answer."""
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Which inference route a request came to."""
+
+    kind: Literal["infer", "predict", "preprocess"]
+    model: str
+    version: str | None = None
+
+
+@dataclass(slots=True)
+class Answer:
+    """What to send: status, headers (lower-case names) and body."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+CLIENT_GONE = 499
+"""nginx's status for a client that left before its answer: nobody reads it."""
+
+
+async def answer_inference(
+    dataplane: DataPlane, route: Route, headers: Mapping[str, str], receive: Receive
+) -> Answer:
+    """Answer one inference request: token, body (within its limit), decode, the core, encode;
+    499 when the client leaves first, and any error as :func:`error_answer` maps it.
+    ``headers`` are the request's, names in lower case (the first of repeated ones)."""
+    settings = dataplane.settings
+    try:
+        check_authorization(headers.get("authorization", ""), settings.api_token, "api")
+        body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
+        timeout_s = parse_timeout(headers.get("x-request-timeout"))
+        if route.kind == "infer":
+            header_length = v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(body))
+            work: Awaitable[Answer] = _infer(dataplane, route, body, header_length, timeout_s)
+        else:
+            work = _predict(dataplane, route, body, headers.get("content-type", ""), timeout_s)
+        answer = await until_disconnect(receive, work)
+    except ClientGone:
+        answer = None
+    except Exception as exc:
+        return error_answer(exc, f"POST {route.kind} {route.model}")
+    return Answer(CLIENT_GONE, b"") if answer is None else answer
+
+
+async def _infer(
+    dataplane: DataPlane,
+    route: Route,
+    body: bytes,
+    header_length: int | None,
+    timeout_s: float | None,
+) -> Answer:
+    binary_output = False
+
+    async def decode() -> InferenceRequest:
+        nonlocal binary_output
+        decoded = await dataplane.offload(
+            len(body),
+            v2.decode_request,
+            body,
+            header_length,
+            dataplane.settings.max_tensor_elements,
+        )
+        binary_output = decoded.binary_output
+        return decoded.to_core(route.model, route.version, timeout_s)
+
+    content, headers = await dataplane.infer(
+        route.model, route.version, "v2", decode,
+        lambda result: v2.encode_result(result, binary_output),
+    )  # fmt: skip
+    return Answer(200, content, headers)
+
+
+async def _predict(
+    dataplane: DataPlane, route: Route, body: bytes, content_type: str, timeout_s: float | None
+) -> Answer:
+    async def decode() -> InferenceRequest:
+        return await dataplane.offload(
+            len(body), v1.decode_predict, route.model, body, content_type, timeout_s
+        )
+
+    if route.kind == "preprocess":
+        tensors = await dataplane.preprocess(route.model, decode)
+        archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
+        return Answer(200, archive, {"content-type": "application/x-npz"})
+    content = await dataplane.infer(route.model, None, "v1", decode, v1.encode_predictions)
+    return Answer(200, content, {"content-type": "application/json"})
+
+
+def error_answer(exc: BaseException, what: str) -> Answer:
+    """Any error → its answer: a client's error with its status and ``{"error", "request_id"}``;
+    anything else is our bug: 500, logged with its traceback, its body naming the request id."""
+    if isinstance(exc, TensorgateError):
+        if exc.status == 500:
+            log.error("%s failed: %s", what, exc.message, exc_info=exc.__cause__)
+        return Answer(
+            exc.status,
+            error_body(exc.message),
+            {"content-type": "application/json", **_lower(exc.headers)},
+        )
+    log.error("%s: internal error", what, exc_info=exc)
+    request_id = REQUEST_ID.get() or ""
+    body = error_body(f"internal server error (request {request_id}); see the server log")
+    return Answer(500, body, {"content-type": "application/json"})
+
+
+def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def _npz(tensors: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **tensors)
+    return buffer.getvalue()
+
+
 def dataplane_of(request: Request) -> DataPlane:
     """The app's DataPlane.
 
     Read straight from app state rather than injected with ``Depends``: FastAPI's dependency
-    resolution cost about 180 µs a request here, more than half of a small request's
-    server time (measured with wrk on /v2/health/live: 3,100 vs 7,600 req/s).
+    resolution cost more than half of a small request's server time (docs/performance.md).
     """
     dataplane: DataPlane = request.app.state.dataplane
     return dataplane

@@ -1,19 +1,16 @@
-"""Inference: Open Inference Protocol ``infer`` and the v1 ``predict`` convenience route."""
+"""Inference: Open Inference Protocol ``infer`` and the v1 ``predict`` convenience routes.
+
+The server answers ``infer`` and ``predict`` on plain ASGI (:mod:`service.api.fast`) before
+FastAPI sees them; these routes document them in the OpenAPI schema and answer them when the
+app is used without that wrapper (in-process). All three call the one implementation,
+:func:`service.api.http.answer_inference`.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from service.api.auth import require_api
-from service.api.deps import (
-    client_gone,
-    dataplane_of,
-    json_response,
-    read_body,
-    request_timeout,
-    until_disconnect,
-)
-from service.protocol.v2 import HEADER_LENGTH, parse_header_length
+from service.api.http import Route, answer_inference, dataplane_of
 
 router = APIRouter(tags=["inference"])
 
@@ -26,35 +23,6 @@ _INFER_BODY = {
         },
     }
 }
-
-
-# Two functions rather than one with ``version: str | None = None``: on the unversioned path
-# FastAPI would treat the default as a query parameter and parse the query string every request.
-@router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
-async def infer(request: Request, name: str) -> Response:
-    return await _infer(request, name, None)
-
-
-@router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
-async def infer_version(request: Request, name: str, version: str) -> Response:
-    return await _infer(request, name, version)
-
-
-async def _infer(request: Request, name: str, version: str | None) -> Response:
-    require_api(request)
-    dataplane = dataplane_of(request)
-    body = await read_body(request, dataplane.settings.max_body_bytes)
-    header_length = parse_header_length(request.headers.get(HEADER_LENGTH), len(body))
-    answer = await until_disconnect(
-        request.receive,
-        dataplane.infer(name, version, body, header_length, request_timeout(request)),
-    )
-    if answer is None:
-        return client_gone()
-    content, headers = answer
-    return Response(content, headers=headers)
-
-
 _V1_BODY = {
     "requestBody": {
         "required": True,
@@ -66,16 +34,27 @@ _V1_BODY = {
 }
 
 
+async def _answer(request: Request, route: Route) -> Response:
+    headers = {key: request.headers[key] for key in request.headers}  # first of repeated ones
+    answer = await answer_inference(dataplane_of(request), route, headers, request.receive)
+    return Response(answer.body, answer.status, answer.headers)
+
+
+# Two functions rather than one with ``version: str | None = None``: on the unversioned path
+# FastAPI would treat the default as a query parameter.
+@router.post("/v2/models/{name}/infer", openapi_extra=_INFER_BODY)
+async def infer(request: Request, name: str) -> Response:
+    return await _answer(request, Route("infer", name))
+
+
+@router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=_INFER_BODY)
+async def infer_version(request: Request, name: str, version: str) -> Response:
+    return await _answer(request, Route("infer", name, version))
+
+
 @router.post("/v1/models/{name}:predict", openapi_extra=_V1_BODY)
 async def predict(request: Request, name: str) -> Response:
-    require_api(request)
-    dataplane = dataplane_of(request)
-    body = await read_body(request, dataplane.settings.max_body_bytes)
-    content_type = request.headers.get("content-type", "")
-    answer = await until_disconnect(
-        request.receive, dataplane.predict(name, body, content_type, request_timeout(request))
-    )
-    return client_gone() if answer is None else json_response(answer)
+    return await _answer(request, Route("predict", name))
 
 
 @router.post(
@@ -85,9 +64,4 @@ async def predict(request: Request, name: str) -> Response:
 )
 async def preprocess(request: Request, name: str) -> Response:
     """The tensors predict would feed the model, as an .npz archive: to debug preprocessing."""
-    require_api(request)
-    dataplane = dataplane_of(request)
-    body = await read_body(request, dataplane.settings.max_body_bytes)
-    content_type = request.headers.get("content-type", "")
-    archive = await dataplane.preprocess(name, body, content_type)
-    return Response(archive, media_type="application/x-npz")
+    return await _answer(request, Route("preprocess", name))

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from service import metadata
 from service.api.auth import require_api
-from service.api.deps import dataplane_of, json_response
+from service.api.http import dataplane_of, json_response
 
 router = APIRouter(tags=["metadata"])
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.api.auth import check_bearer
-from service.api.deps import dataplane_of
+from service.api.http import dataplane_of
 
 router = APIRouter(tags=["metrics"])
 
@@ -17,4 +17,6 @@ async def metrics(request: Request) -> Response:
     settings = dataplane.settings
     if settings.protect_health_and_metrics:
         check_bearer(request, settings.api_token, "api")
-    return Response(generate_latest(dataplane.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(
+        generate_latest(dataplane.observer.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

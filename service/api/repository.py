@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 
 from service.api.auth import require_admin
-from service.api.deps import dataplane_of, json_response, read_body
+from service.api.http import dataplane_of, json_response, read_body
 
 router = APIRouter(tags=["repository"], dependencies=[Depends(require_admin)])
 

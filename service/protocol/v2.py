@@ -1,21 +1,23 @@
 """Open Inference Protocol (KServe v2) REST codec, with Triton's binary tensor data extension.
 
 Pure functions over bytes: :func:`decode_request` turns a request body into numpy arrays (binary
-tensors are viewed straight out of the body, never JSON-parsed), :func:`encode_response` turns
-outputs into a body and its headers. Bulk tensor data never goes through pydantic.
+tensors are viewed straight out of the body, never JSON-parsed), :func:`encode_result` turns the
+core's result into a body and its headers. Bulk tensor data never goes through pydantic.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
 from service.errors import InvalidInput, PayloadTooLarge
+from service.inference import InferenceRequest as CoreRequest
+from service.inference import InferenceResult, InputTensor, RequestedOutput
 from service.protocol.datatypes import TO_NUMPY
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -26,34 +28,22 @@ _MAX_NESTING = 64
 
 
 @dataclass(slots=True)
-class InputTensor:
-    """One decoded input: ``data`` already has ``shape`` and the numpy dtype of ``datatype``."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    data: np.ndarray
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class RequestedOutput:
-    """An output the client asked for, and whether it wants it as binary data."""
-
-    name: str
-    binary: bool
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
 class InferenceRequest:
-    """A decoded infer request; ``outputs`` is None when the client asked for all of them."""
+    """A decoded infer body; ``outputs`` is None when the client asked for all of them.
+    ``binary_output``: the default of outputs that do not say (``binary_data_output``)."""
 
     id: str | None
     parameters: dict[str, Any]
     inputs: list[InputTensor]
     outputs: list[RequestedOutput] | None
     binary_output: bool
+
+    def to_core(self, model: str, version: str | None, timeout_s: float | None) -> CoreRequest:
+        """The core's request for this body, sent to ``model`` (and ``version``)."""
+        return CoreRequest(
+            model, version, self.inputs, outputs=self.outputs, parameters=self.parameters,
+            id=self.id, timeout_s=timeout_s,
+        )  # fmt: skip
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:
@@ -275,39 +265,23 @@ def _decode_outputs(raw: Any, binary_default: bool) -> list[RequestedOutput] | N
         binary = parameters.get("binary_data", binary_default)
         if not isinstance(binary, bool):
             raise InvalidInput(f"output '{item['name']}': binary_data must be true or false")
-        outputs.append(RequestedOutput(item["name"], binary, parameters))
+        outputs.append(RequestedOutput(item["name"], parameters))
     return outputs
 
 
-@dataclass(slots=True)
-class OutputTensor:
-    """One output to encode, with the parameters the client asked to see echoed."""
-
-    name: str
-    data: np.ndarray
-    datatype: str
-    binary: bool
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
-def encode_response(
-    model_name: str,
-    model_version: str,
-    request_id: str | None,
-    parameters: dict[str, Any] | None,
-    outputs: list[OutputTensor],
-) -> tuple[bytes, dict[str, str]]:
-    """Outputs → ``(body, headers)``; binary outputs follow the JSON header, in order."""
+def encode_result(result: InferenceResult, binary_default: bool) -> tuple[bytes, dict[str, str]]:
+    """The core's result → ``(body, headers)``; binary outputs follow the JSON header, in order.
+    An output is binary when its ``binary_data`` parameter says so, else per ``binary_default``."""
     chunks: list[bytes] = []
     encoded = []
-    for output in outputs:
+    for output in result.outputs:
         entry: dict[str, Any] = {
             "name": output.name,
             "datatype": output.datatype,
             "shape": list(output.data.shape),
         }
         params = {k: v for k, v in output.parameters.items() if k != "binary_data"}
-        if output.binary:
+        if output.parameters.get("binary_data", binary_default):
             blob = _to_binary(output.data, output.datatype)
             chunks.append(blob)
             params["binary_data_size"] = len(blob)
@@ -316,18 +290,18 @@ def encode_response(
         if params:
             entry["parameters"] = params
         encoded.append(entry)
-    response: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
-    if request_id is not None:
-        response["id"] = request_id
-    if parameters:
-        response["parameters"] = parameters
+    response: dict[str, Any] = {"model_name": result.model, "model_version": result.version}
+    if result.id is not None:
+        response["id"] = result.id
+    if result.parameters:
+        response["parameters"] = result.parameters
     response["outputs"] = encoded
     header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return header, {"content-type": "application/json"}
     headers = {
         "content-type": "application/octet-stream",
-        "Inference-Header-Content-Length": str(len(header)),
+        HEADER_LENGTH: str(len(header)),
     }
     return b"".join([header, *chunks]), headers
 

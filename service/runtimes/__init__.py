@@ -8,6 +8,9 @@ from collections.abc import Callable
 from service.errors import ModelLoadError
 from service.runtimes.base import Runtime, RuntimeOptions
 
+PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}
+"""Each backend's platform, as Triton names it (model metadata and configuration)."""
+
 
 def create_runtime(backend: str, options: RuntimeOptions) -> Runtime:
     """The runtime for a config's ``backend``; its library is imported only now."""

@@ -26,6 +26,11 @@ class RuntimeOptions:
     """Where a runtime may cache compiled engines (the version folder)."""
 
 
+def shape_fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:
+    """Whether a tensor of shape ``got`` fits ``want``, whose -1 dims take any size."""
+    return len(want) == len(got) and all(w in (-1, g) for w, g in zip(want, got, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class Signature:
     """Inputs and outputs as the runtime will take and give them, without the batch dim."""
@@ -41,8 +46,6 @@ class Runtime(abc.ABC):
     state. A runtime owns inference hygiene: eval mode, no autograd, explicit threads/providers.
     """
 
-    platform: ClassVar[str]
-    """The platform name Triton uses for this kind of model (model metadata's ``platform``)."""
     artifact: ClassVar[str]
     """The file name of the artifact in a version folder."""
 

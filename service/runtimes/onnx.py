@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from service.errors import InvalidInput, ModelLoadError
 from service.model_config import GpuConfig, TensorConfig
-from service.runtimes.base import Runtime, Signature
+from service.runtimes.base import Runtime, Signature, shape_fits
 
 _ORT_TYPES = {
     "tensor(bool)": "BOOL",
@@ -78,7 +78,6 @@ def providers_for(
 class OnnxRuntime(Runtime):
     """Runs ``model.onnx`` with onnxruntime."""
 
-    platform = "onnxruntime_onnx"
     artifact = "model.onnx"
 
     def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
@@ -189,7 +188,7 @@ def _check_declared(declared: Signature, graph: Signature) -> None:
                     f"{kind} '{tensor.name}' is declared but the graph has only "
                     f"{sorted(graph_by_name)}"
                 )
-            if actual.datatype != tensor.datatype or not _compatible(tensor.shape, actual.shape):
+            if actual.datatype != tensor.datatype or not shape_fits(actual.shape, tensor.shape):
                 raise ModelLoadError(
                     f"{kind} '{tensor.name}': declared {tensor.datatype} {list(tensor.shape)}, "
                     f"the graph has {actual.datatype} {list(actual.shape)}"
@@ -199,9 +198,3 @@ def _check_declared(declared: Signature, graph: Signature) -> None:
                 f"declared inputs {sorted(t.name for t in mine)} differ from the graph's "
                 f"{sorted(graph_by_name)}"
             )
-
-
-def _compatible(declared: tuple[int, ...], actual: tuple[int, ...]) -> bool:
-    return len(declared) == len(actual) and all(
-        a == -1 or d == a for d, a in zip(declared, actual, strict=True)
-    )

@@ -71,7 +71,6 @@ class _Graph:
 class TorchScriptRuntime(Runtime):
     """Runs ``model.pt`` (a ``torch.jit`` archive) on CPU or CUDA."""
 
-    platform = "pytorch_libtorch"
     artifact = "model.pt"
 
     def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:

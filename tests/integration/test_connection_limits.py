@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.server import Server
+from tests.server import MODELS, Server
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +32,6 @@ DIGIT = json.dumps(
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    import shutil
-
-    from tests.server import MODELS
-
     root = tmp_path_factory.mktemp("limits") / "models"
     shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
     server = Server(root, env=LIMITS, log_path=root.parent / "server.log")
@@ -154,33 +152,39 @@ def test_past_the_connection_limit_new_connections_get_503_and_the_rest_serve(
     assert refused(guarded)["too_many"] >= 1
 
 
-def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(guarded: Server) -> None:
+def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: Path) -> None:
     """Two stalled 400 kB uploads hold 800 kB of a 1 MB budget: a third is refused at once,
-    a small request still fits, and the budget comes back when the stalled ones are cut off."""
-    stalled = [connect(guarded) for _ in range(2)]
+    a small request still fits, and the budget comes back when the stalled clients leave."""
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    server = Server(root, env={**LIMITS, "TG_BODY_TIMEOUT_S": "120"}, log_path=tmp_path / "log")
+    stalled: list[socket.socket] = []
     try:
+        server.wait_until()
+        stalled = [connect(server) for _ in range(2)]
         for sock in stalled:
             sock.sendall(head(length=400_000) + b"{")
-        guarded.wait_for(  # both heads read and their bodies reserved
-            lambda: (
-                guarded.client.post("/v2/models/digits/infer", content=b"x" * 300_000).status_code
-                == 503
-            ),
-            timeout=10,
+        big = b"x" * 300_000
+        server.wait_for(  # both heads read and their bodies reserved
+            lambda: server.client.post("/v2/models/digits/infer", content=big).status_code == 503,
+            timeout=60,
         )
-        answer = guarded.client.post("/v2/models/digits/infer", content=b"x" * 300_000)
+        answer = server.client.post("/v2/models/digits/infer", content=big)
         assert answer.status_code == 503
         assert answer.headers["retry-after"] == "1"
         assert "TG_MAX_INFLIGHT_BYTES" in answer.json()["error"]
-        assert served(guarded)  # a small body still fits
+        assert served(server)  # a small body still fits
         for sock in stalled:
-            assert read_all(sock).startswith(b"HTTP/1.1 408 ")
+            sock.close()
+        server.wait_for(  # read now, and refused for what it is
+            lambda: server.client.post("/v2/models/digits/infer", content=big).status_code == 400,
+            timeout=60,
+        )
+        assert refused(server)["body_budget"] >= 1
     finally:
         for sock in stalled:
             sock.close()
-    answer = guarded.client.post("/v2/models/digits/infer", content=b"x" * 300_000)
-    assert answer.status_code == 400  # read now, and refused for what it is
-    assert refused(guarded)["body_budget"] >= 1
+        server.stop()
 
 
 def test_a_body_over_the_per_request_limit_is_still_413(guarded: Server) -> None:

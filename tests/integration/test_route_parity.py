@@ -1,7 +1,6 @@
-"""The plain-ASGI inference routes answer exactly as the FastAPI routes do, for every outcome.
-
-Two real servers on one repository, one with the fast path (the default) and one with
-TG_FAST_PATH=false; each request goes to both and the answers are compared byte for byte.
+"""The plain-ASGI inference routes answer exactly as the FastAPI routes do, for every outcome
+(200, 400, 401, 404, 413, 499, 500, 503, 504): both call one implementation, and this proves
+they agree, in process (ASGI calls to the app uvicorn runs and to the bare FastAPI app).
 """
 
 from __future__ import annotations
@@ -10,13 +9,18 @@ import base64
 import io
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import orjson
 import pytest
 from PIL import Image
 
-from tests.server import MODELS, Server
+from service.dataplane import DataPlane
+from service.settings import Settings
+from tests.asgi import InProcess, Reply
+from tests.server import MODELS
 
 pytestmark = pytest.mark.integration
 TOKEN = "fast-path-token-01"
@@ -26,19 +30,16 @@ COMPARED_HEADERS = ("content-type", "inference-header-content-length", "www-auth
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    root = tmp_path_factory.mktemp("fast")
-    shutil.copytree(MODELS / "digits", root / "models" / "digits")
-    env = {"TG_API_TOKEN": TOKEN, "TG_MAX_BODY_BYTES": "100000"}
-    fast = Server(root / "models", env=env, log_path=root / "fast.log")
-    slow = Server(root / "models", env={**env, "TG_FAST_PATH": "false"}, log_path=root / "slow.log")
+def inprocess(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
+    root = tmp_path_factory.mktemp("routes") / "models"
+    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    settings = Settings(model_repository=Path(root), api_token=TOKEN, max_body_bytes=100_000,
+                        intra_op_threads=1, preprocess_threads=1, access_log=False)  # fmt: skip
+    running = InProcess(settings)
     try:
-        fast.wait_until()
-        slow.wait_until()
-        yield fast, slow
+        yield running
     finally:
-        fast.stop()
-        slow.stop()
+        running.close()
 
 
 def _digits_json(rows: int = 2) -> bytes:
@@ -102,51 +103,94 @@ CASES: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
 }
 
 
+def both(
+    inprocess: InProcess, method: str, path: str, body: bytes, headers: dict[str, str], **how: bool
+) -> tuple[Reply, Reply]:
+    pairs = [(k, v) for k, v in headers.items()]
+    return (
+        inprocess.request(inprocess.serving, method, path, body, pairs, **how),
+        inprocess.request(inprocess.app, method, path, body, pairs, **how),
+    )
+
+
+def assert_alike(plain: Reply, fastapi: Reply, request_id: str) -> None:
+    assert plain.status == fastapi.status, (plain, fastapi)
+    assert plain.body == fastapi.body
+    assert plain.headers["x-request-id"] == fastapi.headers["x-request-id"] == request_id
+    for name in COMPARED_HEADERS:
+        assert plain.headers.get(name) == fastapi.headers.get(name), name
+    if plain.status >= 400 and plain.body:
+        error = orjson.loads(plain.body)
+        assert error["request_id"] == request_id and error["error"]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_fast_path_answers_as_the_fastapi_route_does(
-    servers: tuple[Server, Server], case: str
+def test_the_plain_asgi_route_answers_as_the_fastapi_route_does(
+    inprocess: InProcess, case: str
 ) -> None:
     method, path, body, headers = CASES[case]
-    answers = []
-    for server in servers:
-        request_headers = {**headers, "X-Request-ID": f"case-{case.replace(' ', '-')}"}
-        response = server.client.request(method, path, content=body, headers=request_headers)
-        answers.append(response)
-    fast, slow = answers
-    assert fast.status_code == slow.status_code, (fast.text, slow.text)
-    assert fast.content == slow.content
-    assert (
-        fast.headers["x-request-id"]
-        == slow.headers["x-request-id"]
-        == request_headers["X-Request-ID"]
+    request_id = f"case-{case.replace(' ', '-')}"
+    plain, fastapi = both(inprocess, method, path, body, {**headers, "X-Request-ID": request_id})
+    assert_alike(plain, fastapi, request_id)
+
+
+def test_a_client_that_leaves_gets_499_on_both(inprocess: InProcess) -> None:
+    headers = {**AUTH, "X-Request-ID": "gone"}
+    plain, fastapi = both(
+        inprocess, "POST", "/v2/models/digits/infer", _digits_json(), headers, disconnect=True
     )
-    for name in COMPARED_HEADERS:
-        assert fast.headers.get(name) == slow.headers.get(name), name
-    if fast.status_code >= 400 and method == "POST":
-        error = fast.json()
-        assert error["request_id"] == request_headers["X-Request-ID"] and error["error"]
+    assert plain.status == 499
+    assert_alike(plain, fastapi, "gone")
 
 
-def test_fast_path_requests_are_counted_and_logged_like_any_other(
-    servers: tuple[Server, Server],
-) -> None:
-    fast, _ = servers
-    before = fast.client.get("/v2/models/digits/stats", headers=AUTH).json()["model_stats"][0]
+def test_a_bug_is_a_500_naming_the_request_on_both(inprocess: InProcess) -> None:
+    headers = {**AUTH, "X-Request-ID": "bug"}
+    with mock.patch.object(DataPlane, "infer", side_effect=RuntimeError("a bug of ours")):
+        plain, fastapi = both(inprocess, "POST", "/v2/models/digits/infer", _digits_json(), headers)
+    assert plain.status == 500
+    assert b"internal server error (request bug); see the server log" in plain.body
+    assert_alike(plain, fastapi, "bug")
+
+
+def test_draining_is_a_503_with_retry_after_on_both(inprocess: InProcess) -> None:
+    headers = {**AUTH, "X-Request-ID": "drain"}
+    inprocess.dataplane.drain.refusing = True
+    try:
+        plain, fastapi = both(
+            inprocess, "POST", PREDICT, _png(), {**headers, "Content-Type": "image/png"}
+        )
+    finally:
+        inprocess.dataplane.drain.refusing = False
+    assert plain.status == 503 and plain.headers["retry-after"] == "1"
+    assert_alike(plain, fastapi, "drain")
+
+
+def test_a_deadline_that_passes_in_the_queue_is_a_504_on_both(inprocess: InProcess) -> None:
+    body = orjson.loads(_digits_json())
+    body["parameters"] = {"timeout": 1}  # one microsecond
+    plain, fastapi = both(inprocess, "POST", "/v2/models/digits/infer", orjson.dumps(body),
+                          {**AUTH, "X-Request-ID": "late"})  # fmt: skip
+    assert plain.status == 504
+    assert_alike(plain, fastapi, "late")
+
+
+def test_requests_are_counted_in_the_model_statistics(inprocess: InProcess) -> None:
+    stats = inprocess.dataplane.repository.served_versions()[0][1].stats
+    before = stats.inference_count
     for _ in range(3):
-        assert fast.client.post("/v2/models/digits/infer", content=_digits_json(),
-                                headers=AUTH).status_code == 200  # fmt: skip
-    after = fast.client.get("/v2/models/digits/stats", headers=AUTH).json()["model_stats"][0]
-    assert after["inference_count"] - before["inference_count"] == 6
-    assert '"logger":"tensorgate.access"' in fast.log().replace(" ", "")
+        reply = inprocess.request(
+            inprocess.serving, "POST", "/v2/models/digits/infer", _digits_json(), list(AUTH.items())
+        )
+        assert reply.status == 200
+    assert stats.inference_count - before == 6
 
 
 def test_a_repeated_header_counts_once_its_first_value_as_in_starlette(
-    servers: tuple[Server, Server],
+    inprocess: InProcess,
 ) -> None:
     headers = [("Authorization", f"Bearer {TOKEN}"), ("Authorization", "Bearer wrong"),
                ("X-Request-ID", "first-id"), ("X-Request-ID", "second-id")]  # fmt: skip
-    for server in servers:
-        response = server.client.post("/v2/models/digits/infer", content=_digits_json(),
-                                      headers=headers)  # fmt: skip
-        assert response.status_code == 200, response.text
-        assert response.headers["x-request-id"] == "first-id"
+    for app in (inprocess.serving, inprocess.app):
+        reply = inprocess.request(app, "POST", "/v2/models/digits/infer", _digits_json(), headers)
+        assert reply.status == 200, reply
+        assert reply.headers["x-request-id"] == "first-id"

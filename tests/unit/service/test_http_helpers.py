@@ -4,14 +4,11 @@ real sockets."""
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import Iterable
 from typing import Any
 
 import pytest
 
-from service.api.deps import until_disconnect
-from service.transport import CoalescingTransport
+from service.api.http import until_disconnect
 
 
 class Messages:
@@ -108,79 +105,3 @@ def test_cancelling_the_request_cancels_its_work() -> None:
         return cancelled.is_set()
 
     assert asyncio.run(main())
-
-
-class Recording(asyncio.Transport):
-    """A real transport, with a record of each call that reaches it."""
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        super().__init__()
-        self.transport = transport
-        self.calls: list[tuple[str, bytes]] = []
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        data = bytes(data)
-        self.calls.append(("write", data))
-        self.transport.write(data)
-
-    def writelines(self, lines: Iterable[bytes | bytearray | memoryview]) -> None:
-        lines = list(lines)
-        self.calls.append(("writelines", b"|".join(lines)))
-        self.transport.writelines(lines)
-
-    def is_closing(self) -> bool:
-        return self.transport.is_closing()
-
-    def close(self) -> None:
-        self.transport.close()
-
-
-def test_a_head_and_its_body_reach_the_socket_as_one_write_and_in_order() -> None:
-    async def main() -> tuple[list[tuple[str, bytes]], bytes]:
-        loop = asyncio.get_running_loop()
-        server, client = socket.socketpair()
-        server.setblocking(False)
-        client.setblocking(False)
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, server)
-        recording = Recording(transport)
-        coalescing = CoalescingTransport(recording, loop)
-        coalescing.write(b"HTTP/1.1 200 OK\r\n\r\n")
-        coalescing.write(b"")
-        assert recording.calls == []  # the head waits for its body
-        coalescing.write(b"body")
-        assert len(recording.calls) == 1  # head and body: sent at once, together
-        coalescing.write(b"alone")
-        await asyncio.sleep(0)  # a write with no other goes out at the end of the turn
-        assert recording.calls[1:] == [("write", b"alone")]
-        coalescing.write(b"next")
-        coalescing.close()  # flushes what is held before closing
-        received = b""
-        while chunk := await asyncio.wait_for(loop.sock_recv(client, 1024), 5):
-            received += chunk
-        client.close()
-        return recording.calls, received
-
-    calls, received = asyncio.run(main())
-    assert calls == [
-        ("writelines", b"HTTP/1.1 200 OK\r\n\r\n|body"),
-        ("write", b"alone"),
-        ("write", b"next"),
-    ]
-    assert received == b"HTTP/1.1 200 OK\r\n\r\nbodyalonenext"
-
-
-def test_a_write_after_the_connection_closed_is_dropped() -> None:
-    async def main() -> list[tuple[str, bytes]]:
-        loop = asyncio.get_running_loop()
-        server, client = socket.socketpair()
-        server.setblocking(False)
-        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, server)
-        recording = Recording(transport)
-        coalescing = CoalescingTransport(recording, loop)
-        coalescing.write(b"late")
-        transport.abort()  # the client went away before the turn ended
-        await asyncio.sleep(0)
-        client.close()
-        return recording.calls
-
-    assert asyncio.run(main()) == []

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from service import versions
+from service import pins
 
 
 @pytest.mark.parametrize(
@@ -26,5 +26,5 @@ def test_the_cuda_build_is_read_from_metadata(
             return runtime
         raise importlib.metadata.PackageNotFoundError(package)
 
-    monkeypatch.setattr(versions.importlib.metadata, "version", version)
-    assert versions._cuda_build(torch) == cuda
+    monkeypatch.setattr(pins.importlib.metadata, "version", version)
+    assert pins._cuda_build(torch) == cuda

@@ -134,6 +134,7 @@ def test_half_precision_is_converted_at_load_and_answers_in_the_declared_dtype(
     assert np.abs(y - exact).max() > 0  # it really ran in half precision
 
 
+@pytest.mark.integration  # loads the built digits model
 def test_half_precision_needs_the_golden_tolerance_widened_explicitly(tmp_path: Path) -> None:
     import shutil
 
@@ -209,6 +210,7 @@ def test_io_binding_is_off_for_models_with_string_outputs(tmp_path: Path) -> Non
     assert not runtime._io_binding  # out_BYTES lives on the host
 
 
+@pytest.mark.integration  # loads the built digits model
 def test_cuda_graphs_are_for_torchscript_and_ignored_with_a_warning_on_the_cpu(
     tmp_path: Path,
 ) -> None:

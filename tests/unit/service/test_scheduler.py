@@ -106,7 +106,7 @@ def test_every_plan_respects_the_rules(
 def test_collate_and_split_round_trip_per_request() -> None:
     class P:
         def __init__(self, x: np.ndarray) -> None:
-            self.inputs = {"x": x}
+            self.work = {"x": x}
 
     parts = [np.full((n, 2), n, np.float32) for n in (1, 3, 2)]
     batch = collate([P(x) for x in parts])
@@ -192,7 +192,7 @@ def _blocking() -> tuple[threading.Event, Callable[[dict[str, np.ndarray]], dict
 async def busy(s: Scheduler) -> None:
     """Until the (only) instance has started a batch: polled, bounded."""
     for _ in range(1000):
-        if s.busy_since[0] is not None:
+        if s.busy_instances():
             return
         await asyncio.sleep(0.005)
     raise TimeoutError("the instance never started a batch")
@@ -465,7 +465,9 @@ def test_a_model_without_a_batch_dimension_gets_its_outputs_whole() -> None:
     np.testing.assert_array_equal(answer["total"], [64.0])
 
 
-def test_a_lone_request_is_prepared_and_run_on_the_instance_thread() -> None:
+def test_an_unprepared_request_is_prepared_and_run_on_the_instance_thread() -> None:
+    """A request alone in flight crosses threads once: its instance makes its inputs."""
+
     async def main() -> None:
         threads: list[str] = []
 
@@ -477,10 +479,9 @@ def test_a_lone_request_is_prepared_and_run_on_the_instance_thread() -> None:
             threads.append(threading.current_thread().name)
             return {"y": batch["x"] * 2}
 
-        s = scheduler(run)
+        s = scheduler(run, max_queue_delay_s=5.0)  # it must not wait for company
         s.start()
-        answer = await s.submit_alone(prepare, None)
-        assert answer is not None
+        answer = await s.submit(prepare, None, None)
         np.testing.assert_array_equal(answer["y"], np.full((1, 2), 6.0))
         assert threads == ["m-instance-0_0", "m-instance-0_0"]  # one hand-off, not three
         assert s.stats.execution_count == 1
@@ -489,109 +490,52 @@ def test_a_lone_request_is_prepared_and_run_on_the_instance_thread() -> None:
     asyncio.run(main())
 
 
-def test_a_lone_request_waits_for_nothing_and_nothing_waits_for_it_unduly() -> None:
-    """submit_alone declines (None) while anything is queued or every instance is taken; what
-    queues while a lone request runs is served once it is done."""
+def test_an_unprepared_request_is_batched_alone_and_others_batch_on() -> None:
+    async def main() -> list[int]:
+        release, run = _blocking()
+        sizes: list[int] = []
 
-    async def main() -> None:
-        release = threading.Event()
-        order: list[float] = []
+        def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            sizes.append(batch["x"].shape[0])
+            return run(batch)
 
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            if batch["x"][0, 0] == 1.0:
-                release.wait(10)
-            order.append(float(batch["x"][0, 0]))
-            return {"y": batch["x"]}
-
-        s = scheduler(run)
+        s = scheduler(tracking, max_queue_delay_s=0.05)
         s.start()
-        ones = {"x": np.ones((1, 1), np.float32)}
-        lone = asyncio.ensure_future(s.submit_alone(lambda: ones, None))
-        await asyncio.sleep(0.05)  # the lone request holds the only instance
-        assert await s.submit_alone(lambda: ones, None) is None
-        queued = asyncio.ensure_future(
-            s.submit({"x": np.full((1, 1), 2.0, np.float32)}, None, None)
-        )
-        await asyncio.sleep(0.05)
-        assert s.pending == 1  # the worker does not hand the instance a second batch meanwhile
-        assert await s.submit_alone(lambda: ones, None) is None  # something is queued
+        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+        await busy(s)
+        lone = asyncio.ensure_future(s.submit(lambda: {"x": np.ones((1, 1))}, None, None))
+        others = [
+            asyncio.ensure_future(s.submit({"x": np.full((1, 1), 2.0)}, None, None))
+            for _ in range(3)
+        ]
+        await asyncio.sleep(0)
         release.set()
-        assert (await lone) is not None
-        np.testing.assert_array_equal((await queued)["y"], [[2.0]])
-        assert order == [1.0, 2.0]
+        await asyncio.gather(first, lone, *others)
         await s.stop()
+        return sizes
 
-    asyncio.run(main())
+    assert asyncio.run(main()) == [1, 1, 3]
 
 
-def test_a_lone_request_that_cannot_be_prepared_gets_its_error_and_frees_the_instance() -> None:
-    async def main() -> None:
-        def prepare() -> dict[str, np.ndarray]:
+def test_an_unprepared_request_that_cannot_be_prepared_gets_its_own_error() -> None:
+    async def main() -> ModelStats:
+        def bad_image() -> dict[str, np.ndarray]:
             raise InvalidInput("cannot decode image (3 bytes)")
 
-        def drops_a_row(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {"y": batch["x"][1:]}
-
-        s = scheduler(lambda batch: {"y": batch["x"]})
-        s.start()
-        with pytest.raises(InvalidInput, match="cannot decode image"):
-            await s.submit_alone(prepare, None)
-        ok = await s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None)
-        assert ok is not None
-        assert s.stats.execution_count == 1  # the failed preparation ran no model
-        await s.stop()
-        guarded = scheduler(drops_a_row)
-        guarded.start()
-        with pytest.raises(ModelExecutionError, match="batch size mismatch"):
-            await guarded.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None)
-        await guarded.stop()
-
-    asyncio.run(main())
-
-
-def test_a_cancelled_lone_request_holds_its_instance_until_its_thread_is_done() -> None:
-    """The client went away; its model run goes on: the next lone request must not queue
-    behind it on the same instance while another instance idles."""
-
-    async def main() -> list[str]:
-        release = threading.Event()
-        threads: list[str] = []
-
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            threads.append(threading.current_thread().name)
-            if batch["x"][0, 0] == 1.0:
-                release.wait(10)
-            return {"y": batch["x"]}
-
-        s = scheduler(run, instances=2)
-        s.start()
-        first = asyncio.ensure_future(
-            s.submit_alone(lambda: {"x": np.ones((1, 1), np.float32)}, None)
-        )
-        await asyncio.sleep(0.05)
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        second = await s.submit_alone(lambda: {"x": np.zeros((1, 1), np.float32)}, None)
-        assert second is not None
-        release.set()
-        await s.stop()
-        return threads
-
-    assert asyncio.run(main()) == ["m-instance-0_0", "m-instance-1_0"]
-
-
-def test_a_lone_request_whose_preprocessing_breaks_gets_that_error_not_a_model_error() -> None:
-    async def main() -> ModelStats:
-        def prepare() -> dict[str, np.ndarray]:
+        def bug() -> dict[str, np.ndarray]:
             raise ValueError("image.convert ran out of memory")  # a bug, not the device's OOM
 
         s = scheduler(lambda batch: {"y": batch["x"]})
         s.start()
+        with pytest.raises(InvalidInput, match="cannot decode image"):
+            await s.submit(bad_image, None, None)
         with pytest.raises(ValueError, match="image.convert"):
-            await s.submit_alone(prepare, None)
+            await s.submit(bug, None, None)
+        ok = await s.submit(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+        np.testing.assert_array_equal(ok["y"], [[1.0]])
         await s.stop()
         return s.stats
 
     stats = asyncio.run(main())
-    assert stats.out_of_memory_count == 0 and stats.execution_count == 0
+    assert stats.execution_count == 1  # the failed preparations ran no model
+    assert stats.out_of_memory_count == 0

@@ -15,12 +15,12 @@ from hypothesis.extra import numpy as hnp
 from tritonclient.http._utils import _get_inference_request
 
 from service.errors import InvalidInput, PayloadTooLarge
+from service.inference import InferenceResult, OutputTensor
 from service.protocol.datatypes import TO_NUMPY
 from service.protocol.v2 import (
     MAX_BYTES_ELEMENTS,
-    OutputTensor,
     decode_request,
-    encode_response,
+    encode_result,
     parse_header_length,
 )
 
@@ -104,9 +104,10 @@ def test_responses_parse_with_tritonclients_own_reader(datatype: str, data: st.D
     a = data.draw(arrays_of(datatype))
     b = np.array([b"ab", b"", "é".encode()], dtype=object)
     for binary in (False, True):
-        outputs = [OutputTensor("a", a, datatype, binary), OutputTensor("b", b, "BYTES", binary)]
-        body, headers = encode_response("m", "1", "id-7", {"k": 1}, outputs)
-        length = headers.get("Inference-Header-Content-Length")
+        outputs = [OutputTensor("a", datatype, a), OutputTensor("b", "BYTES", b)]
+        result = InferenceResult("m", "1", "id-7", outputs, {}, {"k": 1}, None, True)
+        body, headers = encode_result(result, binary)
+        length = headers.get("inference-header-content-length")
         result = triton.InferResult.from_response_body(
             body, header_length=int(length) if length else None
         )

@@ -1,0 +1,80 @@
+"""The core's request and result: what every protocol (v1 and v2 REST, gRPC) decodes a request
+into, and encodes its answer from. No protocol's wire format appears here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.postprocessing import Classifier
+
+
+@dataclass(slots=True)
+class InputTensor:
+    """One decoded input: ``data`` already has ``shape`` and the numpy dtype of ``datatype``."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for, with its parameters (e.g. ``classification``: top k)."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One request to one model, decoded. Its inputs come in one of three forms:
+
+    - ``inputs``: named tensors, checked against the model's signature; a BYTES tensor named
+      after the model's raw input (``<input>_bytes`` for images, ``text``) feeds its pipeline;
+    - ``raw``: items for the model's pipeline as they are (encoded images, UTF-8 texts);
+    - ``rows``: JSON rows read against the model's inputs (v1 ``instances`` of numbers).
+    """
+
+    model: str
+    version: str | None = None
+    inputs: list[InputTensor] = field(default_factory=list)
+    raw: list[bytes] | None = None
+    rows: list[Any] | None = None
+    outputs: list[RequestedOutput] | None = None
+    """The outputs asked for, in order; None: every output the model offers."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None
+    timeout_s: float | None = None
+    """How long it may wait to start running; None: the request parameter ``timeout``
+    (microseconds, as Triton reads it), else the server's default."""
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    """One output to send, with the parameters the client asked for (echoed)."""
+
+    name: str
+    datatype: str
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceResult:
+    """What the model answered: the outputs asked for, and the model's own outputs whole (for
+    protocols that postprocess them themselves, with ``classifier``)."""
+
+    model: str
+    version: str
+    id: str | None
+    outputs: list[OutputTensor]
+    raw: dict[str, np.ndarray]
+    parameters: dict[str, Any]
+    classifier: Classifier | None
+    batched: bool
+    """Whether the outputs have a batch dimension (rows) first."""

@@ -1,0 +1,77 @@
+"""The v1 ``predict`` convenience protocol: a raw image body or ``{"instances": [...]}`` in,
+``{"predictions": [...]}`` (postprocessed: top-k labels for a classifier) out.
+
+Instances may be strings (texts for the model's pipeline), ``{"b64": ...}`` objects (encoded
+images for it), or rows of numbers (read against the model's inputs by the core).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import orjson
+
+from service.errors import InvalidInput, UnsupportedMediaType
+from service.inference import InferenceRequest, InferenceResult
+
+
+def decode_predict(
+    model: str, body: bytes, content_type: str, timeout_s: float | None = None
+) -> InferenceRequest:
+    """A predict body → the core's request (call it in the pool for a large body)."""
+    if not body:
+        raise InvalidInput(f"request body is empty; send an image or JSON instances to '{model}'")
+    media = content_type.split(";")[0].strip().lower()
+    if media.startswith("image/") or media == "application/octet-stream":
+        return InferenceRequest(model, raw=[body], timeout_s=timeout_s)
+    if media not in ("application/json", ""):
+        raise UnsupportedMediaType(
+            f"Content-Type {content_type!r} is not accepted; send an image (image/jpeg, "
+            'image/png, ...) or application/json with {"instances": [...]}'
+        )
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    instances = payload.get("instances") if isinstance(payload, dict) else None
+    if not isinstance(instances, list) or not instances:
+        raise InvalidInput('expected a JSON object {"instances": [...]} with at least one instance')
+    if all(isinstance(item, str) for item in instances):
+        return InferenceRequest(model, raw=[i.encode() for i in instances], timeout_s=timeout_s)
+    if all(isinstance(item, dict) and "b64" in item for item in instances):
+        raw = [_b64(item, index) for index, item in enumerate(instances)]
+        return InferenceRequest(model, raw=raw, timeout_s=timeout_s)
+    return InferenceRequest(model, rows=instances, timeout_s=timeout_s)
+
+
+def encode_predictions(result: InferenceResult) -> bytes:
+    """``{"predictions": [...]}``: one entry per row, top-k labels for a classifier, the single
+    output's row for a one-output model, else an object of outputs."""
+    outputs = result.raw
+    rows = next(iter(outputs.values())).shape[0] if result.batched else 1
+    per_row = [
+        {name: (array[i] if result.batched else array) for name, array in outputs.items()}
+        for i in range(rows)
+    ]
+    predictions: list[Any]
+    if result.classifier is not None:
+        predictions = [result.classifier(row) for row in per_row]
+    elif len(outputs) == 1:
+        predictions = [next(iter(row.values())).tolist() for row in per_row]
+    else:
+        predictions = [{k: v.tolist() for k, v in row.items()} for row in per_row]
+    answer: dict[str, Any] = {"predictions": predictions}
+    if result.parameters:  # what preprocessing reports, e.g. which texts were truncated
+        answer["parameters"] = result.parameters
+    return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _b64(item: dict[str, Any], index: int) -> bytes:
+    if not isinstance(item.get("b64"), str):
+        raise InvalidInput(f'instances[{index}] must be {{"b64": "<base64 image>"}}')
+    try:
+        return base64.b64decode(item["b64"], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"instances[{index}].b64 is not valid base64: {exc}") from None

@@ -1,0 +1,93 @@
+"""A loaded version being served: its scheduler, its statistics, the requests in flight, and
+its orderly close when a newer version replaces it or the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from service.errors import ModelNotReady
+from service.loader import LoadedVersion
+from service.model_config import ModelConfig
+from service.scheduler import Scheduler, SchedulerConfig, Work
+from service.stats import ModelStats, RequestTiming
+
+
+class ServedVersion:
+    """How one :class:`LoadedVersion` is served. The scheduler starts in the event loop that
+    serves requests (:meth:`start`, once it is ready); :meth:`close` is called from a worker
+    thread and waits for the requests in flight."""
+
+    def __init__(self, loaded: LoadedVersion) -> None:
+        self.loaded = loaded
+        self.stats = ModelStats()
+        self.scheduler: Scheduler | None = None
+        self.closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests between lookup and answer (the one asking included)."""
+        return self._in_flight
+
+    def start(self) -> Scheduler:
+        """Start the scheduler in the running loop (once): done when the version turns ready,
+        so that the first request does not pay for it."""
+        if self.scheduler is None:
+            self._loop = asyncio.get_running_loop()
+            config = self.loaded.config
+            runtimes = self.loaded.runtimes
+            self.scheduler = Scheduler(
+                self.loaded.name, scheduler_config(config),
+                [runtimes[i % len(runtimes)].run for i in range(config.instances)],
+                self.stats, warmed=set(self.loaded.warmed),
+            )  # fmt: skip
+            self.scheduler.start()
+        return self.scheduler
+
+    async def execute(
+        self, work: Work, timing: RequestTiming | None, deadline: float | None
+    ) -> dict[str, np.ndarray]:
+        """The one place requests reach the model: queue ``work``, answer its outputs."""
+        if self.closed:
+            raise ModelNotReady(f"model '{self.loaded.name}' was unloaded while the request waited")
+        return await self.start().submit(work, timing, deadline)
+
+    @contextmanager
+    def use(self) -> Iterator[None]:
+        """Held by each request from lookup to answer, so that close() waits for it."""
+        with self._idle:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def close(self, drain_timeout_s: float = 60.0) -> None:
+        """Wait for requests in flight (up to the timeout), then stop and release everything."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, drain_timeout_s)
+            self.closed = True
+        if self.scheduler is not None and self._loop is not None and not self._loop.is_closed():
+            stopping = asyncio.run_coroutine_threadsafe(self.scheduler.stop(), self._loop)
+            stopping.result(timeout=drain_timeout_s)
+        self.loaded.close()
+
+
+def scheduler_config(config: ModelConfig) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_batch_size=config.max_batch_size,
+        pad_to=config.warmup_batch_sizes() if config.warmup.pad_batches else (),
+        preferred_batch_sizes=config.batching.preferred_batch_sizes,
+        max_queue_delay_s=config.batching.max_queue_delay_ms / 1000,
+        max_queue_size=config.batching.max_queue_size,
+        instances=config.instances,
+    )

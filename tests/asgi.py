@@ -1,0 +1,106 @@
+"""The app in this process: its lifespan run on an event loop of its own thread, and plain ASGI
+calls to it that can stand for anything a client does (disconnect included)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.types import ASGIApp, Message
+
+from service.app import create_app, serving_app
+from service.dataplane import DataPlane
+from service.settings import Settings
+
+T = TypeVar("T")
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class InProcess:
+    """``create_app(settings)`` with its lifespan started (models loaded), and the ASGI app
+    uvicorn would run (``serving``) beside the bare FastAPI app (``app``)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.app = create_app(settings)
+        self.serving = serving_app(self.app, settings)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        self.run(self._lifespan.__aenter__())
+        self.run(self._until_loaded())
+
+    @property
+    def dataplane(self) -> DataPlane:
+        dataplane: DataPlane = self.app.state.dataplane
+        return dataplane
+
+    def run(self, work: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    async def _until_loaded(self) -> None:
+        # loading_done is a threading.Event set by the loading thread: wait for it off the loop
+        done = self.dataplane.repository.loading_done
+        await asyncio.to_thread(done.wait, 120)
+
+    def request(
+        self,
+        app: ASGIApp,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: list[tuple[str, str]] | None = None,
+        disconnect: bool = False,
+    ) -> Reply:
+        return self.run(call(app, method, path, body, headers or [], disconnect))
+
+    def close(self) -> None:
+        self.run(self._lifespan.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+
+
+async def call(
+    app: ASGIApp,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+    disconnect: bool,
+) -> Reply:
+    """One request straight to ``app``; with ``disconnect`` the client leaves once it has sent
+    the body."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+    }  # fmt: skip
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    never = asyncio.Event()
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop(0)
+        if not disconnect:
+            await never.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return Reply(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, content)

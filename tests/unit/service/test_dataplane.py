@@ -1,0 +1,210 @@
+"""The core in process, on a tiny real ONNX model written by the test (no built model): the
+DataPlane, the loader and repository behind it, and the one inference route function."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from service.api.http import Route, answer_inference
+from service.errors import InvalidInput, ModelNotFound, ServerBusy, UnsupportedMediaType
+from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
+from service.loader import LoadedVersion, load_version
+from service.model_config import load_model_config
+from service.settings import Settings
+from tests.asgi import InProcess
+from tests.identity import write_identity_model
+
+TOKEN = "unit-test-api-token-1"
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
+    root = tmp_path_factory.mktemp("core") / "models"
+    write_identity_model(root / "identity", max_batch_size=8)
+    settings = Settings(model_repository=root, api_token=TOKEN, intra_op_threads=1,
+                        preprocess_threads=1, access_log=False, max_body_bytes=10_000)  # fmt: skip
+    running = InProcess(settings)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def fp32(rows: int) -> InputTensor:
+    data = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    return InputTensor("in_FP32", "FP32", data.shape, data)
+
+
+def all_inputs(rows: int) -> list[InputTensor]:
+    """Every input of the identity model (it takes one of each datatype)."""
+    from service.protocol.datatypes import TO_NUMPY
+
+    tensors = []
+    for datatype, dtype in TO_NUMPY.items():
+        data = np.full((rows, 3), b"x" if datatype == "BYTES" else 1, dtype=dtype)
+        tensors.append(InputTensor(f"in_{datatype}", datatype, data.shape, data))
+    return tensors
+
+
+def infer(core: InProcess, request: InferenceRequest) -> InferenceResult:
+    async def decode() -> InferenceRequest:
+        return request
+
+    return core.run(
+        core.dataplane.infer(request.model, request.version, "test", decode, lambda r: r)
+    )
+
+
+def test_infer_answers_the_outputs_asked_for_in_order(core: InProcess) -> None:
+    inputs = all_inputs(2)
+    wanted = [RequestedOutput("out_INT8"), RequestedOutput("out_FP32", {"binary_data": True})]
+    result = infer(core, InferenceRequest("identity", inputs=inputs, outputs=wanted, id="r-1"))
+    assert [o.name for o in result.outputs] == ["out_INT8", "out_FP32"]
+    assert result.outputs[1].parameters == {"binary_data": True}  # echoed for the protocol
+    np.testing.assert_array_equal(result.outputs[1].data, inputs[10].data)
+    assert (result.model, result.version, result.id, result.batched) == (
+        "identity",
+        "1",
+        "r-1",
+        True,
+    )
+    assert set(result.raw) == {f"out_{t.datatype}" for t in inputs}
+
+
+def test_an_unknown_output_is_refused_before_the_model_runs(core: InProcess) -> None:
+    served = core.dataplane.repository.served_versions()[0][1]
+    before = served.stats.execution_count
+    with pytest.raises(InvalidInput, match="requested output 'nope' is not an output"):
+        infer(
+            core,
+            InferenceRequest("identity", inputs=all_inputs(1), outputs=[RequestedOutput("nope")]),
+        )
+    assert served.stats.execution_count == before
+
+
+def test_rows_are_read_against_the_model_inputs(core: InProcess) -> None:
+    with pytest.raises(InvalidInput, match="send each instance as an object naming them"):
+        infer(core, InferenceRequest("identity", rows=[[1.0, 2.0, 3.0]]))
+
+
+def test_raw_items_need_a_pipeline(core: InProcess) -> None:
+    with pytest.raises(UnsupportedMediaType, match="'identity' has no preprocessing"):
+        infer(core, InferenceRequest("identity", raw=[b"\x89PNG"]))
+
+
+def test_an_unknown_model_is_404(core: InProcess) -> None:
+    with pytest.raises(ModelNotFound, match="unknown model 'ghost'"):
+        infer(core, InferenceRequest("ghost", inputs=[fp32(1)]))
+
+
+def test_health_states(core: InProcess) -> None:
+    dataplane = core.dataplane
+    assert dataplane.live() == (True, "")
+    assert dataplane.started() == (True, "")
+    assert dataplane.ready() == (True, "")
+    dataplane.drain.draining = True
+    try:
+        assert dataplane.ready() == (False, "draining: the server is shutting down")
+    finally:
+        dataplane.drain.draining = False
+
+
+def test_a_draining_server_refuses_new_requests(core: InProcess) -> None:
+    core.dataplane.drain.refusing = True
+    try:
+        with pytest.raises(ServerBusy, match="shutting down"):
+            infer(core, InferenceRequest("identity", inputs=all_inputs(1)))
+    finally:
+        core.dataplane.drain.refusing = False
+
+
+class Body:
+    """An ASGI ``receive`` that gives a body, then waits (the client stays)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def __call__(self) -> dict[str, object]:
+        import asyncio
+
+        if self.messages:
+            return self.messages.pop(0)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "message"),
+    [
+        ({}, b"{}", 401, "needs 'Authorization: Bearer <api token>'"),
+        ({"authorization": f"Bearer {TOKEN}"}, b"x" * 20_000, 413, "the limit is 10000"),
+        ({"authorization": f"Bearer {TOKEN}"}, b'{"inputs": [', 400, "not valid JSON"),
+        (
+            {"authorization": f"Bearer {TOKEN}", "x-request-timeout": "soon"},
+            b"{}",
+            400,
+            "X-Request-Timeout",
+        ),
+    ],
+)
+def test_the_route_function_maps_each_error_once(
+    core: InProcess, headers: dict[str, str], body: bytes, status: int, message: str
+) -> None:
+    headers = {**headers, "content-length": str(len(body))}
+    answer = core.run(
+        answer_inference(core.dataplane, Route("infer", "identity"), headers, Body(body))
+    )
+    assert answer.status == status
+    assert message in orjson.loads(answer.body)["error"]
+    assert answer.headers["content-type"] == "application/json"
+
+
+def test_the_route_function_answers_a_v2_request(core: InProcess) -> None:
+    data = [1.0, 2.0, 3.0]
+    inputs = [{"name": f"in_{t.datatype}", "datatype": t.datatype, "shape": [1, 3],
+               "data": ["x"] * 3 if t.datatype == "BYTES" else ([True] * 3 if t.datatype == "BOOL" else data)}
+              for t in all_inputs(1)]  # fmt: skip
+    body = orjson.dumps({"inputs": inputs, "outputs": [{"name": "out_FP64"}]})
+    headers = {"authorization": f"Bearer {TOKEN}", "content-length": str(len(body))}
+    answer = core.run(
+        answer_inference(core.dataplane, Route("infer", "identity", "1"), headers, Body(body))
+    )
+    assert answer.status == 200, answer.body
+    assert orjson.loads(answer.body)["outputs"] == [
+        {"name": "out_FP64", "datatype": "FP64", "shape": [1, 3], "data": data}
+    ]
+
+
+def test_a_loaded_version_is_frozen_and_knows_its_warm_shapes(tmp_path: Path) -> None:
+    write_identity_model(tmp_path / "identity", max_batch_size=4, warmup="{batch_sizes: [1, 4]}")
+    config = load_model_config(tmp_path / "identity" / "config.yaml")
+    loaded = load_version(
+        "identity", tmp_path / "identity" / "1", config, Settings(model_repository=tmp_path)
+    )
+    try:
+        assert isinstance(loaded, LoadedVersion)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            loaded.name = "other"  # type: ignore[misc]  # the point: it cannot change
+        rows = {dict(shape)["in_FP32"][0] for shape in loaded.warmed}
+        assert rows == {1, 4}
+        assert not loaded.verified and loaded.warnings  # no manifest: gates skipped, each named
+    finally:
+        loaded.close()
+
+
+def test_a_config_naming_only_inputs_is_refused_when_read(tmp_path: Path) -> None:
+    from service.errors import ModelLoadError
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(
+        "backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [3]}]\n"
+    )
+    with pytest.raises(ModelLoadError, match="name both 'inputs' and 'outputs', or neither"):
+        load_model_config(folder / "config.yaml")
