@@ -6,6 +6,8 @@ built models; every other kind needs ``make models`` first, and says so at once.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import io
 import shutil
 from collections.abc import Iterator
@@ -31,6 +33,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             folder = item.path.relative_to(TESTS).parts[0]
             if folder in KINDS:
                 item.add_marker(folder)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """An ``async def`` test runs to its end on a fresh event loop of its own."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    asyncio.run(pyfuncitem.obj(**arguments))
+    return True
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

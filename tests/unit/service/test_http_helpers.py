@@ -34,32 +34,30 @@ async def long_work(cancelled: asyncio.Event) -> int:
     return 1
 
 
-def test_work_that_finishes_returns_its_result_and_leaves_no_task() -> None:
-    async def main() -> tuple[int | None, int]:
-        result = await until_disconnect(Messages(), asyncio.sleep(0.001, result=7))
-        await asyncio.sleep(0)  # let the cancelled watcher finish
-        return result, len(asyncio.all_tasks())
-
-    assert asyncio.run(main()) == (7, 1)  # only main() is left
+async def test_work_that_finishes_returns_its_result_and_leaves_no_task() -> None:
+    tasks = len(asyncio.all_tasks())
+    result = await until_disconnect(Messages(), asyncio.sleep(0.001, result=7))
+    await asyncio.sleep(0)  # let the cancelled watcher finish
+    assert (result, len(asyncio.all_tasks())) == (7, tasks)  # no task left behind
 
 
-def test_a_disconnect_cancels_the_work_and_returns_none() -> None:
+async def test_a_disconnect_cancels_the_work_and_returns_none() -> None:
     cancelled = asyncio.Event()
 
-    async def main() -> tuple[int | None, bool, int]:
-        receive = Messages()
-        asyncio.get_running_loop().call_later(0.01, receive.disconnect)
-        result = await until_disconnect(receive, long_work(cancelled))
-        await asyncio.sleep(0)  # the task is usable afterwards: not left cancelling
-        current = asyncio.current_task()
-        assert current is not None
-        return result, cancelled.is_set(), current.cancelling()
-
-    assert asyncio.run(main()) == (None, True, 0)
+    receive = Messages()
+    asyncio.get_running_loop().call_later(0.01, receive.disconnect)
+    result = await until_disconnect(receive, long_work(cancelled))
+    await asyncio.sleep(0)  # the task is usable afterwards: not left cancelling
+    current = asyncio.current_task()
+    assert current is not None
+    result = result, cancelled.is_set(), current.cancelling()
+    assert result == (None, True, 0)
 
 
 @pytest.mark.parametrize("ending", ["raises", "returns"])
-def test_work_that_mishandles_the_cancellation_still_leaves_the_task_usable(ending: str) -> None:
+async def test_work_that_mishandles_the_cancellation_still_leaves_the_task_usable(
+    ending: str,
+) -> None:
     """Work that turns the disconnect's cancellation into an error, or swallows it."""
 
     async def work() -> int:
@@ -70,38 +68,31 @@ def test_work_that_mishandles_the_cancellation_still_leaves_the_task_usable(endi
                 raise RuntimeError("cleanup failed") from None
         return 1
 
-    async def main() -> tuple[int | None, int]:
-        receive = Messages()
-        asyncio.get_running_loop().call_later(0.01, receive.disconnect)
-        result = await until_disconnect(receive, work())
-        await asyncio.sleep(0)  # would raise CancelledError if a cancellation were left pending
-        current = asyncio.current_task()
-        assert current is not None
-        return result, current.cancelling()
-
-    assert asyncio.run(main()) == (None, 0)
+    receive = Messages()
+    asyncio.get_running_loop().call_later(0.01, receive.disconnect)
+    result = await until_disconnect(receive, work())
+    await asyncio.sleep(0)  # would raise CancelledError if a cancellation were left pending
+    current = asyncio.current_task()
+    assert current is not None
+    result = result, current.cancelling()
+    assert result == (None, 0)
 
 
-def test_errors_of_the_work_reach_the_caller() -> None:
+async def test_errors_of_the_work_reach_the_caller() -> None:
     async def work() -> int:
         raise ValueError("bad input")
 
-    async def main() -> None:
+    with pytest.raises(ValueError, match="bad input"):
         await until_disconnect(Messages(), work())
 
-    with pytest.raises(ValueError, match="bad input"):
-        asyncio.run(main())
 
-
-def test_cancelling_the_request_cancels_its_work() -> None:
+async def test_cancelling_the_request_cancels_its_work() -> None:
     cancelled = asyncio.Event()
 
-    async def main() -> bool:
-        request = asyncio.ensure_future(until_disconnect(Messages(), long_work(cancelled)))
-        await asyncio.sleep(0.01)
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-        return cancelled.is_set()
-
-    assert asyncio.run(main())
+    request = asyncio.ensure_future(until_disconnect(Messages(), long_work(cancelled)))
+    await asyncio.sleep(0.01)
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    result = cancelled.is_set()
+    assert result

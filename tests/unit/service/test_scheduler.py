@@ -148,35 +148,31 @@ def doubling(batches: list[int]) -> Callable[[dict[str, np.ndarray]], dict[str, 
     return run
 
 
-def test_concurrent_requests_each_get_their_own_rows_back() -> None:
-    async def main() -> list[int]:
-        sizes: list[int] = []
-        s = scheduler(doubling(sizes), max_queue_delay_s=0.05)
-        s.start()
-        inputs = [np.full((n, 2), i, np.float32) for i, n in enumerate([1, 2, 3, 1, 1])]
-        answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
-        for x, answer in zip(inputs, answers, strict=True):
-            np.testing.assert_array_equal(answer["y"], x * 2)
-        await s.stop()
-        return sizes
-
-    sizes = asyncio.run(main())
+async def test_concurrent_requests_each_get_their_own_rows_back() -> None:
+    sizes: list[int] = []
+    s = scheduler(doubling(sizes), max_queue_delay_s=0.05)
+    s.start()
+    inputs = [np.full((n, 2), i, np.float32) for i, n in enumerate([1, 2, 3, 1, 1])]
+    answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
+    for x, answer in zip(inputs, answers, strict=True):
+        np.testing.assert_array_equal(answer["y"], x * 2)
+    await s.stop()
+    result = sizes
+    sizes = result
     assert sum(sizes) == 8
     assert max(sizes) > 1  # they were batched together
 
 
-def test_an_oversize_request_is_split_into_chunks_and_reassembled() -> None:
-    async def main() -> list[int]:
-        sizes: list[int] = []
-        s = scheduler(doubling(sizes), max_batch_size=4)
-        s.start()
-        x = np.arange(22, dtype=np.float32).reshape(11, 2)
-        answer = await s.submit({"x": x}, None, None)
-        np.testing.assert_array_equal(answer["y"], x * 2)
-        await s.stop()
-        return sizes
-
-    assert asyncio.run(main()) == [4, 4, 3]
+async def test_an_oversize_request_is_split_into_chunks_and_reassembled() -> None:
+    sizes: list[int] = []
+    s = scheduler(doubling(sizes), max_batch_size=4)
+    s.start()
+    x = np.arange(22, dtype=np.float32).reshape(11, 2)
+    answer = await s.submit({"x": x}, None, None)
+    np.testing.assert_array_equal(answer["y"], x * 2)
+    await s.stop()
+    result = sizes
+    assert result == [4, 4, 3]
 
 
 def _blocking() -> tuple[threading.Event, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]]:
@@ -198,151 +194,137 @@ async def busy(s: Scheduler) -> None:
     raise TimeoutError("the instance never started a batch")
 
 
-def test_a_full_queue_answers_503_with_retry_after() -> None:
-    async def main() -> None:
-        release, run = _blocking()
-        s = scheduler(run, max_queue_size=2, max_batch_size=1)
-        s.start()
-        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
-        await busy(s)
-        queued = [
-            asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None)) for _ in range(2)
-        ]
-        await asyncio.sleep(0)
-        with pytest.raises(ServerBusy) as refused:
-            await s.submit({"x": np.zeros((1, 1))}, None, None)
-        assert refused.value.headers["Retry-After"] == "1"
-        release.set()
-        await asyncio.gather(first, *queued)
-        await s.stop()
-
-    asyncio.run(main())
+async def test_a_full_queue_answers_503_with_retry_after() -> None:
+    release, run = _blocking()
+    s = scheduler(run, max_queue_size=2, max_batch_size=1)
+    s.start()
+    first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+    await busy(s)
+    queued = [
+        asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None)) for _ in range(2)
+    ]
+    await asyncio.sleep(0)
+    with pytest.raises(ServerBusy) as refused:
+        await s.submit({"x": np.zeros((1, 1))}, None, None)
+    assert refused.value.headers["Retry-After"] == "1"
+    release.set()
+    await asyncio.gather(first, *queued)
+    await s.stop()
 
 
-def test_a_request_past_its_deadline_gets_504_and_never_runs() -> None:
-    async def main() -> list[int]:
-        release, run = _blocking()
-        seen: list[int] = []
+async def test_a_request_past_its_deadline_gets_504_and_never_runs() -> None:
+    release, run = _blocking()
+    seen: list[int] = []
 
-        def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            seen.append(int(batch["x"][0, 0]))
-            return run(batch)
+    def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seen.append(int(batch["x"][0, 0]))
+        return run(batch)
 
-        s = scheduler(tracking, max_batch_size=1)
-        s.start()
-        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
-        await busy(s)
-        late = asyncio.ensure_future(
-            s.submit({"x": np.ones((1, 1))}, None, deadline=time.monotonic() + 0.01)
-        )
-        await asyncio.sleep(0.05)  # time passes beyond the late request's deadline
-        release.set()
-        await first
-        with pytest.raises(DeadlineExceeded, match="past its deadline"):
-            await late
-        await s.stop()
-        return seen
-
-    assert asyncio.run(main()) == [0]
+    s = scheduler(tracking, max_batch_size=1)
+    s.start()
+    first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+    await busy(s)
+    late = asyncio.ensure_future(
+        s.submit({"x": np.ones((1, 1))}, None, deadline=time.monotonic() + 0.01)
+    )
+    await asyncio.sleep(0.05)  # time passes beyond the late request's deadline
+    release.set()
+    await first
+    with pytest.raises(DeadlineExceeded, match="past its deadline"):
+        await late
+    await s.stop()
+    result = seen
+    assert result == [0]
 
 
-def test_a_cancelled_request_is_dropped_before_it_runs() -> None:
-    async def main() -> list[int]:
-        release, run = _blocking()
-        seen: list[int] = []
+async def test_a_cancelled_request_is_dropped_before_it_runs() -> None:
+    release, run = _blocking()
+    seen: list[int] = []
 
-        def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            seen.extend(int(v) for v in batch["x"][:, 0])
-            return run(batch)
+    def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        seen.extend(int(v) for v in batch["x"][:, 0])
+        return run(batch)
 
-        s = scheduler(tracking, max_batch_size=1)
-        s.start()
-        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
-        await busy(s)
-        gone = asyncio.ensure_future(s.submit({"x": np.ones((1, 1))}, None, None))
-        kept = asyncio.ensure_future(s.submit({"x": np.full((1, 1), 2.0)}, None, None))
-        await asyncio.sleep(0)
-        gone.cancel()
-        release.set()
-        await asyncio.gather(first, kept)
-        await s.stop()
-        return seen
-
-    assert asyncio.run(main()) == [0, 2]
+    s = scheduler(tracking, max_batch_size=1)
+    s.start()
+    first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+    await busy(s)
+    gone = asyncio.ensure_future(s.submit({"x": np.ones((1, 1))}, None, None))
+    kept = asyncio.ensure_future(s.submit({"x": np.full((1, 1), 2.0)}, None, None))
+    await asyncio.sleep(0)
+    gone.cancel()
+    release.set()
+    await asyncio.gather(first, kept)
+    await s.stop()
+    result = seen
+    assert result == [0, 2]
 
 
-def test_a_failing_model_fails_only_its_batch_and_the_scheduler_goes_on() -> None:
-    async def main() -> None:
-        calls = 0
+async def test_a_failing_model_fails_only_its_batch_and_the_scheduler_goes_on() -> None:
+    calls = 0
 
-        def flaky(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                raise RuntimeError("boom")
-            return {"y": batch["x"]}
+    def flaky(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        return {"y": batch["x"]}
 
-        s = scheduler(flaky, max_batch_size=1)
-        s.start()
-        with pytest.raises(ModelExecutionError, match="model 'm' failed: boom"):
-            await s.submit({"x": np.zeros((1, 1))}, None, None)
-        answer = await s.submit({"x": np.ones((1, 1))}, None, None)
-        assert answer["y"][0, 0] == 1
-        await s.stop()
-
-    asyncio.run(main())
+    s = scheduler(flaky, max_batch_size=1)
+    s.start()
+    with pytest.raises(ModelExecutionError, match="model 'm' failed: boom"):
+        await s.submit({"x": np.zeros((1, 1))}, None, None)
+    answer = await s.submit({"x": np.ones((1, 1))}, None, None)
+    assert answer["y"][0, 0] == 1
+    await s.stop()
 
 
-def test_one_poisoned_request_fails_alone_and_its_batch_mates_are_answered() -> None:
+async def test_one_poisoned_request_fails_alone_and_its_batch_mates_are_answered() -> None:
     """A batch that fails runs again one request at a time: only the request whose input the
     model cannot take fails, with 400 naming the model's error; the others get their answers."""
 
-    async def main() -> tuple[list[int], ModelStats]:
-        sizes: list[int] = []
+    sizes: list[int] = []
 
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            sizes.append(batch["x"].shape[0])
-            if (batch["x"] < 0).any():
-                raise RuntimeError("indices element out of data bounds, idx=-7")
-            return {"y": batch["x"] * 2}
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sizes.append(batch["x"].shape[0])
+        if (batch["x"] < 0).any():
+            raise RuntimeError("indices element out of data bounds, idx=-7")
+        return {"y": batch["x"] * 2}
 
-        s = scheduler(run, max_queue_delay_s=0.05)
-        s.start()
-        inputs = [np.full((1, 2), i, np.float32) for i in (1, 2, -7, 3)]
-        answers = await asyncio.gather(
-            *(s.submit({"x": x}, None, None) for x in inputs), return_exceptions=True
-        )
-        for x, answer in zip(inputs, answers, strict=True):
-            if x[0, 0] < 0:
-                assert isinstance(answer, InvalidInput)
-                assert "model 'm' failed on this request's input" in answer.message
-                assert "out of data bounds" in answer.message
-            else:
-                assert isinstance(answer, dict)
-                np.testing.assert_array_equal(answer["y"], x * 2)
-        await s.stop()
-        return sizes, s.stats
-
-    sizes, stats = asyncio.run(main())
+    s = scheduler(run, max_queue_delay_s=0.05)
+    s.start()
+    inputs = [np.full((1, 2), i, np.float32) for i in (1, 2, -7, 3)]
+    answers = await asyncio.gather(
+        *(s.submit({"x": x}, None, None) for x in inputs), return_exceptions=True
+    )
+    for x, answer in zip(inputs, answers, strict=True):
+        if x[0, 0] < 0:
+            assert isinstance(answer, InvalidInput)
+            assert "model 'm' failed on this request's input" in answer.message
+            assert "out of data bounds" in answer.message
+        else:
+            assert isinstance(answer, dict)
+            np.testing.assert_array_equal(answer["y"], x * 2)
+    await s.stop()
+    result = sizes, s.stats
+    sizes, stats = result
     assert sizes == [4, 1, 1, 1, 1]  # the batch, then each request alone
     assert stats.isolated_count == 1
 
 
-def test_when_every_request_fails_alone_the_model_is_at_fault() -> None:
-    async def main() -> list[BaseException | dict[str, np.ndarray]]:
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            raise RuntimeError("the model is broken")
+async def test_when_every_request_fails_alone_the_model_is_at_fault() -> None:
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("the model is broken")
 
-        s = scheduler(run, max_queue_delay_s=0.05)
-        s.start()
-        answers = await asyncio.gather(
-            *(s.submit({"x": np.zeros((1, 2))}, None, None) for _ in range(3)),
-            return_exceptions=True,
-        )
-        await s.stop()
-        return answers
-
-    for answer in asyncio.run(main()):
+    s = scheduler(run, max_queue_delay_s=0.05)
+    s.start()
+    answers = await asyncio.gather(
+        *(s.submit({"x": np.zeros((1, 2))}, None, None) for _ in range(3)),
+        return_exceptions=True,
+    )
+    await s.stop()
+    result = answers
+    for answer in result:
         assert isinstance(answer, ModelExecutionError)
         assert answer.message == "model 'm' failed: the model is broken"
 
@@ -351,31 +333,29 @@ class OutOfMemoryError(RuntimeError):
     """Named like torch.cuda.OutOfMemoryError: what a GPU runtime raises."""
 
 
-def test_out_of_memory_splits_the_batch_until_requests_fit() -> None:
-    async def main() -> tuple[list[int], ModelStats]:
-        sizes: list[int] = []
+async def test_out_of_memory_splits_the_batch_until_requests_fit() -> None:
+    sizes: list[int] = []
 
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            rows = batch["x"].shape[0]
-            sizes.append(rows)
-            if rows > 2:
-                raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return {"y": batch["x"] * 2}
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = batch["x"].shape[0]
+        sizes.append(rows)
+        if rows > 2:
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"y": batch["x"] * 2}
 
-        s = scheduler(run, max_queue_delay_s=0.05)
-        s.start()
-        inputs = [np.full((1, 2), i, np.float32) for i in range(6)]
-        answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
-        for x, answer in zip(inputs, answers, strict=True):
-            np.testing.assert_array_equal(answer["y"], x * 2)
-        with pytest.raises(PayloadTooLarge, match="does not fit in device memory even alone"):
-            await s.submit({"x": np.zeros((4, 2), np.float32)}, None, None)
-        still = await s.submit({"x": np.ones((1, 2), np.float32)}, None, None)
-        np.testing.assert_array_equal(still["y"], np.full((1, 2), 2.0))
-        await s.stop()
-        return sizes, s.stats
-
-    sizes, stats = asyncio.run(main())
+    s = scheduler(run, max_queue_delay_s=0.05)
+    s.start()
+    inputs = [np.full((1, 2), i, np.float32) for i in range(6)]
+    answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
+    for x, answer in zip(inputs, answers, strict=True):
+        np.testing.assert_array_equal(answer["y"], x * 2)
+    with pytest.raises(PayloadTooLarge, match="does not fit in device memory even alone"):
+        await s.submit({"x": np.zeros((4, 2), np.float32)}, None, None)
+    still = await s.submit({"x": np.ones((1, 2), np.float32)}, None, None)
+    np.testing.assert_array_equal(still["y"], np.full((1, 2), 2.0))
+    await s.stop()
+    result = sizes, s.stats
+    sizes, stats = result
     assert sizes[0] == 6  # the whole batch first, then halves down to what fits
     assert sum(size for size in sizes if size <= 2) == 6 + 1  # every row ran once, + the last
     assert sizes.count(4) == 1  # the request too large alone ran once, then got its 413
@@ -392,7 +372,7 @@ def test_only_out_of_memory_errors_are_retried() -> None:
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
-def test_each_instance_runs_batches_on_its_own_runtime() -> None:
+async def test_each_instance_runs_batches_on_its_own_runtime() -> None:
     """Instances on different GPUs hold different runtimes: a batch runs on exactly one of them,
     and while one instance is busy the next batch goes to the other."""
     release = threading.Event()
@@ -407,22 +387,20 @@ def test_each_instance_runs_batches_on_its_own_runtime() -> None:
 
         return run
 
-    async def main() -> list[np.ndarray]:
-        config = SchedulerConfig(max_batch_size=8, instances=2)
-        s = Scheduler("m", config, [instance(0), instance(1)], ModelStats())
-        s.start()
-        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1), np.float32)}, None, None))
-        for _ in range(5000):  # until instance 0 holds the first batch (bounded)
-            if used:
-                break
-            await asyncio.sleep(0.001)
-        second = await s.submit({"x": np.ones((1, 1), np.float32)}, None, None)
-        release.set()
-        answers = [await first, second]
-        await s.stop()
-        return [a["y"] for a in answers]
-
-    first, second = asyncio.run(main())
+    config = SchedulerConfig(max_batch_size=8, instances=2)
+    s = Scheduler("m", config, [instance(0), instance(1)], ModelStats())
+    s.start()
+    first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1), np.float32)}, None, None))
+    for _ in range(5000):  # until instance 0 holds the first batch (bounded)
+        if used:
+            break
+        await asyncio.sleep(0.001)
+    second = await s.submit({"x": np.ones((1, 1), np.float32)}, None, None)
+    release.set()
+    answers = [await first, second]
+    await s.stop()
+    result = [a["y"] for a in answers]
+    first, second = result
     assert used == [0, 1]
     assert first.tolist() == [[0.0]] and second.tolist() == [[101.0]]
 
@@ -447,95 +425,85 @@ def test_unwarmed_shapes_are_counted_every_time_and_logged_once(
     assert len(warned) == 2 and "(3, 2)" in warned[0] and "(2, 2)" in warned[1]
 
 
-def test_a_model_without_a_batch_dimension_gets_its_outputs_whole() -> None:
+async def test_a_model_without_a_batch_dimension_gets_its_outputs_whole() -> None:
     """max_batch_size 0 (the default): one request a run, inputs and outputs of any shape."""
 
-    async def main() -> dict[str, np.ndarray]:
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {"y": batch["x"][:10] * 2, "total": batch["x"].sum(keepdims=True)}
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": batch["x"][:10] * 2, "total": batch["x"].sum(keepdims=True)}
 
-        s = Scheduler("m", SchedulerConfig(max_batch_size=0), [run], ModelStats())
-        s.start()
-        answer = await s.submit({"x": np.ones(64, np.float32)}, None, None)
-        await s.stop()
-        return answer
-
-    answer = asyncio.run(main())
+    s = Scheduler("m", SchedulerConfig(max_batch_size=0), [run], ModelStats())
+    s.start()
+    answer = await s.submit({"x": np.ones(64, np.float32)}, None, None)
+    await s.stop()
+    result = answer
+    answer = result
     np.testing.assert_array_equal(answer["y"], np.full(10, 2.0))
     np.testing.assert_array_equal(answer["total"], [64.0])
 
 
-def test_an_unprepared_request_is_prepared_and_run_on_the_instance_thread() -> None:
+async def test_an_unprepared_request_is_prepared_and_run_on_the_instance_thread() -> None:
     """A request alone in flight crosses threads once: its instance makes its inputs."""
 
-    async def main() -> None:
-        threads: list[str] = []
+    threads: list[str] = []
 
-        def prepare() -> dict[str, np.ndarray]:
-            threads.append(threading.current_thread().name)
-            return {"x": np.full((1, 2), 3.0, np.float32)}
+    def prepare() -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        return {"x": np.full((1, 2), 3.0, np.float32)}
 
-        def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            threads.append(threading.current_thread().name)
-            return {"y": batch["x"] * 2}
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        return {"y": batch["x"] * 2}
 
-        s = scheduler(run, max_queue_delay_s=5.0)  # it must not wait for company
-        s.start()
-        answer = await s.submit(prepare, None, None)
-        np.testing.assert_array_equal(answer["y"], np.full((1, 2), 6.0))
-        assert threads == ["m-instance-0_0", "m-instance-0_0"]  # one hand-off, not three
-        assert s.stats.execution_count == 1
-        await s.stop()
-
-    asyncio.run(main())
+    s = scheduler(run, max_queue_delay_s=5.0)  # it must not wait for company
+    s.start()
+    answer = await s.submit(prepare, None, None)
+    np.testing.assert_array_equal(answer["y"], np.full((1, 2), 6.0))
+    assert threads == ["m-instance-0_0", "m-instance-0_0"]  # one hand-off, not three
+    assert s.stats.execution_count == 1
+    await s.stop()
 
 
-def test_an_unprepared_request_is_batched_alone_and_others_batch_on() -> None:
-    async def main() -> list[int]:
-        release, run = _blocking()
-        sizes: list[int] = []
+async def test_an_unprepared_request_is_batched_alone_and_others_batch_on() -> None:
+    release, run = _blocking()
+    sizes: list[int] = []
 
-        def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            sizes.append(batch["x"].shape[0])
-            return run(batch)
+    def tracking(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sizes.append(batch["x"].shape[0])
+        return run(batch)
 
-        s = scheduler(tracking, max_queue_delay_s=0.05)
-        s.start()
-        first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
-        await busy(s)
-        lone = asyncio.ensure_future(s.submit(lambda: {"x": np.ones((1, 1))}, None, None))
-        others = [
-            asyncio.ensure_future(s.submit({"x": np.full((1, 1), 2.0)}, None, None))
-            for _ in range(3)
-        ]
-        await asyncio.sleep(0)
-        release.set()
-        await asyncio.gather(first, lone, *others)
-        await s.stop()
-        return sizes
-
-    assert asyncio.run(main()) == [1, 1, 3]
+    s = scheduler(tracking, max_queue_delay_s=0.05)
+    s.start()
+    first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+    await busy(s)
+    lone = asyncio.ensure_future(s.submit(lambda: {"x": np.ones((1, 1))}, None, None))
+    others = [
+        asyncio.ensure_future(s.submit({"x": np.full((1, 1), 2.0)}, None, None)) for _ in range(3)
+    ]
+    await asyncio.sleep(0)
+    release.set()
+    await asyncio.gather(first, lone, *others)
+    await s.stop()
+    result = sizes
+    assert result == [1, 1, 3]
 
 
-def test_an_unprepared_request_that_cannot_be_prepared_gets_its_own_error() -> None:
-    async def main() -> ModelStats:
-        def bad_image() -> dict[str, np.ndarray]:
-            raise InvalidInput("cannot decode image (3 bytes)")
+async def test_an_unprepared_request_that_cannot_be_prepared_gets_its_own_error() -> None:
+    def bad_image() -> dict[str, np.ndarray]:
+        raise InvalidInput("cannot decode image (3 bytes)")
 
-        def bug() -> dict[str, np.ndarray]:
-            raise ValueError("image.convert ran out of memory")  # a bug, not the device's OOM
+    def bug() -> dict[str, np.ndarray]:
+        raise ValueError("image.convert ran out of memory")  # a bug, not the device's OOM
 
-        s = scheduler(lambda batch: {"y": batch["x"]})
-        s.start()
-        with pytest.raises(InvalidInput, match="cannot decode image"):
-            await s.submit(bad_image, None, None)
-        with pytest.raises(ValueError, match="image.convert"):
-            await s.submit(bug, None, None)
-        ok = await s.submit(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
-        np.testing.assert_array_equal(ok["y"], [[1.0]])
-        await s.stop()
-        return s.stats
-
-    stats = asyncio.run(main())
+    s = scheduler(lambda batch: {"y": batch["x"]})
+    s.start()
+    with pytest.raises(InvalidInput, match="cannot decode image"):
+        await s.submit(bad_image, None, None)
+    with pytest.raises(ValueError, match="image.convert"):
+        await s.submit(bug, None, None)
+    ok = await s.submit(lambda: {"x": np.ones((1, 1), np.float32)}, None, None)
+    np.testing.assert_array_equal(ok["y"], [[1.0]])
+    await s.stop()
+    result = s.stats
+    stats = result
     assert stats.execution_count == 1  # the failed preparations ran no model
     assert stats.out_of_memory_count == 0
