@@ -9,7 +9,7 @@ from service.model_config import ModelConfig, TensorConfig
 from service.repository import ModelRepository, ModelState, ModelVersion
 from service.settings import Settings
 
-PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}
+PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pt2": "pytorch_aoti"}
 
 
 def extensions(settings: Settings) -> list[str]:

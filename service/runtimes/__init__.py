@@ -19,6 +19,10 @@ def create_runtime(backend: str, options: RuntimeOptions) -> Runtime:
         from service.runtimes.torchscript import TorchScriptRuntime
 
         return TorchScriptRuntime(options)
+    if backend == "pt2":
+        from service.runtimes.pt2 import Pt2Runtime
+
+        return Pt2Runtime(options)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -88,6 +92,9 @@ def runtime_versions(backend: str) -> dict[str, str]:
         return {"onnxruntime": ort.__version__}
     import torch
 
+    if backend == "pt2":  # a compiled package also needs the device type it was compiled for
+        devices = "cpu,cuda" if torch.cuda.is_available() else "cpu"
+        return {"torch": torch.__version__, "devices": devices}
     return {"torch": torch.__version__}
 
 
