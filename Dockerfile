@@ -17,6 +17,11 @@ ARG SOURCE=unknown
 FROM python:3.11.14-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
+# model.pt2 (AOTInductor) is compiled C++: this stage needs a compiler, the runtime stages do not
+# (loading a package compiles nothing; tests/integration/test_pt2.py serves with none on PATH).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+ && rm -rf /var/lib/apt/lists/*
 COPY requirements/ requirements/
 # The CPU build of torch (the lock pins 2.13.0; PyPI's default wheel is the multi-GB CUDA one).
 RUN python -m venv /opt/build \

@@ -41,8 +41,9 @@ $(STAMP): requirements/dev.txt pyproject.toml
 
 venv: $(STAMP)
 
-# A model's artifacts are rebuilt when its build script, config or the export code changes.
-models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py \
+# A model's artifacts (model.pt2 compiles for a minute) are rebuilt only when its build script,
+# config or the export code changes.
+models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py service/runtimes/pt2.py \
 		preprocessing/image.py preprocessing/text.py preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1
 
@@ -147,3 +148,4 @@ bench: models
 	$(BIN)/python -m bench.batching
 	$(BIN)/python -m bench.stack
 	$(BIN)/python -m bench.warmup
+	$(BIN)/python -m bench.formats

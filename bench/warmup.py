@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.warmup [--steady 10]
 
-For minilm served from its ONNX and its TorchScript artifact, each with the bundled warmup and
+For minilm served from its ONNX, TorchScript and pt2 artifacts, each with the bundled warmup and
 with none: start a fresh server, wait for ready, then per bucket send one text of exactly that
 many tokens (the first request of that shape) and then ``--steady`` more; report the first
 latency, the median of the rest, and their ratio (target ≤ 1.5 with warmup).
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--steady", type=int, default=10)
     args = parser.parse_args()
     rows = []
-    for backend in ("onnx", "torchscript"):
+    for backend in ("onnx", "torchscript", "pt2"):
         for warm in (True, False):
             rows += measure(backend, warm, args.steady)
     text = (

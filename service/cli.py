@@ -59,7 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     export.add_argument("--output", action="append", required=True, metavar="NAME:DTYPE:D1,...")
     export.add_argument("--max-batch-size", type=int, default=32)
-    export.add_argument("--backend", choices=["onnx", "torchscript"], default="onnx")
+    export.add_argument(
+        "--formats", default="onnx,pt2", help="artifacts to write, of onnx, pt2 and torchscript "
+        "(default onnx,pt2: portable ONNX and torch.export's compiled package; TorchScript is "
+        "deprecated upstream)",
+    )  # fmt: skip
+    export.add_argument("--backend", choices=["onnx", "pt2", "torchscript"], default="onnx",
+                        help="the backend a new config.yaml serves")  # fmt: skip
+    export.add_argument("--buckets", default="", metavar="L1,L2,...",
+                        help="lengths of the dynamic (-1) dims, e.g. 16,32,64,128")  # fmt: skip
     export.add_argument("--preprocessing", type=Path, help="a YAML/JSON file with the spec")
     export.add_argument("--opset", type=int, default=None)
 

@@ -1,32 +1,50 @@
 """PyTorch module → the model repository's artifacts, with proof that they agree.
 
-:func:`export_model` writes ``model.pt`` (TorchScript) and ``model.onnx`` into a version folder,
-replays fixed golden inputs through eager PyTorch, the saved TorchScript and onnxruntime, and
-refuses (``ExportError``, naming the max abs/rel error) when they disagree beyond tolerance.
-It then writes ``golden.npz`` and ``manifest.json``, which the server's load gates check.
-Imported only by ``tensorgate export`` and build scripts: the server never needs it.
+:func:`export_model` writes any of ``model.onnx`` (ONNX, through ``torch.export`` and the dynamo
+exporter), ``model.pt2`` (an AOTInductor package compiled from ``torch.export``, for the device it
+is exported on) and ``model.pt`` (TorchScript, deprecated upstream) into a version folder. It
+replays fixed golden inputs, and the same rows at the smallest and largest batch and length,
+through eager PyTorch and each artifact, and refuses (``ExportError``, naming the max abs/rel
+error) when they disagree beyond tolerance. It then writes ``golden.npz`` and ``manifest.json``,
+which the server's load gates check. Imported only by ``tensorgate export`` and build scripts:
+the server never needs it.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import platform
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.export import Dim, ExportedProgram
 
-from preprocessing.spec import ImageSpec, spec_hash
+from preprocessing.spec import ImageSpec, TextSpec, spec_hash
+from service.errors import ModelLoadError
 from service.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
 from service.model_config import TensorConfig
 from service.protocol.datatypes import TO_NUMPY
+from service.runtimes.base import RuntimeOptions, Signature
+from service.runtimes.pt2 import TORCH_KEY, Pt2Runtime, package_needs
 
 log = logging.getLogger("tensorgate.export")
-DEFAULT_OPSET = 17
-FORMATS = ("onnx", "torchscript")
+DEFAULT_OPSET = 18  # the dynamo exporter's own; a lower one goes through onnx's version converter
+FORMATS = ("onnx", "pt2", "torchscript")
+DEFAULT_FORMATS = ("onnx", "pt2")
+"""What ``tensorgate export`` writes unless told otherwise: the portable graph (no torch at serve
+time, any onnxruntime device) and torch's own compiled package. TorchScript only when asked:
+upstream deprecated it in favour of ``torch.export``."""
+PT2_ARTIFACT = "model.pt2"
+
+Probe = dict[str, np.ndarray]
+Runner = Callable[[Probe], dict[str, np.ndarray]]
 
 
 class ExportError(RuntimeError):
@@ -42,36 +60,86 @@ def export_model(
     outputs: Sequence[TensorConfig],
     golden_inputs: Mapping[str, np.ndarray],
     max_batch_size: int,
-    preprocessing: ImageSpec | None = None,
+    preprocessing: ImageSpec | TextSpec | None = None,
     opset: int = DEFAULT_OPSET,
     tolerance: Tolerance | None = None,
     metrics: Mapping[str, float] | None = None,
-    formats: Sequence[str] = FORMATS,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    buckets: Sequence[int] = (),
+    device: str | None = None,
 ) -> Manifest:
-    """Export ``module`` into ``out_dir`` (a version folder) and return the manifest written."""
+    """Export ``module`` into ``out_dir`` (a version folder) and return the manifest written.
+
+    ``buckets`` bound the dynamic (-1) dims (a text spec's buckets when empty); ``device`` is
+    where the ``pt2`` package will run (default: CUDA when torch sees it, else the CPU).
+    """
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ExportError(f"unknown formats {unknown}: choose from {', '.join(FORMATS)}")
     tolerance = tolerance or Tolerance()
     out_dir.mkdir(parents=True, exist_ok=True)
     module = _prepare(module)
     golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
-    example = tuple(torch.from_numpy(golden[t.name].copy()) for t in inputs)
+    if not buckets and preprocessing is not None and preprocessing.kind == "text":
+        buckets = preprocessing.buckets
+    probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
     with torch.inference_mode():
-        eager = _as_outputs(module(*example), outputs)
+        eager = [_as_outputs(module(*_tensors(p, inputs)), outputs) for p in probes]
 
+    def check(what: str, run: Runner) -> dict[str, float]:
+        results = [_compare(what, w, run(p), tolerance) for p, w in zip(probes, eager, strict=True)]
+        return {k: max(r[k] for r in results) for k in ("max_abs", "max_rel")}
+
+    versions = _versions()
     artifacts: dict[str, str] = {}
     parity: dict[str, dict[str, float]] = {}
-    if "torchscript" in formats:
-        artifacts["torchscript"] = "model.pt"
-        served = _export_torchscript(module, example, out_dir / "model.pt", outputs)
-        parity["torchscript"] = _compare("TorchScript", eager, served, tolerance)
+    program, not_exported = None, "not asked for"
+    if "pt2" in formats or "onnx" in formats:
+        shapes = _dynamic_shapes(inputs, max_batch_size, buckets)
+        program, not_exported = _exported_program(module, _tensors(probes[-1], inputs), shapes)
+    if "pt2" in formats:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device != "cpu" and program is not None:  # compiled where its weights and inputs are
+            example = tuple(t.to(device) for t in _tensors(probes[-1], inputs))
+            program, _ = _exported_program(copy.deepcopy(module).to(device), example, shapes)
+        if program is None:
+            raise ExportError(
+                f"{not_exported}; make the module exportable, or leave pt2 out of the formats"
+            )
+        versions.update(_export_pt2(program, out_dir / PT2_ARTIFACT))
+        artifacts["pt2"] = PT2_ARTIFACT
+        signature = Signature(tuple(inputs), tuple(outputs))
+        parity["pt2"] = check("AOTInductor", _pt2_runner(out_dir / PT2_ARTIFACT, device, signature))
     if "onnx" in formats:
-        artifacts["onnx"] = "model.onnx"
         onnx_path = out_dir / "model.onnx"
-        _export_onnx(module, example, onnx_path, inputs, outputs, max_batch_size, opset)
-        served = _run_onnx(onnx_path, golden)
-        parity["onnx"] = _compare("onnxruntime", eager, served, tolerance)
+        fallback = not_exported if program is None else None
+        try:
+            if program is not None:
+                _export_onnx_dynamo(program, onnx_path, inputs, outputs, opset)
+                parity["onnx"] = check("onnxruntime", partial(_run_onnx, onnx_path))
+        except Exception as exc:  # the exporter, onnxruntime and the check raise many types
+            fallback = f"the dynamo exporter failed: {_first_line(exc)}"
+        versions["onnx_exporter"] = "dynamo" if fallback is None else "torchscript"
+        if fallback is not None:
+            log.warning("ONNX: %s; using the TorchScript-based exporter instead", fallback)
+            versions["onnx_exporter_fallback"] = fallback
+            _export_onnx(module, probes[0], onnx_path, inputs, outputs, max_batch_size, opset)
+            parity["onnx"] = check("onnxruntime", partial(_run_onnx, onnx_path))
+        artifacts["onnx"] = "model.onnx"
+        opset = _opset(onnx_path)
+    if "torchscript" in formats:
+        log.warning(
+            "writing TorchScript (model.pt): torch deprecated it in favour of torch.export; "
+            "serve model.pt2 (backend: pt2) or model.onnx instead (docs/models.md)"
+        )
+        artifacts["torchscript"] = "model.pt"
+        scripted = _export_torchscript(module, _tensors(golden, inputs), out_dir / "model.pt")
+        parity["torchscript"] = check(
+            "TorchScript", partial(_run_module, scripted, inputs, outputs)
+        )
 
     arrays = {f"input.{k}": v for k, v in golden.items()}
-    arrays.update({f"output.{k}": v for k, v in eager.items()})
+    arrays.update({f"output.{k}": v for k, v in eager[0].items()})
     np.savez(out_dir / GOLDEN, allow_pickle=False, **arrays)
     manifest = Manifest(
         name=name,
@@ -80,7 +148,7 @@ def export_model(
         outputs=tuple(outputs),
         dynamic_axes=_dynamic_axes([*inputs, *outputs], max_batch_size),
         opset=opset if "onnx" in formats else None,
-        versions=_versions(),
+        versions=versions,
         artifacts=artifacts,
         preprocessing=preprocessing.model_dump(mode="json") if preprocessing else None,
         preprocessing_hash=spec_hash(preprocessing) if preprocessing else None,
@@ -108,46 +176,179 @@ def _prepare(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _tensors(arrays: Probe, inputs: Sequence[TensorConfig]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.from_numpy(arrays[t.name].copy()) for t in inputs)
+
+
+def _shape_probes(
+    golden: Probe, inputs: Sequence[TensorConfig], max_batch_size: int, buckets: Sequence[int]
+) -> list[Probe]:
+    """The golden rows at one row, and at ``max_batch_size`` rows padded (with zeros, as the
+    server pads) to the longest bucket: every artifact must answer at both ends of its range.
+    The last probe is the largest, the one that ``torch.export`` traces (a dim of size 1 would
+    be taken for a constant)."""
+    if max_batch_size < 2:
+        return []
+    longest = max(buckets, default=0)
+    smallest: Probe = {}
+    largest: Probe = {}
+    for tensor in inputs:
+        array = golden[tensor.name]
+        smallest[tensor.name] = array[:1]
+        rows = np.take(array, np.arange(max_batch_size) % len(array), axis=0)
+        pad = [(0, 0)] + [
+            (0, max(longest - n, 0)) if d == -1 else (0, 0)
+            for d, n in zip(tensor.shape, array.shape[1:], strict=True)
+        ]
+        largest[tensor.name] = np.pad(rows, pad)
+    return [smallest, largest]
+
+
+def _dynamic_shapes(
+    inputs: Sequence[TensorConfig], max_batch_size: int, buckets: Sequence[int]
+) -> tuple[dict[int, Any], ...]:
+    """torch.export's dims: the batch over 1..max_batch_size and each -1 dim up to the longest
+    bucket. DYNAMIC (not AUTO): a module that pins a dim to its example's size is refused, not
+    exported for that size alone; dims that must be equal (ids and mask) are found by torch."""
+    longest = max(buckets, default=None)
+    shapes = []
+    for tensor in inputs:
+        dims: dict[int, Any] = {}
+        if max_batch_size > 1:
+            dims[0] = Dim.DYNAMIC(min=1, max=max_batch_size)
+        offset = 1 if max_batch_size > 0 else 0
+        for i, dim in enumerate(tensor.shape):
+            if dim == -1:
+                dims[i + offset] = Dim.DYNAMIC(min=1, max=longest)
+        shapes.append(dims)
+    return tuple(shapes)
+
+
+def _exported_program(
+    module: torch.nn.Module, example: tuple[torch.Tensor, ...], shapes: tuple[dict[int, Any], ...]
+) -> tuple[ExportedProgram | None, str]:
+    """The module through ``torch.export``, or None and the first line of why it could not."""
+    try:
+        return torch.export.export(module, example, dynamic_shapes=shapes), ""
+    except Exception as exc:  # torch.export raises many unrelated types for untraceable code
+        return None, f"torch.export failed: {_first_line(exc)}"
+
+
+def _export_pt2(program: ExportedProgram, path: Path) -> dict[str, str | None]:
+    """Compile the AOTInductor package; return what it needs to load, for the manifest."""
+    from torch._inductor import aoti_compile_and_package
+
+    aoti_compile_and_package(
+        program,
+        package_path=str(path),
+        inductor_configs={"aot_inductor.metadata": {TORCH_KEY: torch.__version__}},
+    )
+    needs = package_needs(path)
+    return {
+        "pt2_device": needs.get("AOTI_DEVICE_KEY"),
+        "pt2_cpu_isa": needs.get("AOTI_CPU_ISA") or None,
+        "pt2_compute_capability": needs.get("AOTI_COMPUTE_CAPABILITY") or None,
+    }
+
+
+def _pt2_runner(path: Path, device: str, signature: Signature) -> Runner:
+    """The package loaded as the server loads it (its refusals included)."""
+    runtime = Pt2Runtime(RuntimeOptions(device, torch.get_num_threads()))
+    try:
+        runtime.load(path, signature, max_batch_size=0)
+    except ModelLoadError as exc:
+        raise ExportError(f"the AOTInductor package does not load: {exc}") from None
+    return runtime.run
+
+
 def _export_torchscript(
-    module: torch.nn.Module,
-    example: tuple[torch.Tensor, ...],
-    path: Path,
-    outputs: Sequence[TensorConfig],
-) -> dict[str, np.ndarray]:
+    module: torch.nn.Module, example: tuple[torch.Tensor, ...], path: Path
+) -> torch.jit.ScriptModule:
     try:
         scripted = torch.jit.script(module)
     except Exception as exc:  # torch.jit raises many unrelated types for unscriptable code
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         warnings.warn(
-            f"torch.jit.script failed ({reason}); falling back to torch.jit.trace, which records "
-            "one path through data-dependent control flow",
+            f"torch.jit.script failed ({_first_line(exc)}); falling back to torch.jit.trace, "
+            "which records one path through data-dependent control flow",
             stacklevel=3,
         )
         with torch.no_grad():
             scripted = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]  # torch.jit is untyped
     scripted.save(str(path))  # type: ignore[no-untyped-call]  # torch.jit is untyped
-    loaded = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]  # torch.jit is untyped
+    loaded: torch.jit.ScriptModule = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]  # torch.jit is untyped
+    return loaded
+
+
+def _run_module(
+    module: torch.nn.Module,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    arrays: Probe,
+) -> dict[str, np.ndarray]:
     with torch.inference_mode():
-        return _as_outputs(loaded(*example), outputs)
+        return _as_outputs(module(*_tensors(arrays, inputs)), outputs)
+
+
+def _export_onnx_dynamo(
+    program: ExportedProgram,
+    path: Path,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    opset: int,
+) -> None:
+    # A warning for each torchvision operator it cannot register, and each optimiser pass at
+    # INFO: nothing a user acts on.
+    for name in ("torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.onnx.export(
+        program,
+        (),
+        str(path),
+        input_names=[t.name for t in inputs],
+        opset_version=opset,
+        dynamo=True,
+        external_data=False,  # one self-contained file, as the version folder's layout expects
+        verbose=False,
+    )
+    _name_outputs(path, [t.name for t in outputs])
+
+
+def _name_outputs(path: Path, names: Sequence[str]) -> None:
+    """Give the graph's outputs their declared names. The exporter's own output_names renames
+    without looking, and an output called after an operator (``embedding``) then clashes with
+    the value that operator's node already carries: that value is renamed first."""
+    import onnx
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    renames = {o.name: new for o, new in zip(graph.output, names, strict=True) if o.name != new}
+    taken = {n for node in graph.node for n in (*node.input, *node.output)}
+    renames.update({new: f"{new}_inner" for new in renames.values() if new in taken})
+    for node in graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
+    for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer):
+        value.name = renames.get(value.name, value.name)
+    onnx.save(model, str(path))
 
 
 def _export_onnx(
     module: torch.nn.Module,
-    example: tuple[torch.Tensor, ...],
+    golden: Probe,
     path: Path,
     inputs: Sequence[TensorConfig],
     outputs: Sequence[TensorConfig],
     max_batch_size: int,
     opset: int,
 ) -> None:
+    """The TorchScript-based exporter, the fallback for what the dynamo exporter cannot do."""
     axes = _dynamic_axes([*inputs, *outputs], max_batch_size)
     with warnings.catch_warnings(), torch.no_grad():
-        # The TorchScript-based exporter is deprecated in favour of torch.export, which cannot
-        # yet express every dynamic axis these models use; its warnings say nothing actionable.
+        # Its deprecation warnings are why this is the fallback; the caller logged the reason.
         warnings.simplefilter("ignore")
         torch.onnx.export(
             module,
-            example,
+            _tensors(golden, inputs),
             str(path),
             input_names=[t.name for t in inputs],
             output_names=[t.name for t in outputs],
@@ -155,6 +356,19 @@ def _export_onnx(
             opset_version=opset,
             dynamo=False,
         )
+
+
+def _opset(path: Path) -> int:
+    """The ai.onnx opset the file was written with."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return int(next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _run_onnx(path: Path, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

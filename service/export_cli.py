@@ -30,13 +30,19 @@ def run_export(args: argparse.Namespace) -> int:
         preprocessing = ImageSpec.model_validate(yaml.safe_load(args.preprocessing.read_text()))
     model_dir = args.repository / args.name
     out_dir = model_dir / str(args.model_version)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if args.backend not in formats:
+        log.error("--backend %s is not among --formats %s", args.backend, ",".join(formats))
+        return 2
+    buckets = [int(b) for b in args.buckets.split(",") if b.strip()]
     rows = min(GOLDEN_ROWS, args.max_batch_size) if args.max_batch_size > 0 else 0
     golden = {t.name: golden_input(t, rows, seed=i) for i, t in enumerate(inputs)}
     try:
         manifest = export_model(
             module, out_dir, name=args.name, inputs=inputs, outputs=outputs,
             golden_inputs=golden, max_batch_size=args.max_batch_size,
-            preprocessing=preprocessing, opset=args.opset or DEFAULT_OPSET,
+            preprocessing=preprocessing, opset=args.opset or DEFAULT_OPSET, formats=formats,
+            buckets=buckets,
         )  # fmt: skip
     except ExportError as exc:
         log.error("export failed: %s", exc)

@@ -8,7 +8,8 @@ Each refusal is a :class:`~service.errors.ModelLoadError` whose message names th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,13 @@ class Manifest(BaseModel):
     dynamic_axes: dict[str, dict[int, str]] = {}
     opset: int | None = None
     versions: dict[str, str | None]
-    """torch, onnx, onnxruntime, python and cuda versions used at export."""
+    """torch, onnx, onnxruntime, python and cuda versions used at export; ``onnx_exporter``
+    (``dynamo``, or ``torchscript`` with ``onnx_exporter_fallback`` saying why); and what
+    ``model.pt2`` needs to load: ``pt2_device`` (``cpu``/``cuda``), ``pt2_cpu_isa``,
+    ``pt2_compute_capability`` (kept in this mapping so that servers which predate them still
+    read the manifest)."""
     artifacts: dict[str, str]
-    """backend → file name in the version folder (``onnx``/``torchscript``)."""
+    """backend → file name in the version folder (``onnx``/``torchscript``/``pt2``)."""
     preprocessing: dict[str, Any] | None = None
     preprocessing_hash: str | None = None
     tolerance: Tolerance = Tolerance()
@@ -104,6 +109,12 @@ def check_versions(manifest: Manifest, backend: str, runtime_versions: Mapping[s
                 f"ONNX opset {manifest.opset} cannot run on onnxruntime {ort_version} "
                 f"(it runs opsets {MIN_OPSET}–{highest}); re-export with a supported opset"
             )
+    if backend == "pt2":
+        check_pt2(
+            {"torch": manifest.versions.get("torch"), "device": manifest.versions.get("pt2_device"),
+             "cpu_isa": manifest.versions.get("pt2_cpu_isa")},
+            runtime_versions["torch"], runtime_versions["devices"].split(","),
+        )  # fmt: skip
     if backend == "torchscript":
         exported = manifest.versions.get("torch") or "unknown"
         running = runtime_versions["torch"]
@@ -120,6 +131,59 @@ def check_versions(manifest: Manifest, backend: str, runtime_versions: Mapping[s
                 f"exported with torch {exported}, this server runs the older torch {running}: "
                 "TorchScript archives do not load on an older torch"
             )
+
+
+def check_pt2(
+    needs: Mapping[str, str | None],
+    running_torch: str,
+    devices: Collection[str],
+    cpu_flags: Collection[str] | None = None,
+) -> None:
+    """Refuse an AOTInductor package this process cannot run: it is machine code for the torch
+    release, the device type and (on the CPU) the instruction set that compiled it.
+
+    ``needs`` has ``torch``, ``device`` and ``cpu_isa`` (as the package's metadata names it);
+    ``devices`` are the device types the model may run on; ``cpu_flags`` default to this CPU's.
+    """
+    built = needs.get("torch")
+    if built is not None and built.split("+")[0] != running_torch.split("+")[0]:
+        raise ModelLoadError(
+            f"model.pt2 was compiled by torch {built}, this server runs torch {running_torch}: "
+            "an AOTInductor package runs only on the torch release that compiled it; export it "
+            "again with the server's torch"
+        )
+    device = needs.get("device")
+    if device not in devices:
+        raise ModelLoadError(
+            f"model.pt2 was compiled for {device}, this server runs it on "
+            f"{' or '.join(sorted(devices))}: export it again on a {' or '.join(sorted(devices))} "
+            "machine, or serve the ONNX artifact"
+        )
+    flags = _cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    isa = (needs.get("cpu_isa") or "").split() if device == "cpu" and flags else []
+    missing = [name for name in isa if _ISA_FLAGS.get(name, name.lower()) not in flags]
+    if missing:
+        raise ModelLoadError(
+            f"model.pt2 was compiled for a CPU with {' '.join(isa)}, this CPU lacks "
+            f"{' '.join(missing)}: export it again on this kind of CPU, or serve the ONNX artifact"
+        )
+
+
+# AOTInductor's names for instruction sets, where /proc/cpuinfo's differ from their lower case.
+_ISA_FLAGS = {"AVX512": "avx512f"}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's flags from /proc/cpuinfo; empty (nothing checked) where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 def _major_minor(version: str) -> tuple[int, int] | None:

@@ -147,7 +147,7 @@ class VersionPolicy(_Strict):
 class ModelConfig(_Strict):
     """What ``models/<name>/config.yaml`` holds."""
 
-    backend: Literal["onnx", "torchscript"]
+    backend: Literal["onnx", "torchscript", "pt2"]
     max_batch_size: int = Field(default=0, ge=0)
     """Most rows in one inference; 0 = the model takes no batch dimension."""
     max_request_rows: int = Field(default=1024, ge=1)

@@ -11,7 +11,9 @@ import inspect
 import io
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -19,6 +21,9 @@ import skimage.data
 from PIL import Image
 
 from tests.server import MODELS, Server
+
+if TYPE_CHECKING:
+    from service.model_config import TensorConfig
 
 BUNDLED = ("efficientnet_lite0", "digits", "minilm")
 
@@ -88,3 +93,48 @@ def chelsea_jpeg() -> bytes:
 @pytest.fixture(scope="session")
 def coffee_jpeg() -> bytes:
     return encode(skimage.data.coffee(), "JPEG", quality=95)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A test model exported once per session in every format (pt2 compiles take seconds)."""
+
+    version: Path
+    """The version folder: model.onnx, model.pt2, model.pt, manifest.json, golden.npz."""
+    inputs: tuple[TensorConfig, ...]
+    outputs: tuple[TensorConfig, ...]
+    max_batch_size: int
+    buckets: tuple[int, ...] = ()
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
+    """tests.models' Mlp and TinyText (dynamic batch and length) exported as onnx, pt2 and
+    torchscript by ``export_model``, as ``tensorgate export`` does."""
+    from service.export import FORMATS, export_model
+    from service.model_config import TensorConfig
+    from tests.models import Mlp, TinyText
+
+    root = tmp_path_factory.mktemp("exported")
+    rng = np.random.default_rng(0)
+    ids = {"input_ids": rng.integers(1, 100, (3, 8)), "attention_mask": np.ones((3, 8), np.int64)}
+    ids["attention_mask"][1, 5:] = 0
+    text_inputs = tuple(
+        TensorConfig(name=n, datatype="INT64", shape=(-1,)) for n in ("input_ids", "attention_mask")
+    )
+    models = {
+        "mlp": (Mlp(), {"x": rng.standard_normal((3, 64)).astype(np.float32)}, Exported(
+            root / "mlp", (TensorConfig(name="x", datatype="FP32", shape=(64,)),),
+            (TensorConfig(name="y", datatype="FP32", shape=(10,)),), max_batch_size=8)),
+        "tiny_text": (TinyText(), ids, Exported(
+            root / "tiny_text", text_inputs,
+            (TensorConfig(name="embedding", datatype="FP32", shape=(8,)),), max_batch_size=4,
+            buckets=(4, 8, 16))),
+    }  # fmt: skip
+    for name, (module, golden, spec) in models.items():
+        export_model(
+            module.eval(), spec.version, name=name, inputs=spec.inputs, outputs=spec.outputs,
+            golden_inputs=golden, max_batch_size=spec.max_batch_size, formats=FORMATS,
+            buckets=spec.buckets,
+        )  # fmt: skip
+    return {name: spec for name, (_, _, spec) in models.items()}

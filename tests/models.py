@@ -81,3 +81,20 @@ class Dawdle(nn.Module):
         for _ in range(int(x[0, 0]) * self.steps_per_unit):
             y = torch.tanh(y @ self.w) + x
         return y
+
+
+class TinyText(nn.Module):
+    """Token ids and mask (dynamic batch and length) → a mean-pooled, normalised embedding:
+    minilm's signature in miniature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed = nn.Embedding(100, 16)
+        self.mix = nn.Linear(16, 8)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).to(torch.float32)
+        hidden = torch.tanh(self.mix(self.embed(input_ids)))
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return nn.functional.normalize(pooled, dim=1)

@@ -96,6 +96,7 @@ def main() -> None:
         golden_inputs={"image": held_out[:8].numpy()},
         max_batch_size=config["max_batch_size"],
         preprocessing=spec,
+        formats=("onnx", "pt2", "torchscript"),
         metrics={
             "heldout_accuracy": accuracy,
             "heldout_correct": round(accuracy * len(test_y)),

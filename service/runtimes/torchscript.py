@@ -72,6 +72,7 @@ class TorchScriptRuntime(Runtime):
     """Runs ``model.pt`` (a ``torch.jit`` archive) on CPU or CUDA."""
 
     artifact = "model.pt"
+    _half: torch.dtype | None = None
 
     def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
         if declared is None:
@@ -104,8 +105,12 @@ class TorchScriptRuntime(Runtime):
                 f"forward() takes {len(arguments)} inputs {arguments}, "
                 f"{len(declared.inputs)} are declared"
             )
+        return self._bind(module, torch.device(device), declared)
+
+    def _bind(self, module: Any, device: torch.device, declared: Signature) -> Signature:
+        """Take ``module`` (loaded on ``device``) as the one ``run`` calls."""
         self._module = module
-        self._device = torch.device(device)
+        self._device = device
         self._cuda = self._device.type == "cuda"
         # Each runtime (instance) gets its own stream, so that copies and kernels of concurrent
         # instances overlap instead of queueing on the default stream.

@@ -172,6 +172,11 @@ def test_exif_orientation_is_honoured_by_the_server(server: Server) -> None:
 
 
 def test_digits_served_accuracy_equals_the_offline_accuracy_exactly(server: Server) -> None:
+    assert_digits_accuracy(server)
+
+
+def assert_digits_accuracy(server: Server) -> None:
+    """Over HTTP, digits gets exactly the held-out images right that its manifest says."""
     manifest = server.client.get("/v2/models/digits").json()
     assert manifest["verified"] is True
     recorded = __import__("json").loads((MODELS / "digits" / "1" / "manifest.json").read_text())

@@ -43,11 +43,16 @@ def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
         "--repository", str(repository), "--input", "x:FP32:64", "--output", "y:FP32:10",
         "--max-batch-size", "8",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
+    path = os.pathsep.join(
+        p for p in (str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p
+    )
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     manifest = json.loads((repository / "mlp" / "1" / "manifest.json").read_text())
-    assert manifest["artifacts"] == {"torchscript": "model.pt", "onnx": "model.onnx"}
+    # The default formats: portable ONNX and torch.export's compiled package, no TorchScript.
+    assert manifest["artifacts"] == {"onnx": "model.onnx", "pt2": "model.pt2"}
+    assert manifest["versions"]["onnx_exporter"] == "dynamo"
     assert manifest["parity"]["onnx"]["max_abs"] < 1e-4
     assert (repository / "mlp" / "config.yaml").read_text().startswith("backend: onnx")
 

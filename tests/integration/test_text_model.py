@@ -65,6 +65,11 @@ def served(server: Server, texts: list[str]) -> tuple[np.ndarray, dict[str, obje
 
 
 def test_embeddings_match_sentence_transformers(server: Server, reference: object) -> None:
+    assert_matches_sentence_transformers(server, reference)
+
+
+def assert_matches_sentence_transformers(server: Server, reference: object) -> None:
+    """minilm's embeddings of 50 varied texts, served, against sentence-transformers' own."""
     texts = sentences()
     want = reference.encode(texts, batch_size=8, normalize_embeddings=True)
     got = np.concatenate([served(server, texts[i : i + 10])[0] for i in range(0, len(texts), 10)])

@@ -1,4 +1,6 @@
 import json
+import logging
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +11,8 @@ from preprocessing.spec import ImageSpec, spec_hash
 from service.export import ExportError, export_model
 from service.manifest import Tolerance
 from service.model_config import TensorConfig
+from service.runtimes.pt2 import TORCH_KEY
+from tests.conftest import Exported
 from tests.models import Mlp, TrainModeNet
 
 X = TensorConfig(name="x", datatype="FP32", shape=(64,))
@@ -24,6 +28,7 @@ def test_export_writes_both_artifacts_golden_and_manifest(tmp_path: Path) -> Non
     manifest = export_model(
         Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y], golden_inputs=golden(),
         max_batch_size=16, preprocessing=spec, metrics={"accuracy": 0.5},
+        formats=("onnx", "torchscript"),
     )  # fmt: skip
     assert {p.name for p in tmp_path.iterdir()} == {
         "model.onnx", "model.pt", "golden.npz", "manifest.json"
@@ -32,7 +37,9 @@ def test_export_writes_both_artifacts_golden_and_manifest(tmp_path: Path) -> Non
     assert written["preprocessing_hash"] == spec_hash(spec) == manifest.preprocessing_hash
     assert written["dynamic_axes"] == {"x": {"0": "batch"}, "y": {"0": "batch"}}
     assert written["versions"]["torch"] == torch.__version__
-    assert written["opset"] == 17
+    assert written["opset"] == 18
+    assert written["versions"]["onnx_exporter"] == "dynamo"
+    assert "onnx_exporter_fallback" not in written["versions"]
     assert written["metrics"] == {"accuracy": 0.5}
     assert manifest.parity["onnx"]["max_abs"] < 1e-4
     with np.load(tmp_path / "golden.npz") as files:
@@ -46,7 +53,7 @@ def test_export_of_a_module_left_in_train_mode_warns_and_exports_eval(tmp_path: 
     rows = {"x": np.ones((4, 8), np.float32)}
     with pytest.warns(UserWarning, match="was in training mode"):
         export_model(TrainModeNet().train(), tmp_path, name="t", inputs=[x], outputs=[y],
-                     golden_inputs=rows, max_batch_size=4)  # fmt: skip
+                     golden_inputs=rows, max_batch_size=4, formats=("torchscript",))  # fmt: skip
     loaded = torch.jit.load(str(tmp_path / "model.pt"))
     assert not loaded.training
 
@@ -64,3 +71,65 @@ def test_declared_output_datatype_must_match(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="declared FP64, the module returns float32"):
         export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[wrong],
                      golden_inputs=golden(), max_batch_size=16)  # fmt: skip
+
+
+class Branchy(torch.nn.Module):
+    """Data-dependent control flow: torch.export refuses it, tracing records one path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0 if bool(x.sum() > 0) else x
+
+
+def test_pt2_manifest_records_what_the_package_needs_to_load(
+    exported: dict[str, Exported],
+) -> None:
+    for spec in exported.values():
+        manifest = json.loads((spec.version / "manifest.json").read_text())
+        assert manifest["artifacts"]["pt2"] == "model.pt2"
+        assert manifest["parity"]["pt2"]["max_abs"] < 1e-4
+        versions = manifest["versions"]
+        assert versions["pt2_device"] == "cpu"  # no GPU here: compiled for the CPU
+        assert versions["pt2_cpu_isa"]
+        assert versions["onnx_exporter"] == "dynamo"
+        with zipfile.ZipFile(spec.version / "model.pt2") as package:
+            (meta,) = [n for n in package.namelist() if n.endswith("wrapper_metadata.json")]
+            assert json.loads(package.read(meta))[TORCH_KEY] == torch.__version__
+
+
+def test_an_untraceable_module_falls_back_to_the_torchscript_onnx_exporter_saying_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    x = TensorConfig(name="x", datatype="FP32", shape=(4,))
+    with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
+        manifest = export_model(
+            Branchy(), tmp_path, name="b", inputs=[x], outputs=[x.model_copy(update={"name": "y"})],
+            golden_inputs={"x": np.ones((2, 4), np.float32)}, max_batch_size=4, formats=("onnx",),
+        )  # fmt: skip
+    assert manifest.versions["onnx_exporter"] == "torchscript"
+    reason = manifest.versions["onnx_exporter_fallback"]
+    assert reason is not None and reason.startswith("torch.export failed")
+    assert f"ONNX: {reason}; using the TorchScript-based exporter instead" in caplog.text
+
+
+def test_pt2_of_an_untraceable_module_is_refused_naming_torch_export(tmp_path: Path) -> None:
+    x = TensorConfig(name="x", datatype="FP32", shape=(4,))
+    with pytest.raises(ExportError, match="torch.export failed.*leave pt2 out of the formats"):
+        export_model(
+            Branchy(), tmp_path, name="b", inputs=[x], outputs=[x.model_copy(update={"name": "y"})],
+            golden_inputs={"x": np.ones((2, 4), np.float32)}, max_batch_size=4, formats=("pt2",),
+        )  # fmt: skip
+
+
+def test_writing_torchscript_warns_that_it_is_deprecated_upstream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
+        export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y],
+                     golden_inputs=golden(), max_batch_size=16, formats=("torchscript",))  # fmt: skip
+    assert "torch deprecated it in favour of torch.export" in caplog.text
+
+
+def test_unknown_formats_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"unknown formats \['tflite'\]"):
+        export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y],
+                     golden_inputs=golden(), max_batch_size=16, formats=("tflite",))  # fmt: skip

@@ -23,7 +23,7 @@ def test_a_minimal_config_names_only_the_backend(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("backend: tensorflow\n", "backend: Input should be 'onnx' or 'torchscript'"),
+        ("backend: tensorflow\n", "backend: Input should be 'onnx', 'torchscript' or 'pt2'"),
         ("max_batch_size: 4\n", "backend: Field required"),
         ("backend: onnx\nmax_batch_size: -1\n", "max_batch_size: Input should be greater than"),
         ("backend: onnx\nwarmup: {batch_sizes: [1, 0]}\n", "warmup.batch_sizes: Value error, batch sizes must be ≥ 1"),

@@ -1,3 +1,6 @@
+import json
+import re
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -6,12 +9,15 @@ import pytest
 import torch
 
 from service.errors import ModelLoadError
+from service.manifest import check_pt2
 from service.model_config import TensorConfig
 from service.runtimes import create_runtime, resolve_device
 from service.runtimes.base import RuntimeOptions, Signature
 from service.runtimes.onnx import providers_for
+from service.runtimes.pt2 import TORCH_KEY, Pt2Runtime
 from service.runtimes.torchscript import TorchScriptRuntime
-from tests.models import TrainModeNet
+from tests.conftest import Exported
+from tests.models import Mlp, TinyText, TrainModeNet
 
 SIGNATURE = Signature(
     (TensorConfig(name="x", datatype="FP32", shape=(8,)),),
@@ -253,3 +259,68 @@ def test_cuda_graphs_replay_captured_shapes_and_match_eager(train_mode_archive: 
     for rows in (4, 4, 3):  # two replays with different data, then an uncaptured shape
         x = {"x": rng.standard_normal((rows, 8)).astype(np.float32)}
         np.testing.assert_allclose(graphs.run(x)["y"], eager.run(x)["y"], atol=1e-6)
+
+
+def _repackaged(source: Path, target: Path, **metadata: str) -> Path:
+    """A copy of a pt2 package whose metadata says something else (as another torch or another
+    device would have written it)."""
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(target, "w") as copy:
+        for item in original.infolist():
+            data = original.read(item)
+            if item.filename.endswith("metadata.json"):
+                data = json.dumps({**json.loads(data), **metadata}).encode()
+            copy.writestr(item, data)
+    return target
+
+
+def _pt2(spec: Exported) -> Pt2Runtime:
+    runtime = Pt2Runtime(RuntimeOptions("cpu", 1))
+    runtime.load(spec.version / "model.pt2", Signature(spec.inputs, spec.outputs), 8)
+    return runtime
+
+
+def test_pt2_answers_every_batch_size_and_length_as_eager_does(
+    exported: dict[str, Exported],
+) -> None:
+    mlp, text = _pt2(exported["mlp"]), _pt2(exported["tiny_text"])
+    rng = np.random.default_rng(4)
+    for rows in range(1, exported["mlp"].max_batch_size + 1):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        with torch.inference_mode():
+            want = Mlp().eval()(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(mlp.run({"x": x})["y"], want, atol=1e-5)
+    for rows in range(1, exported["tiny_text"].max_batch_size + 1):
+        for length in exported["tiny_text"].buckets:
+            ids = rng.integers(1, 100, (rows, length))
+            mask = np.ones_like(ids)
+            with torch.inference_mode():
+                want = TinyText().eval()(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+            got = text.run({"input_ids": ids, "attention_mask": mask})["embedding"]
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_pt2_from_another_torch_or_for_another_device_is_refused_naming_both(
+    exported: dict[str, Exported], tmp_path: Path
+) -> None:
+    source, spec = exported["mlp"].version / "model.pt2", exported["mlp"]
+    signature = Signature(spec.inputs, spec.outputs)
+    older = _repackaged(source, tmp_path / "older.pt2", **{TORCH_KEY: "2.12.1+cpu"})
+    with pytest.raises(ModelLoadError, match=r"compiled by torch 2\.12\.1\+cpu, this server runs "
+                       rf"torch {re.escape(torch.__version__)}"):  # fmt: skip
+        Pt2Runtime(RuntimeOptions("cpu", 1)).load(older, signature, 8)
+    gpu = _repackaged(source, tmp_path / "gpu.pt2", AOTI_DEVICE_KEY="cuda")
+    with pytest.raises(ModelLoadError, match="compiled for cuda, this server runs it on cpu"):
+        Pt2Runtime(RuntimeOptions("cpu", 1)).load(gpu, signature, 8)
+
+
+def test_pt2_without_a_declared_signature_is_refused(exported: dict[str, Exported]) -> None:
+    with pytest.raises(ModelLoadError, match="carries no tensor names or datatypes"):
+        Pt2Runtime(RuntimeOptions("cpu", 1)).load(exported["mlp"].version / "model.pt2", None, 8)
+
+
+def test_a_cpu_package_needs_the_instruction_sets_it_was_compiled_for() -> None:
+    needs = {"torch": "2.13.0+cpu", "device": "cpu", "cpu_isa": "AVX512 AVX512_VNNI"}
+    check_pt2(needs, "2.13.0", {"cpu"}, cpu_flags={"avx2", "avx512f", "avx512_vnni"})
+    with pytest.raises(ModelLoadError, match="with AVX512 AVX512_VNNI, this CPU lacks AVX512_VNNI"):
+        check_pt2(needs, "2.13.0", {"cpu"}, cpu_flags={"avx2", "avx512f"})
+    check_pt2({**needs, "device": "cuda"}, "2.13.0", {"cpu", "cuda"}, cpu_flags={"avx2"})

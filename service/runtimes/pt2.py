@@ -1,0 +1,90 @@
+"""AOTInductor packages (``model.pt2``, from ``torch.export``) on libtorch.
+
+The package is machine code compiled ahead of time for one torch release, one kind of device and
+(on the CPU) one instruction set: what it needs is read from the package itself before it is
+loaded, and a package this process cannot run is refused with both sides named, not left to fail
+in a kernel. Loading needs no compiler. Inputs, outputs, streams and inference mode are as for
+TorchScript (:class:`~service.runtimes.torchscript.TorchScriptRuntime`); there is no module to put
+in eval mode: ``tensorgate export`` exported it in eval mode, and a compiled graph has no
+``training`` flag left to flip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch._inductor.package import load_package  # type: ignore[attr-defined]  # not re-exported in its stubs
+
+from service.errors import ModelLoadError
+from service.manifest import check_pt2
+from service.runtimes.base import Signature
+from service.runtimes.torchscript import TorchScriptRuntime
+
+TORCH_KEY = "tensorgate.torch"
+"""The package metadata key ``tensorgate export`` writes the compiling torch's version under."""
+_METADATA_SUFFIX = "wrapper_metadata.json"
+
+
+def package_needs(path: Path) -> dict[str, str]:
+    """What a package says it needs, from its metadata file (read without loading it):
+    ``AOTI_DEVICE_KEY``, ``AOTI_CPU_ISA``, ``AOTI_COMPUTE_CAPABILITY``, ``tensorgate.torch``."""
+    try:
+        with zipfile.ZipFile(path) as package:
+            names = [n for n in package.namelist() if n.endswith(_METADATA_SUFFIX)]
+            if not names:
+                raise ModelLoadError(f"{path.name} holds no AOTInductor model metadata")
+            needs: dict[str, str] = json.loads(package.read(names[0]))
+    except (OSError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path.name} is not an AOTInductor package: {exc}") from None
+    return needs
+
+
+class Pt2Runtime(TorchScriptRuntime):
+    """Runs ``model.pt2`` (``torch._inductor.aoti_compile_and_package``) on CPU or CUDA."""
+
+    artifact = "model.pt2"
+
+    def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
+        if declared is None:
+            raise ModelLoadError(
+                "an AOTInductor package carries no tensor names or datatypes: name 'inputs' and "
+                "'outputs' in config.yaml, or export it with `tensorgate export` to get a manifest"
+            )
+        device = torch.device(self.options.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device} asked for, but torch sees no CUDA device")
+        needs = package_needs(path)
+        check_pt2(
+            {"torch": needs.get(TORCH_KEY), "device": needs.get("AOTI_DEVICE_KEY"),
+             "cpu_isa": needs.get("AOTI_CPU_ISA")},
+            torch.__version__, {device.type},
+        )  # fmt: skip
+        # On the CPU every instance thread shares this runtime; a package runs one call per
+        # runner at a time, so it gets as many runners as calls can usefully run at once (the
+        # runners share the weights, each has its own activations).
+        threads = self.options.intra_op_threads
+        runners = 1 if device.type == "cuda" else max(1, (os.cpu_count() or 1) // threads)
+        try:
+            module = load_package(
+                str(path), num_runners=runners,
+                device_index=device.index if device.index is not None else -1,
+            )  # fmt: skip
+        except RuntimeError as exc:
+            raise ModelLoadError(f"cannot load {path.name}: {exc}") from None
+        self._threads = threading.local()
+        return self._bind(module, device, declared)
+
+    def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # The compiled kernels parallelise with OpenMP, whose thread count is per calling thread:
+        # each instance thread is given the configured count once, as torch's own ops are.
+        if not getattr(self._threads, "set", False):
+            torch.set_num_threads(self.options.intra_op_threads)
+            self._threads.set = True
+        return super().run(batch)
