@@ -28,7 +28,7 @@ MODELS := efficientnet_lite0 digits minilm
 ARTIFACTS := $(foreach m,$(MODELS),models/$(m)/1/manifest.json)
 PYTEST_ARGS ?=
 
-.PHONY: all venv runtime-venv run models test lint format bench lock lock-gpu clean check-deploy
+.PHONY: all venv runtime-venv run models test lint format bench lock lock-gpu clean check-deploy protos
 
 all: test
 
@@ -53,6 +53,11 @@ run: models
 	$(BIN)/tensorgate serve
 
 PY_DIRS := service preprocessing tests models bench deploy
+
+# The gRPC modules in service/protocol/pb/, generated from the vendored protos/ (committed, so
+# that the runtime needs no grpcio-tools; tests/unit/service/test_pb_generated.py checks them).
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(PY_DIRS)

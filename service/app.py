@@ -25,6 +25,7 @@ from service import PROCESS_STARTED, __version__
 from service.api import routers
 from service.api.admission import BodyBudget
 from service.api.fast import InferFastPath
+from service.api.grpc import start_grpc
 from service.api.http import CLIENT_GONE, Answer, ClientGone, error_answer, error_body
 from service.dataplane import DataPlane
 from service.errors import TensorgateError
@@ -55,9 +56,14 @@ def create_app(settings: Settings) -> FastAPI:
         polling = None
         if settings.poll_interval_s is not None:
             polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
+        # In this event loop, beside uvicorn's: one DataPlane, one Drain, shared schedulers.
+        grpc_server = await start_grpc(app.state.dataplane) if settings.grpc_port else None
         try:
             yield
         finally:
+            if grpc_server is not None:
+                # The drain has already waited for accepted calls; this bounds any stragglers.
+                await grpc_server.stop(settings.drain_grace_s)
             if polling is not None:
                 polling.cancel()
             await asyncio.shield(loading)

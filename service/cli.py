@@ -27,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--host", help="address to listen on (TG_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (TG_PORT, default 8000)")
     serve.add_argument(
+        "--grpc-port", type=int, help="gRPC port (TG_GRPC_PORT, default 8001; 0: no gRPC)"
+    )
+    serve.add_argument(
         "--model-repository", type=Path, help="model repository (TG_MODEL_REPOSITORY, ./models)"
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -104,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         for key, value in {
             "host": args.host,
             "port": args.port,
+            "grpc_port": args.grpc_port,
             "model_repository": args.model_repository,
             "log_level": args.log_level,
             "poll_interval_s": args.poll_interval_s,

@@ -9,6 +9,7 @@ from service.model_config import ModelConfig, TensorConfig
 from service.repository import ModelRepository, ModelState, ModelVersion
 from service.runtimes import PLATFORMS
 from service.settings import Settings
+from service.triton_config import triton_config
 
 
 def extensions(settings: Settings) -> list[str]:
@@ -68,22 +69,12 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
 
 
 def config(repository: ModelRepository, name: str, version: str | None) -> dict[str, Any]:
-    """The config being served, with inputs and outputs resolved (model_configuration)."""
+    """The config being served, in Triton's shape (model_configuration; see triton_config)."""
     found = repository.version(name, version)
     entry = repository.entry(name)
     assert entry.config is not None  # a version exists only under a valid config
-    served: ModelConfig = entry.config
-    body: dict[str, Any] = {
-        "name": name,
-        "version": str(found.version),
-        "platform": PLATFORMS[served.backend],
-        **served.model_dump(mode="json", exclude_none=True),
-    }
-    if found.served is not None:
-        signature = found.served.loaded.signature
-        body["inputs"] = [t.model_dump() for t in signature.inputs]
-        body["outputs"] = [t.model_dump() for t in signature.outputs]
-    return body
+    loaded = found.served.loaded if found.served is not None else None
+    return triton_config(name, found.version, entry.config, loaded)
 
 
 def statistics(

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     """Address to listen on. Use 0.0.0.0 in a container."""
     port: int = Field(default=8000, ge=0, le=65535)
     """Port to listen on (0 picks a free one)."""
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """Port of the Open Inference Protocol over gRPC (Triton's ``grpc_service.proto`` and
+    ``grpc.health.v1``), on the same host and models as HTTP; 8001 as Triton. 0: no gRPC."""
     model_repository: Path = Path("models")
     """The model repository: one folder a model, each with config.yaml and version folders."""
     models: list[str] | None = None

@@ -30,6 +30,8 @@ class InProcess:
     uvicorn would run (``serving``) beside the bare FastAPI app (``app``)."""
 
     def __init__(self, settings: Settings) -> None:
+        if "grpc_port" not in settings.model_fields_set:  # no port 8001 taken by a unit test
+            settings = settings.model_copy(update={"grpc_port": 0})
         self.app = create_app(settings)
         self.serving = serving_app(self.app, settings)
         self.loop = asyncio.new_event_loop()

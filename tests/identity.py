@@ -16,10 +16,14 @@ ONNX_TYPES = {
 }  # fmt: skip
 
 
-def write_identity_model(folder: Path, max_batch_size: int = 8, **config: object) -> None:
-    """``folder/config.yaml`` and ``folder/1/model.onnx``: ``in_<T>`` → ``out_<T>`` for each T."""
+def write_identity_model(
+    folder: Path, max_batch_size: int = 8, datatypes: tuple[str, ...] = (), **config: object
+) -> None:
+    """``folder/config.yaml`` and ``folder/1/model.onnx``: ``in_<T>`` → ``out_<T>`` for each T
+    (of ``datatypes``, or every one)."""
     nodes, inputs, outputs = [], [], []
-    for datatype, onnx_type in ONNX_TYPES.items():
+    for datatype in datatypes or tuple(ONNX_TYPES):
+        onnx_type = ONNX_TYPES[datatype]
         nodes.append(helper.make_node("Identity", [f"in_{datatype}"], [f"out_{datatype}"]))
         inputs.append(helper.make_tensor_value_info(f"in_{datatype}", onnx_type, ["batch", 3]))
         outputs.append(helper.make_tensor_value_info(f"out_{datatype}", onnx_type, ["batch", 3]))

@@ -41,10 +41,13 @@ class Server:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = free_port()
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.log_path = log_path
         environment = {
             **os.environ,
             "TG_PORT": str(self.port),
+            "TG_GRPC_PORT": str(self.grpc_port),
             "TG_HOST": "127.0.0.1",
             "TG_MODEL_REPOSITORY": str(repository),
             "TG_INTRA_OP_THREADS": "1",

@@ -18,6 +18,7 @@ import orjson
 from fastapi import Request, Response
 from starlette.types import Receive
 
+from service.api import compression
 from service.api.auth import check_authorization
 from service.dataplane import DataPlane
 from service.errors import InvalidInput, PayloadTooLarge, TensorgateError
@@ -66,6 +67,11 @@ async def answer_inference(
     try:
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
+        encoding = headers.get("content-encoding")
+        if encoding is not None:
+            body = await dataplane.offload(
+                len(body) * 4, compression.decompress, body, encoding, settings.max_body_bytes
+            )
         timeout_s = parse_timeout(headers.get("x-request-timeout"))
         if route.kind == "infer":
             header_length = v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(body))
@@ -77,7 +83,14 @@ async def answer_inference(
         answer = None
     except Exception as exc:
         return error_answer(exc, f"POST {route.kind} {route.model}")
-    return Answer(CLIENT_GONE, b"") if answer is None else answer
+    if answer is None:
+        return Answer(CLIENT_GONE, b"")
+    wanted = compression.choose(headers.get("accept-encoding", ""))
+    if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
+        body = await dataplane.offload(len(answer.body), compression.compress, answer.body, wanted)
+        encoded = {"content-encoding": wanted, "vary": "accept-encoding"}
+        answer = Answer(answer.status, body, {**answer.headers, **encoded})
+    return answer
 
 
 async def _infer(

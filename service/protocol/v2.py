@@ -145,7 +145,7 @@ def _decode_input(
                 f"input '{name}': binary_data_size is {size} but only {len(binary)} bytes "
                 "of binary data are left in the body"
             )
-        data = _from_binary(binary[:size], datatype, count, name)
+        data = from_binary(binary[:size], datatype, count, name)
         return InputTensor(name, datatype, shape, data.reshape(shape), parameters), size
     if "data" not in raw:
         raise InvalidInput(f"input '{name}' has no 'data' and no binary_data_size")
@@ -174,9 +174,10 @@ def _parameters(raw: Any, what: str) -> dict[str, Any]:
     return raw
 
 
-def _from_binary(chunk: memoryview, datatype: str, count: int, name: str) -> np.ndarray:
+def from_binary(chunk: memoryview, datatype: str, count: int, name: str) -> np.ndarray:
+    """``count`` elements of ``datatype`` from Triton's binary layout (also gRPC's raw contents)."""
     if datatype == "BYTES":
-        return _unpack_bytes(chunk, count, name)
+        return unpack_bytes(chunk, count, name)
     dtype = TO_NUMPY[datatype]
     expected = count * dtype.itemsize
     if len(chunk) != expected:
@@ -187,7 +188,7 @@ def _from_binary(chunk: memoryview, datatype: str, count: int, name: str) -> np.
     return np.frombuffer(chunk, dtype=dtype.newbyteorder("<"))
 
 
-def _unpack_bytes(chunk: memoryview, count: int, name: str) -> np.ndarray:
+def unpack_bytes(chunk: memoryview, count: int, name: str) -> np.ndarray:
     items: list[bytes] = []
     offset = 0
     end = len(chunk)
@@ -282,7 +283,7 @@ def encode_result(result: InferenceResult, binary_default: bool) -> tuple[bytes,
         }
         params = {k: v for k, v in output.parameters.items() if k != "binary_data"}
         if output.parameters.get("binary_data", binary_default):
-            blob = _to_binary(output.data, output.datatype)
+            blob = to_binary(output.data, output.datatype)
             chunks.append(blob)
             params["binary_data_size"] = len(blob)
         else:
@@ -316,7 +317,8 @@ def _to_json(data: np.ndarray, datatype: str) -> Any:
     return np.ascontiguousarray(flat)
 
 
-def _to_binary(data: np.ndarray, datatype: str) -> bytes:
+def to_binary(data: np.ndarray, datatype: str) -> bytes:
+    """A tensor in Triton's binary layout: little-endian elements, BYTES length-prefixed."""
     if datatype == "BYTES":
         parts = []
         for item in data.reshape(-1):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -99,7 +100,7 @@ def test_every_datatype_round_trips_through_the_aio_client(
             stats = await client.get_inference_statistics("identity")
             assert stats["model_stats"][0]["name"] == "identity"
             config = await client.get_model_config("identity")
-            assert config["backend"] == "onnx"
+            assert config["backend"] == "onnxruntime"
         finally:
             await client.close()
 
@@ -171,8 +172,12 @@ def test_model_configuration_is_the_served_config(protocol_server: Server) -> No
     assert config["name"] == "digits"
     assert config["platform"] == "pytorch_libtorch"
     assert config["max_batch_size"] == 64
-    assert config["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [1, 8, 8]}]
-    assert config["preprocessing"]["color"] == "L"
+    assert config["input"] == [
+        {"name": "image", "data_type": "TYPE_FP32", "dims": [1, 8, 8]},
+        {"name": "image_bytes", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    ]
+    preprocessing = json.loads(config["parameters"]["tensorgate.preprocessing"]["string_value"])
+    assert preprocessing["color"] == "L"
 
 
 def test_repository_index_unload_and_load_with_the_admin_token(protocol_server: Server) -> None:

@@ -1,0 +1,80 @@
+"""HTTP body compression, as Triton does it: ``Content-Encoding: gzip | deflate`` requests are
+inflated within the body limit, and answers are compressed when ``Accept-Encoding`` asks and the
+body is large enough to gain. Pure functions over bytes."""
+
+from __future__ import annotations
+
+import zlib
+
+from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+
+MIN_COMPRESS_BYTES = 1024
+"""Smaller answers go as they are: their headers and framing outweigh what compression saves."""
+_CHUNK = 1 << 20
+_GZIP, _ZLIB, _RAW = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
+
+
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body under ``encoding`` (``identity``, ``gzip`` or ``deflate``), inflated a chunk at
+    a time: past ``limit`` decompressed bytes it is a 413 at once, so a compression bomb costs
+    at most ``limit`` bytes of memory."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding in ("gzip", "x-gzip"):
+        wbits = _GZIP
+    elif encoding == "deflate":
+        # HTTP's deflate is the zlib format; some clients send raw deflate: take both.
+        wbits = (
+            _ZLIB
+            if body[:1] and (body[0] & 0x0F) == 8 and int.from_bytes(body[:2]) % 31 == 0
+            else _RAW
+        )
+    else:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
+        )
+    inflater = zlib.decompressobj(wbits)
+    parts: list[bytes] = []
+    size = 0
+    pending = body
+    try:
+        while pending:
+            part = inflater.decompress(pending, _CHUNK)
+            size += len(part)
+            if size > limit:
+                raise PayloadTooLarge(
+                    f"the {encoding} request body inflates past the limit of {limit} bytes"
+                )
+            parts.append(part)
+            pending = inflater.unconsumed_tail
+            if inflater.eof:
+                break
+        if not inflater.eof:
+            raise InvalidInput(f"the {encoding} request body is cut off")
+    except zlib.error as exc:
+        raise InvalidInput(f"the request body is not valid {encoding}: {exc}") from None
+    return b"".join(parts)
+
+
+def choose(accept: str) -> str | None:
+    """The encoding to answer with for an ``Accept-Encoding`` value (gzip first), or None."""
+    offered = {}
+    for item in accept.lower().split(","):
+        name, _, params = item.strip().partition(";")
+        quality = params.strip().removeprefix("q=") if params.strip().startswith("q=") else "1"
+        try:
+            offered[name.strip()] = float(quality)
+        except ValueError:
+            continue
+    for name in ("gzip", "deflate"):
+        if offered.get(name, 0) > 0:
+            return name
+    return None
+
+
+def compress(body: bytes, encoding: str) -> bytes:
+    """``body`` under ``encoding`` (gzip or deflate), at a fast level: an answer is made once
+    and sent once."""
+    compressor = zlib.compressobj(1, zlib.DEFLATED, _GZIP if encoding == "gzip" else _ZLIB)
+    return compressor.compress(body) + compressor.flush()

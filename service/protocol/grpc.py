@@ -1,0 +1,179 @@
+"""Open Inference Protocol over gRPC (Triton's ``grpc_service.proto``): messages ↔ the core.
+
+Pure functions, as :mod:`service.protocol.v2` is for REST: :func:`decode_request` turns a
+``ModelInferRequest`` into the core's request (raw contents are numpy views of the message's
+bytes, laid out as Triton's binary tensors; typed ``contents`` are read field by field), and
+:func:`encode_result` turns the core's result into a ``ModelInferResponse``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from service.errors import InvalidInput, PayloadTooLarge
+from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
+from service.protocol import v2
+from service.protocol.datatypes import TO_NUMPY
+from service.protocol.pb import grpc_service_pb2 as pb
+
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}  # fmt: skip
+"""Where each datatype's typed ``contents`` live; FP16 and BF16 have none (raw contents only)."""
+
+
+def decode_request(
+    message: pb.ModelInferRequest, timeout_s: float | None, max_elements: int | None = None
+) -> InferenceRequest:
+    """A ``ModelInferRequest`` → the core's request; ``timeout_s``: the call's deadline."""
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries for {len(message.inputs)} inputs; "
+            "when used it holds one per input, in order"
+        )
+    if not message.inputs:
+        raise InvalidInput("'inputs' must hold at least one tensor")
+    inputs = []
+    for index, tensor in enumerate(message.inputs):
+        content = raw[index] if raw else None
+        inputs.append(_decode_input(tensor, content, max_elements))
+    names = [t.name for t in inputs]
+    if len(set(names)) != len(names):
+        raise InvalidInput(f"an input appears more than once in 'inputs': {names}")
+    outputs = None
+    if message.outputs:
+        outputs = [RequestedOutput(o.name, parameters(o.parameters)) for o in message.outputs]
+        asked = [o.name for o in outputs]
+        if len(set(asked)) != len(asked):
+            raise InvalidInput(f"an output is requested more than once: {asked}")
+    return InferenceRequest(
+        message.model_name, message.model_version or None, inputs, outputs=outputs,
+        parameters=parameters(message.parameters), id=message.id or None, timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+def _decode_input(
+    tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | None, max_elements: int | None
+) -> InputTensor:
+    name, datatype = tensor.name, tensor.datatype
+    if not name:
+        raise InvalidInput("every input needs a name")
+    if datatype not in TO_NUMPY:
+        raise InvalidInput(
+            f"input '{name}': datatype must be one of {', '.join(TO_NUMPY)} (got {datatype!r})"
+        )
+    shape = tuple(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"input '{name}': shape dims must be integers ≥ 0 (got {list(shape)})")
+    count = math.prod(shape)
+    if max_elements is not None and count > max_elements:
+        raise PayloadTooLarge(
+            f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
+        )
+    if datatype == "BYTES" and count > v2.MAX_BYTES_ELEMENTS:
+        raise PayloadTooLarge(
+            f"input '{name}': shape {list(shape)} has {count} BYTES elements; the limit is "
+            f"{v2.MAX_BYTES_ELEMENTS} (each element is an object of its own)"
+        )
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InvalidInput(f"input '{name}' has both 'contents' and raw_input_contents")
+        data = v2.from_binary(memoryview(raw), datatype, count, name)
+    else:
+        data = _from_contents(tensor, count)
+    return InputTensor(name, datatype, shape, data.reshape(shape), parameters(tensor.parameters))
+
+
+def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) -> np.ndarray:
+    name, datatype = tensor.name, tensor.datatype
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidInput(
+            f"input '{name}': {datatype} has no typed 'contents' in the protocol; send it in "
+            "raw_input_contents"
+        )
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidInput(
+            f"input '{name}': shape {list(tensor.shape)} needs {count} elements, "
+            f"contents.{field} has {len(values)}"
+        )
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array
+    dtype = TO_NUMPY[datatype]
+    try:
+        # Narrow types travel in wider fields (INT8 in int_contents): a value out of range is
+        # the client's error, not a silent wrap-around.
+        wide = np.asarray(values)
+        array = wide.astype(dtype)
+        if datatype not in ("FP32", "FP64", "BOOL") and not np.array_equal(array, wide):
+            raise ValueError("a value is out of range")
+    except (ValueError, OverflowError) as exc:
+        raise InvalidInput(f"input '{name}': contents.{field} is not {datatype}: {exc}") from None
+    return array
+
+
+def encode_result(result: InferenceResult, raw: bool) -> pb.ModelInferResponse:
+    """The core's result → ``ModelInferResponse``: outputs in ``raw_output_contents`` when
+    ``raw`` (as the request sent its inputs) or when an output's datatype has no typed field
+    (raw contents are all or nothing), else in typed ``contents``."""
+    response = pb.ModelInferResponse(
+        model_name=result.model, model_version=result.version, id=result.id or ""
+    )
+    set_parameters(response.parameters, result.parameters)
+    raw = raw or any(o.datatype not in CONTENTS_FIELD for o in result.outputs)
+    for output in result.outputs:
+        tensor = response.outputs.add(
+            name=output.name, datatype=output.datatype, shape=output.data.shape
+        )
+        set_parameters(tensor.parameters, output.parameters)
+        if raw:
+            response.raw_output_contents.append(v2.to_binary(output.data, output.datatype))
+        else:
+            flat = output.data.reshape(-1)
+            values = flat.tolist() if output.datatype != "BYTES" else [
+                v if isinstance(v, bytes) else str(v).encode() for v in flat
+            ]  # fmt: skip
+            getattr(tensor.contents, CONTENTS_FIELD[output.datatype]).extend(values)
+    return response
+
+
+def parameters(message: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
+    """A protobuf parameter map → plain values."""
+    values: dict[str, Any] = {}
+    for key, parameter in message.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        values[key] = getattr(parameter, choice) if choice is not None else None
+    return values
+
+
+def set_parameters(target: Any, values: Mapping[str, Any]) -> None:
+    """Plain values → a protobuf parameter map; values with no protobuf type go as JSON text."""
+    for key, value in values.items():
+        parameter = target[key]
+        if isinstance(value, bool):
+            parameter.bool_param = value
+        elif isinstance(value, int) and -(2**63) <= value < 2**63:
+            parameter.int64_param = value
+        elif isinstance(value, int) and 0 <= value < 2**64:
+            parameter.uint64_param = value
+        elif isinstance(value, float):
+            parameter.double_param = value
+        elif isinstance(value, str):
+            parameter.string_param = value
+        else:
+            parameter.string_param = orjson.dumps(value, default=str).decode()

@@ -1,0 +1,53 @@
+"""Request inflation within the body limit, and the choice of answer encoding."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+
+from service.api import compression
+from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+
+pytestmark = pytest.mark.unit
+BODY = b'{"inputs": []}' * 100
+
+
+def raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(6, zlib.DEFLATED, -15)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "packed"),
+    [
+        ("gzip", gzip.compress(BODY)),
+        ("deflate", zlib.compress(BODY)),
+        ("deflate", raw_deflate(BODY)),
+        ("identity", BODY),
+    ],
+)
+def test_bodies_inflate_to_what_was_sent(encoding: str, packed: bytes) -> None:
+    assert compression.decompress(packed, encoding, len(BODY)) == BODY
+
+
+def test_inflating_past_the_limit_stops_at_the_limit() -> None:
+    with pytest.raises(PayloadTooLarge, match="inflates past the limit of 1000 bytes"):
+        compression.decompress(gzip.compress(bytes(10_000_000)), "gzip", 1000)
+
+
+def test_broken_and_unknown_encodings_are_refused() -> None:
+    with pytest.raises(InvalidInput):
+        compression.decompress(gzip.compress(BODY)[:-10], "gzip", 1 << 20)
+    with pytest.raises(UnsupportedMediaType, match="'br'"):
+        compression.decompress(BODY, "br", 1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [("gzip", "gzip"), ("deflate, gzip;q=0", "deflate"), ("identity", None), ("", None),
+     ("br, deflate;q=0.5, gzip", "gzip")],
+)  # fmt: skip
+def test_the_answer_encoding_follows_accept_encoding(accept: str, chosen: str | None) -> None:
+    assert compression.choose(accept) == chosen

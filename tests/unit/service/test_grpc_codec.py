@@ -1,0 +1,76 @@
+"""The gRPC codec: ModelInferRequest ↔ the core's request and result, as pure functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.errors import InvalidInput, PayloadTooLarge
+from service.inference import InferenceResult, OutputTensor
+from service.protocol import grpc as codec
+from service.protocol.pb import grpc_service_pb2 as pb
+
+pytestmark = pytest.mark.unit
+
+
+def request_with(datatype: str, shape: list[int], **contents: list[object]) -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name="m", model_version="2", id="q")
+    tensor = message.inputs.add(name="x", datatype=datatype, shape=shape)
+    for field, values in contents.items():
+        getattr(tensor.contents, field).extend(values)
+    return message
+
+
+def test_typed_and_raw_contents_decode_to_the_same_tensor() -> None:
+    typed = codec.decode_request(request_with("INT16", [1, 3], int_contents=[1, -2, 3]), 1.5)
+    raw = request_with("INT16", [1, 3])
+    raw.raw_input_contents.append(np.array([1, -2, 3], "<i2").tobytes())
+    decoded = codec.decode_request(raw, None)
+    np.testing.assert_array_equal(typed.inputs[0].data, decoded.inputs[0].data)
+    assert typed.inputs[0].data.dtype == np.int16
+    assert (typed.model, typed.version, typed.id, typed.timeout_s) == ("m", "2", "q", 1.5)
+
+
+@pytest.mark.parametrize(
+    ("message", "error", "text"),
+    [
+        (request_with("INT8", [1], int_contents=[300]), InvalidInput, "not INT8"),
+        (request_with("FP32", [2], fp32_contents=[1.0]), InvalidInput, "needs 2 elements"),
+        (request_with("FP16", [1]), InvalidInput, "raw_input_contents"),
+        (request_with("FP64", [1 << 20, 1 << 10]), PayloadTooLarge, "limit"),
+        (request_with("NOPE", [1]), InvalidInput, "datatype must be one of"),
+    ],
+)
+def test_bad_requests_name_the_input(
+    message: pb.ModelInferRequest, error: type[Exception], text: str
+) -> None:
+    with pytest.raises(error, match=text):
+        codec.decode_request(message, None, max_elements=1 << 24)
+
+
+def test_raw_contents_must_cover_every_input() -> None:
+    message = request_with("FP32", [1])
+    message.inputs.add(name="y", datatype="FP32", shape=[1])
+    message.raw_input_contents.append(b"\0\0\0\0")
+    with pytest.raises(InvalidInput, match="one per input"):
+        codec.decode_request(message, None)
+
+
+def test_parameters_round_trip_and_fp16_outputs_go_raw() -> None:
+    message = request_with("FP32", [1], fp32_contents=[1.0])
+    codec.set_parameters(message.parameters, {"a": True, "b": 3, "c": 0.5, "d": "s", "e": [1]})
+    assert codec.parameters(message.parameters) == {
+        "a": True, "b": 3, "c": 0.5, "d": "s", "e": "[1]",
+    }  # fmt: skip
+    outputs = [
+        OutputTensor("y", "FP16", np.array([[1.5]], np.float16)),
+        OutputTensor("z", "INT32", np.array([[7]], np.int32)),
+    ]
+    result = InferenceResult("m", "1", "q", outputs, {}, {}, None, True)
+    response = codec.encode_result(result, raw=False)
+    assert len(response.raw_output_contents) == 2  # all or nothing
+    assert np.frombuffer(response.raw_output_contents[0], "<f2")[0] == 1.5
+    typed = codec.encode_result(
+        InferenceResult("m", "1", None, outputs[1:], {}, {}, None, True), False
+    )
+    assert list(typed.outputs[0].contents.int_contents) == [7] and not typed.raw_output_contents
