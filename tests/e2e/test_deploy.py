@@ -7,6 +7,8 @@ real process with the compose file's environment, and probed the way Kubernetes 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -24,7 +26,7 @@ from tests.e2e.manifests import (
     k8s,
     serving_runtime,
 )
-from tests.server import MODELS
+from tests.server import MODELS, REPO_ROOT
 
 SETTINGS_ENV = {f"TG_{name.upper()}" for name in Settings.model_fields}
 ROUTES = set(create_app(Settings(model_repository=MODELS)).openapi()["paths"])
@@ -189,37 +191,16 @@ def test_security_context_is_locked_down() -> None:
         assert instruction(stage, "USER") == ["10001:10001"]
 
 
-def _kserve_check(data: Any, model: type, path: str = "") -> None:
-    """Check a manifest against the KServe SDK's generated models (from the CRD OpenAPI):
-    unknown fields and wrong types fail, as the API server's schema validation would."""
-    import kserve.models
-    import kubernetes.client.models
-
-    if not isinstance(data, dict):
-        raise AssertionError(f"{path}: expected an object for {model.__name__}")
-    by_json = {json_name: attr for attr, json_name in model.attribute_map.items()}
-    for key, value in data.items():
-        assert key in by_json, f"{path}.{key}: not a field of {model.__name__}"
-        kind = model.openapi_types[by_json[key]]
-        _kserve_value(value, kind, f"{path}.{key}", kserve.models, kubernetes.client.models)
-
-
-def _kserve_value(value: Any, kind: str, path: str, *modules: Any) -> None:
-    if kind.startswith(("list[", "List[")):
-        assert isinstance(value, list), f"{path}: expected a list"
-        for i, item in enumerate(value):
-            _kserve_value(item, kind[5:-1], f"{path}[{i}]", *modules)
-    elif kind.startswith(("dict(", "Dict[")):
-        assert isinstance(value, dict), f"{path}: expected a mapping"
-    elif kind in ("str", "int", "bool", "float", "object"):
-        expected = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": object}[
-            kind
-        ]
-        assert isinstance(value, expected), f"{path}: expected {kind}, got {value!r}"
-    else:
-        model = next((getattr(m, kind) for m in modules if hasattr(m, kind)), None)
-        assert model is not None, f"{path}: no model class {kind}"
-        _kserve_check(value, model, path)
+def kserve_check(document: Any, model: str) -> str:
+    """What KServe's SDK models say of ``document`` ("" when it fits), from a process of its own:
+    the SDK registers the same protobuf names as tritonclient.grpc, and one process cannot hold
+    both (tests/e2e/kserve_check.py)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.kserve_check", model], input=json.dumps(document),
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr
+    return done.stdout.strip()
 
 
 @pytest.mark.parametrize(
@@ -230,10 +211,8 @@ def _kserve_value(value: Any, kind: str, path: str, *modules: Any) -> None:
     ],
 )
 def test_kserve_resources_match_their_crd_models(file: str, model: str) -> None:
-    import kserve.models
-
     document = yaml.safe_load((DEPLOY / "kserve" / file).read_text())
-    _kserve_check(document, getattr(kserve.models, model), file)
+    assert kserve_check(document, model) == ""
     if model == "V1alpha1ServingRuntime":
         spec = document["spec"]
         assert "v2" in spec["protocolVersions"]
@@ -241,13 +220,9 @@ def test_kserve_resources_match_their_crd_models(file: str, model: str) -> None:
 
 
 def test_the_kserve_check_refuses_unknown_fields_and_wrong_types() -> None:
-    import kserve.models
-
     document = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
     document["spec"]["protocolVersion"] = ["v2"]  # the field is protocolVersions
-    with pytest.raises(AssertionError, match="protocolVersion: not a field"):
-        _kserve_check(document, kserve.models.V1alpha1ServingRuntime, "runtime")
+    assert "protocolVersion: not a field" in kserve_check(document, "V1alpha1ServingRuntime")
     document = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())
     document["spec"]["multiModel"] = "no"
-    with pytest.raises(AssertionError, match="expected bool"):
-        _kserve_check(document, kserve.models.V1alpha1ServingRuntime, "runtime")
+    assert "expected bool" in kserve_check(document, "V1alpha1ServingRuntime")
