@@ -60,11 +60,11 @@ RUN python -m venv /opt/venv \
  && rm -rf /src /tmp/cpu.txt \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tensorgate
 COPY --from=build --chown=10001:10001 /src/models /models
-ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
+ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_GRPC_PORT=8001 TG_MODEL_REPOSITORY=/models \
     TG_EXPECT_TORCH=2.13.0+cpu TG_EXPECT_ONNXRUNTIME=1.32.0 \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 STOPSIGNAL SIGTERM
 # `tensorgate health` reads the same TG_* settings as the server (port, API token or its file),
 # so the check still passes when TG_PROTECT_HEALTH_AND_METRICS asks for the token.
@@ -109,11 +109,11 @@ RUN python3.11 -m venv /opt/venv \
  && rm -rf /src /tmp/gpu.txt \
  && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin tensorgate
 COPY --from=build --chown=10001:10001 /src/models /models
-ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_MODEL_REPOSITORY=/models \
+ENV TG_HOST=0.0.0.0 TG_PORT=8000 TG_GRPC_PORT=8001 TG_MODEL_REPOSITORY=/models \
     TG_EXPECT_TORCH=2.13.0 TG_EXPECT_ONNXRUNTIME=1.31.1 TG_EXPECT_CUDA=13.0 \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 STOPSIGNAL SIGTERM
 # `tensorgate health` reads the same TG_* settings as the server (port, API token or its file),
 # so the check still passes when TG_PROTECT_HEALTH_AND_METRICS asks for the token.

@@ -139,18 +139,41 @@ def test_images_and_compose_serve_what_they_ship() -> None:
 
 
 def test_ports_agree_everywhere() -> None:
-    port = str(Settings.model_fields["port"].default)
+    """HTTP on TG_PORT and gRPC on TG_GRPC_PORT (8000 and 8001, as Triton) in the images, compose,
+    the ConfigMap, the Deployment's named container ports and the Service."""
+    http = str(Settings.model_fields["port"].default)
+    grpc = str(Settings.model_fields["grpc_port"].default)
     for stage in ("cpu", "gpu"):
-        assert image_env(stage)["TG_PORT"] == port
-        assert instruction(stage, "EXPOSE") == [port]
-    assert COMPOSE["x-tensorgate"]["environment"]["TG_PORT"] == port
-    assert all(
-        p.endswith(f":{port}") for s in COMPOSE["services"].values() for p in s.get("ports", [])
-    )
-    container = deployment()["spec"]["template"]["spec"]["containers"][0]
-    assert container["ports"][0]["containerPort"] == int(port)
-    config = next(d for d in k8s() if d["kind"] == "ConfigMap")
-    assert config["data"]["TG_PORT"] == port
+        assert image_env(stage)["TG_PORT"] == http
+        assert image_env(stage)["TG_GRPC_PORT"] == grpc
+        assert instruction(stage, "EXPOSE") == [f"{http} {grpc}"]
+    environment = COMPOSE["x-tensorgate"]["environment"]
+    assert (environment["TG_PORT"], environment["TG_GRPC_PORT"]) == (http, grpc)
+    for name in ("tensorgate", "tensorgate-cpu"):
+        inside = sorted(p.split(":")[-1] for p in COMPOSE["services"][name]["ports"])
+        assert inside == sorted([http, grpc]), name
+    for overlay in ("cpu", "gpu"):
+        container = deployment(overlay)["spec"]["template"]["spec"]["containers"][0]
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+            "http": int(http), "grpc": int(grpc),
+        }  # fmt: skip
+        objects = k8s(overlay)
+        data = next(d for d in objects if d["kind"] == "ConfigMap")["data"]
+        assert (data["TG_PORT"], data["TG_GRPC_PORT"]) == (http, grpc)
+        service = next(d for d in objects if d["kind"] == "Service")
+        assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
+            "http": "http", "grpc": "grpc",
+        }  # fmt: skip
+        policy = next(d for d in objects if d["kind"] == "NetworkPolicy")
+        allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+        assert allowed == {int(http), int(grpc)}
+
+
+def test_kserve_runtime_serves_grpc_v2_too() -> None:
+    runtime = serving_runtime()
+    assert runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
+    args = runtime["spec"]["containers"][0]["args"]
+    assert args[args.index("--grpc-port") + 1] == "9000"  # what KServe's grpc-v2 examples use
 
 
 def test_every_env_var_is_a_setting_the_server_reads() -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import yaml
@@ -44,6 +45,7 @@ class Shipped:
     argv: list[str]
     env: dict[str, str]
     port: int
+    grpc_port: int
     startup_budget_s: float
     grace_s: float
     probes: list[str] = field(default_factory=list)
@@ -112,8 +114,10 @@ def image_case(home: Path) -> Shipped:
     }
     declared = int(env["TG_PORT"])
     assert any(p.endswith(f":{declared}") for p in service["ports"])
-    port = free_port()
-    env.update(TG_PORT=str(port), TG_HOST="127.0.0.1", TG_MODEL_REPOSITORY=str(MODELS))
+    assert any(p.endswith(f":{env['TG_GRPC_PORT']}") for p in service["ports"])
+    port, grpc = free_port(), free_port()
+    env.update(TG_PORT=str(port), TG_GRPC_PORT=str(grpc), TG_HOST="127.0.0.1",
+               TG_MODEL_REPOSITORY=str(MODELS))  # fmt: skip
     healthcheck = COMPOSE["x-tensorgate"]["healthcheck"]["test"][1:]  # after "CMD"
     grace = float(COMPOSE["x-tensorgate"]["stop_grace_period"].removesuffix("s"))
     start_period = float(COMPOSE["x-tensorgate"]["healthcheck"]["start_period"].removesuffix("s"))
@@ -132,15 +136,18 @@ def kubernetes_case(home: Path) -> Shipped:
     assert [e["configMapRef"]["name"] for e in container["envFrom"]] == [config["metadata"]["name"]]
     env = {**base_env("cpu", home), **config["data"], **resolved(container)}
     (http,) = [p for p in container["ports"] if p["name"] == "http"]
+    (grpc_declared,) = [p for p in container["ports"] if p["name"] == "grpc"]
     assert int(env["TG_PORT"]) == http["containerPort"]
+    assert int(env["TG_GRPC_PORT"]) == grpc_declared["containerPort"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["port"] in ("http", http["containerPort"])
-    port = free_port()
-    env.update(TG_PORT=str(port), TG_HOST="127.0.0.1", TG_MODEL_REPOSITORY=str(MODELS))
+    port, grpc = free_port(), free_port()
+    env.update(TG_PORT=str(port), TG_GRPC_PORT=str(grpc), TG_HOST="127.0.0.1",
+               TG_MODEL_REPOSITORY=str(MODELS))  # fmt: skip
     argv = container.get("command", entrypoint("cpu")) + container["args"]
     startup = container["startupProbe"]
     return Shipped(
-        argv, env, port, startup["periodSeconds"] * startup["failureThreshold"],
+        argv, env, port, grpc, startup["periodSeconds"] * startup["failureThreshold"],
         pod["terminationGracePeriodSeconds"], probes=probe_paths(container),
     )  # fmt: skip
 
@@ -155,9 +162,10 @@ def kserve_case(home: Path, name: str, folder: str) -> Shipped:
         MODELS / folder, storage, ignore=shutil.ignore_patterns("build.py", "__pycache__")
     )
     (declared,) = [p["containerPort"] for p in container["ports"]]
-    port = free_port()
+    port, grpc = free_port(), free_port()
     args = [a.replace("{{.Name}}", name) for a in container["args"]]
-    replaced = {"--host": "127.0.0.1", "--port": str(port), "--model-repository": str(storage)}
+    replaced = {"--host": "127.0.0.1", "--port": str(port), "--grpc-port": str(grpc),
+                "--model-repository": str(storage)}  # fmt: skip
     assert args[args.index("--port") + 1] == str(declared)
     for flag, value in replaced.items():
         args[args.index(flag) + 1] = value
@@ -167,7 +175,7 @@ def kserve_case(home: Path, name: str, folder: str) -> Shipped:
     startup = container["startupProbe"]
     text = name if folder == "minilm" else None
     return Shipped(
-        entrypoint("cpu") + args, env, port, startup["periodSeconds"] * startup["failureThreshold"],
+        entrypoint("cpu") + args, env, port, grpc, startup["periodSeconds"] * startup["failureThreshold"],
         30.0,  # the pod's terminationGracePeriodSeconds: KServe leaves Kubernetes' default
         probes=probe_paths(container), image_model=name if folder != "minilm" else "", text_model=text,
     )  # fmt: skip
@@ -227,6 +235,10 @@ def test_what_ships_starts_answers_and_drains(
         for path in case.probes:
             answer = client.get(path)
             assert answer.status_code == 200, (path, answer.text)
+        with grpc.insecure_channel(f"127.0.0.1:{case.grpc_port}") as channel:
+            # /grpc.health.v1.Health/Check, as a kubelet `grpc:` probe asks: SERVING
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            assert check(b"", timeout=10) == b"\x08\x01"
         if case.healthcheck is not None:
             done = subprocess.run(
                 case.healthcheck, env=case.env, capture_output=True, text=True, timeout=30
