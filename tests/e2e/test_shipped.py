@@ -122,8 +122,9 @@ def image_case(home: Path) -> Shipped:
     grace = float(COMPOSE["x-tensorgate"]["stop_grace_period"].removesuffix("s"))
     start_period = float(COMPOSE["x-tensorgate"]["healthcheck"]["start_period"].removesuffix("s"))
     return Shipped(
-        entrypoint("cpu") + json.loads(cmd), env, port, start_period, grace, healthcheck=healthcheck
-    )
+        entrypoint("cpu") + json.loads(cmd), env, port, grpc, start_period, grace,
+        healthcheck=healthcheck,
+    )  # fmt: skip
 
 
 def kubernetes_case(home: Path) -> Shipped:
