@@ -27,6 +27,9 @@ from typing import Any, ClassVar
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+SWEEP_S = 0.25
+"""How often overdue heads and bodies are looked for: a timeout fires up to this late."""
+
 REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
 ``header_too_large``, ``header_timeout``, ``body_timeout`` (here) and ``body_budget``
@@ -51,18 +54,29 @@ class ConnectionLimits:
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
-    """The protocol class uvicorn instantiates per connection, bound to ``limits``."""
-    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+    """The protocol class uvicorn instantiates per connection, bound to ``limits`` (one class a
+    server: its sweep and its set of connections are its own)."""
+    return type(
+        "GuardedHttpProtocol",
+        (GuardedHttpProtocol,),
+        {"limits": limits, "_sweep": None, "_open": set()},
+    )
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the guards of this module."""
 
     limits: ClassVar[ConnectionLimits]
+    _sweep: ClassVar[asyncio.TimerHandle | None] = None
+    _open: ClassVar[set[Any]] = set()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._timer: asyncio.TimerHandle | None = None
+        # When the head or body now under way must have arrived (loop time), and what to say
+        # then. Checked by one sweep a server (below), not by a timer per request: arming and
+        # cancelling two timers a request was a cost on every request.
+        self._deadline: float | None = None
+        self._waiting_for = ("", 0.0)
         self._in_head = False  # a request has begun and its head is not complete yet
         self._head_bytes = 0
 
@@ -75,10 +89,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 "retry shortly",
             )  # fmt: skip
             return
-        self._arm("header_timeout", self.limits.header_timeout_s)
+        type(self)._open = self.connections  # uvicorn's set of this server's connections
+        self._expect("header_timeout", self.limits.header_timeout_s)
+        self._schedule_sweep()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._deadline = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -97,29 +113,43 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
-        if self._timer is None:  # after a keep-alive pause: the head must now arrive in time
-            self._arm("header_timeout", self.limits.header_timeout_s)
+        if self._deadline is None:  # after a keep-alive pause: the head must now arrive in time
+            self._expect("header_timeout", self.limits.header_timeout_s)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._arm("body_timeout", self.limits.body_timeout_s)
+        self._expect("body_timeout", self.limits.body_timeout_s)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self._deadline = None
         super().on_message_complete()
 
-    def _arm(self, reason: str, seconds: float) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(seconds, self._expire, reason, seconds)
+    def _expect(self, reason: str, seconds: float) -> None:
+        self._deadline = self.loop.time() + seconds
+        self._waiting_for = (reason, seconds)
 
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _schedule_sweep(self) -> None:
+        cls = type(self)
+        if cls._sweep is None:
+            interval = min(SWEEP_S, self.limits.header_timeout_s, self.limits.body_timeout_s)
+            cls._sweep = self.loop.call_later(interval, cls._sweep_once, self.loop, interval)
 
-    def _expire(self, reason: str, seconds: float) -> None:
-        self._timer = None
+    @classmethod
+    def _sweep_once(cls, loop: asyncio.AbstractEventLoop, interval: float) -> None:
+        """Every ``interval``: refuse each connection whose head or body is overdue."""
+        cls._sweep = None
+        now = loop.time()
+        for connection in list(cls._open):
+            deadline = getattr(connection, "_deadline", None)
+            if deadline is not None and now >= deadline:
+                connection._expire()
+        if cls._open:
+            cls._sweep = loop.call_later(interval, cls._sweep_once, loop, interval)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        reason, seconds = self._waiting_for
         if reason == "header_timeout" and self.cycle is not None and not self._in_head:
             # Between requests (a response still being written, or keep-alive): uvicorn's
             # own keep-alive timeout closes an idle connection.
@@ -130,7 +160,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _refuse(self, reason: str, message: str) -> None:
         """Answer with ``reason``'s status unless a response has begun, then close."""
         REFUSED[reason] += 1
-        self._disarm()
+        self._deadline = None
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             # The application holds this request: its receive() now reports a disconnect.

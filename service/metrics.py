@@ -202,6 +202,13 @@ class _RepositoryCollector(Collector):
                        "body_budget"):  # fmt: skip
             refused.add_metric([reason], REFUSED[reason])
         yield refused
+        from service.api.admission import BUDGETS  # the HTTP layer imports this module
+
+        yield GaugeMetricFamily(
+            "tensorgate_request_body_bytes_in_flight",
+            "Request body bytes held now over all connections (TG_MAX_INFLIGHT_BYTES bounds it).",
+            value=sum(budget.held for budget in BUDGETS),
+        )
 
     def _batch_sizes(self) -> Metric:
         """Rows per execution, as a histogram built from the exact per-size counts."""

@@ -12,12 +12,17 @@ the request's answer has been sent, since decoding and inference hold them until
 
 from __future__ import annotations
 
+import weakref
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.http import error_body
 from service.connections import REFUSED
 from service.errors import ServerBusy
 from service.logs import REQUEST_ID, request_id_for
+
+BUDGETS: weakref.WeakSet[BodyBudget] = weakref.WeakSet()
+"""This process's budgets (one per server), for the metrics."""
 
 
 class BodyBudget:
@@ -29,6 +34,7 @@ class BodyBudget:
         self.max_body_bytes = max_body_bytes
         self.held = 0
         """Body bytes of the requests being handled now (declared, or read so far)."""
+        BUDGETS.add(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -72,6 +72,13 @@ def refused(server: Server) -> dict[str, float]:
     return found
 
 
+def in_flight(server: Server) -> float:
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith("tensorgate_request_body_bytes_in_flight "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no tensorgate_request_body_bytes_in_flight in /metrics")
+
+
 def served(server: Server) -> bool:
     return server.client.post("/v2/models/digits/infer", content=DIGIT).status_code == 200
 
@@ -165,10 +172,7 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
         for sock in stalled:
             sock.sendall(head(length=400_000) + b"{")
         big = b"x" * 300_000
-        server.wait_for(  # both heads read and their bodies reserved
-            lambda: server.client.post("/v2/models/digits/infer", content=big).status_code == 503,
-            timeout=60,
-        )
+        server.wait_for(lambda: in_flight(server) == 800_000, timeout=60)  # both reserved
         answer = server.client.post("/v2/models/digits/infer", content=big)
         assert answer.status_code == 503
         assert answer.headers["retry-after"] == "1"
