@@ -302,10 +302,10 @@ async def start_grpc(dataplane: DataPlane) -> grpc.aio.Server:
             ("grpc.max_send_message_length", -1),
         ],
     )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
         InferenceServicer(dataplane), server
     )
-    health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]
+    health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
         HealthServicer(dataplane), server
     )
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
