@@ -34,10 +34,13 @@ ENV = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS
        "TG_PREPROCESS_THREADS": "2"}  # fmt: skip
 
 
-def serve(tree: Path, repository: Path) -> tuple[subprocess.Popen[bytes], str]:
+def serve(
+    tree: Path, repository: Path, extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, **ENV, "TG_PORT": str(port), "TG_HOST": "127.0.0.1",
-           "TG_MODEL_REPOSITORY": str(repository)}  # fmt: skip
+           "TG_GRPC_PORT": str(free_port()), "TG_MODEL_REPOSITORY": str(repository),
+           **(extra or {})}  # fmt: skip
     process = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=tree, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     return process, f"http://127.0.0.1:{port}"
@@ -48,7 +51,10 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="the git revision to compare against")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--new-env", action="append", default=[], metavar="TG_NAME=VALUE",
+                        help="a setting for the new side only (e.g. TG_GRPC_PORT=0)")  # fmt: skip
     args = parser.parse_args()
+    new_env = dict(item.split("=", 1) for item in args.new_env)
     image = jpeg_640x480()
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
     mlp = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
@@ -67,7 +73,7 @@ def main() -> None:
         repository.mkdir()
         (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
         mlp_models(repository)
-        servers = {"old": serve(old_tree, repository), "new": serve(REPO_ROOT, repository)}
+        servers = {"old": serve(old_tree, repository), "new": serve(REPO_ROOT, repository, new_env)}
         try:
             for _, url in servers.values():
                 wait_until_up(f"{url}/v2/health/ready", timeout_s=300)
