@@ -45,7 +45,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     """An ``async def`` test runs to its end on a fresh event loop of its own."""
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
-    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    wanted = inspect.signature(pyfuncitem.obj).parameters
+    arguments = {name: value for name, value in pyfuncitem.funcargs.items() if name in wanted}
     asyncio.run(pyfuncitem.obj(**arguments))
     return True
 

@@ -215,16 +215,6 @@ def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message, "request_id": REQUEST_ID.get()})
 
 
-def client_gone() -> Response:
-    """What a route returns when its client disconnected: nobody reads it (nginx's 499)."""
-    return Response(status_code=499)
-
-
-def request_timeout(request: Request) -> float | None:
-    """``X-Request-Timeout`` in seconds, when the client set one."""
-    return parse_timeout(request.headers.get("x-request-timeout"))
-
-
 def parse_timeout(raw: str | None) -> float | None:
     """An ``X-Request-Timeout`` value: seconds, > 0; None when absent."""
     if raw is None:
