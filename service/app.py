@@ -35,6 +35,7 @@ from service.observation import Drain, Observer
 from service.pins import check_pinned
 from service.repository import ModelRepository
 from service.settings import Settings
+from service.workers import ControlServer, Siblings, Worker
 
 log = logging.getLogger("tensorgate.app")
 
@@ -58,9 +59,19 @@ def create_app(settings: Settings) -> FastAPI:
             polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
         # In this event loop, beside uvicorn's: one DataPlane, one Drain, shared schedulers.
         grpc_server = await start_grpc(app.state.dataplane) if settings.grpc_port else None
+        control = None
+        worker = Worker.from_environment()
+        if worker is not None:  # one of several processes: answer the others, ask them
+            control = ControlServer(app.state.dataplane, worker)
+            await control.start()
+            app.state.dataplane.siblings = Siblings(worker)
+            if worker.replacement:  # uvicorn listens once this returns: not before it serves
+                await asyncio.shield(loading)
         try:
             yield
         finally:
+            if control is not None:
+                await control.close()
             if grpc_server is not None:
                 # The drain has already waited for accepted calls; this bounds any stragglers.
                 await grpc_server.stop(settings.drain_grace_s)

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return _serve(args)
+        return _serve(args, sys.argv[1:] if argv is None else list(argv))
     if args.command == "health":
         return _health(args.probe)
     if args.command == "export":
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
     from service import logs
@@ -101,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service.resources import raise_open_file_limit
     from service.server import DrainingServer
     from service.settings import unknown_variables
+    from service.workers import Supervisor, Worker, die_with_supervisor, listening_socket
 
     overrides: dict[str, Any] = {
         key: value
@@ -119,9 +120,15 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(**overrides)
     if settings is None:
         return 2
-    logs.configure(settings.log_level)
-    for warning in unknown_variables():
-        log.warning(warning)
+    worker = Worker.from_environment()
+    logs.configure(settings.log_level, None if worker is None else worker.index)
+    if worker is None:
+        for warning in unknown_variables():
+            log.warning(warning)
+        if settings.workers > 1:
+            return Supervisor(settings, argv).run()
+    else:
+        die_with_supervisor(worker)
     app = create_app(settings)
     config = uvicorn.Config(
         serving_app(app, settings),
@@ -141,7 +148,11 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn says int; it takes seconds as a float (loop.call_later)
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),
     )
-    DrainingServer(config, app, settings).run()
+    server = DrainingServer(config, app, settings)
+    if worker is None:
+        server.run()
+    else:  # one of several processes on the port: each listens on a socket of its own
+        server.run(sockets=[listening_socket(settings.host, settings.port)])
     return 0
 
 

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from service.validation import (
     instance_tensors,
     pad_to_buckets,
 )
+
+if TYPE_CHECKING:
+    from service.workers import Siblings
 
 T = TypeVar("T")
 
@@ -57,6 +60,8 @@ class DataPlane:
         self.pool = pool
         self.observer = observer
         self.drain = drain
+        self.siblings: Siblings | None = None
+        """The other worker processes of this server (:mod:`service.workers`), if any."""
 
     async def offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, in the thread pool when ``size`` (the bytes it works on) is large."""

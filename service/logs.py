@@ -45,7 +45,12 @@ _RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"ts", "level", "logger", "msg", ...extra}``, plus ``exc`` with the traceback."""
+    """``{"ts", "level", "logger", "msg", ...extra}``, plus ``exc`` with the traceback, and
+    ``worker`` (its index) in a server of several worker processes."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -54,6 +59,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.worker is not None:
+            entry["worker"] = self.worker
         request_id = REQUEST_ID.get()  # set on the record instead when it was queued
         if request_id is not None:
             entry["request_id"] = request_id
@@ -77,12 +84,12 @@ class _Enqueue(logging.handlers.QueueHandler):
 _listener: logging.handlers.QueueListener | None = None
 
 
-def configure(level: str) -> None:
+def configure(level: str, worker: int | None = None) -> None:
     """Route every logger, uvicorn's included, through one JSON writer thread on stderr."""
     global _listener
     stop()
     writer = logging.StreamHandler(sys.stderr)
-    formatter = JsonFormatter()
+    formatter = JsonFormatter(worker)
     formatter.converter = time.gmtime
     writer.setFormatter(formatter)
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()

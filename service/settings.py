@@ -14,12 +14,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.resources import available_cpus, memory_limit_bytes
 
 ENV_PREFIX = "TG_"
+CPUS_PER_WORKER = 4
+"""The default of TG_WORKERS is one worker per this many CPUs (docs/performance.md, workers)."""
 MIN_TOKEN_LENGTH = 16
 """A bearer token shorter than this is refused at start: short tokens are guessed."""
-
-
-def _default_threads() -> int:
-    return available_cpus()
 
 
 def _default_max_connections() -> int:
@@ -55,18 +53,27 @@ class Settings(BaseSettings):
     """Log level of the server's own logs."""
     access_log: bool = True
     """Write one line per HTTP request."""
-    intra_op_threads: int = Field(default_factory=_default_threads, ge=1)
-    """Threads each model instance's runtime uses inside one operator (torch / onnxruntime)."""
-    preprocess_threads: int = Field(default_factory=_default_threads, ge=1)
-    """Threads that decode and preprocess request payloads, off the event loop."""
+    cpus: int = Field(default_factory=available_cpus, ge=1)
+    """CPUs the server may use: the defaults of workers and threads are sized by it. Default:
+    the affinity mask, capped by the cgroup's CPU quota (a Kubernetes ``limits.cpu``)."""
+    workers: int = Field(default=0, ge=0)
+    """Server processes on the same ports, each with its own event loop, models and batcher
+    (docs/architecture.md). 0: one per four CPUs, at least one (docs/performance.md)."""
+    intra_op_threads: int = Field(default=0, ge=0)
+    """Threads each model instance's runtime uses inside one operator (torch / onnxruntime).
+    0: the CPUs divided among the workers."""
+    preprocess_threads: int = Field(default=0, ge=0)
+    """Threads that decode and preprocess request payloads, off the event loop. 0: the CPUs
+    divided among the workers."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413 before they are read in full."""
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
     """Most elements one input tensor may hold; more is a 413."""
     max_inflight_bytes: int = Field(default=0, ge=0)
-    """Request body bytes held at once over all connections; a request whose body would pass
-    it gets 503 + Retry-After before its body is read. 0: sized to the machine, a sixteenth of
-    the memory limit (cgroup, else physical) up to 1 GiB, and at least max_body_bytes."""
+    """Request body bytes one worker holds at once over all its connections; a request whose
+    body would pass it gets 503 + Retry-After before its body is read. 0: sized to the machine,
+    a sixteenth of the memory limit (cgroup, else physical) shared among the workers, up to
+    1 GiB, and at least max_body_bytes."""
     max_connections: int = Field(default_factory=_default_max_connections, ge=1)
     """Open connections at most; one more is answered 503 + Retry-After and closed. Default:
     4096, or half the open-file limit when that is lower."""
@@ -116,9 +123,18 @@ class Settings(BaseSettings):
     """The name reported in server metadata."""
 
     @model_validator(mode="after")
+    def _size_workers(self) -> Self:
+        if self.workers == 0:
+            self.workers = max(1, self.cpus // CPUS_PER_WORKER)
+        share = max(1, self.cpus // self.workers)
+        self.intra_op_threads = self.intra_op_threads or share
+        self.preprocess_threads = self.preprocess_threads or share
+        return self
+
+    @model_validator(mode="after")
     def _size_inflight_bytes(self) -> Self:
         if self.max_inflight_bytes == 0:
-            machine = min(1 << 30, memory_limit_bytes() // 16)
+            machine = min(1 << 30, memory_limit_bytes() // 16 // self.workers)
             self.max_inflight_bytes = max(self.max_body_bytes, machine)
         elif self.max_inflight_bytes < self.max_body_bytes:
             raise ValueError(

@@ -50,6 +50,7 @@ class Server:
             "TG_GRPC_PORT": str(self.grpc_port),
             "TG_HOST": "127.0.0.1",
             "TG_MODEL_REPOSITORY": str(repository),
+            "TG_WORKERS": "1",  # the tests of several workers say so
             "TG_INTRA_OP_THREADS": "1",
             "TG_PREPROCESS_THREADS": "2",
             **(env or {}),

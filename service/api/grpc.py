@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import json_format
 
-from service import metadata
+from service import metadata, workers
 from service.api.auth import check_authorization
 from service.dataplane import DataPlane
 from service.errors import ModelNotFound, TensorgateError
@@ -101,13 +101,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
         async def live() -> pb.ServerLiveResponse:
-            return pb.ServerLiveResponse(live=self.dataplane.live()[0])
+            return pb.ServerLiveResponse(live=(await workers.probe(self.dataplane, "live"))[0])
 
         return await self._answer(context, live, self._health_token())
 
     async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
         async def ready() -> pb.ServerReadyResponse:
-            return pb.ServerReadyResponse(ready=self.dataplane.ready()[0])
+            return pb.ServerReadyResponse(ready=(await workers.probe(self.dataplane, "ready"))[0])
 
         return await self._answer(context, ready, self._health_token())
 
@@ -116,7 +116,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelReadyResponse:
         async def ready() -> pb.ModelReadyResponse:
             try:
-                ok = self.dataplane.model_ready(request.name, request.version or None)
+                ok = await workers.model_ready(
+                    self.dataplane, request.name, request.version or None
+                )
             except TensorgateError as exc:  # REST answers 503 for these: not ready, not an error
                 if isinstance(exc, ModelNotFound):
                     raise
@@ -189,7 +191,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelStatisticsResponse:
         async def statistics() -> pb.ModelStatisticsResponse:
             name, version = request.name or None, request.version or None
-            stats = metadata.statistics(self.dataplane.repository, name, version)
+            stats = await workers.statistics(self.dataplane, name, version)
             response = pb.ModelStatisticsResponse()
             json_format.ParseDict(stats, response, ignore_unknown_fields=True)
             return response
@@ -214,7 +216,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
         async def load() -> pb.RepositoryModelLoadResponse:
-            await self.dataplane.load_model(request.model_name)
+            await workers.load_model(self.dataplane, request.model_name)
             return pb.RepositoryModelLoadResponse()
 
         return await self._answer(context, load, "admin")
@@ -223,7 +225,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
         async def unload() -> pb.RepositoryModelUnloadResponse:
-            await self.dataplane.unload_model(request.model_name)
+            await workers.unload_model(self.dataplane, request.model_name)
             return pb.RepositoryModelUnloadResponse()
 
         return await self._answer(context, unload, "admin")
@@ -265,15 +267,16 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
 
-    def _status(self, service: str) -> Any:
+    async def _status(self, service: str) -> Any:
         if service not in ("", SERVICE):
             return None
-        return _HealthStatus.SERVING if self.dataplane.ready()[0] else _HealthStatus.NOT_SERVING
+        ready = (await workers.probe(self.dataplane, "ready"))[0]
+        return _HealthStatus.SERVING if ready else _HealthStatus.NOT_SERVING
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: Any
     ) -> health_pb2.HealthCheckResponse:
-        status = self._status(request.service)
+        status = await self._status(request.service)
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
@@ -283,7 +286,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
         last = None
         while True:
-            status = self._status(request.service)
+            status = await self._status(request.service)
             status = _HealthStatus.SERVICE_UNKNOWN if status is None else status
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
+from service import workers
 from service.api.auth import require_api
 from service.api.http import dataplane_of, json_response
 from service.dataplane import DataPlane
@@ -59,7 +60,7 @@ def _probe(key: str, answer: tuple[bool, str]) -> Response:
     responses={503: {"model": LiveResponse, "description": "An instance is stuck"}},
 )
 async def live(request: Request) -> Response:
-    return _probe("live", _checked(request).live())
+    return _probe("live", await workers.probe(_checked(request), "live"))
 
 
 @router.get(
@@ -70,12 +71,12 @@ async def live(request: Request) -> Response:
 async def startup(request: Request) -> Response:
     """True once every model has been loaded or refused: what a Kubernetes startupProbe asks.
     Readiness stays false for a refused model (strict readiness), without a restart."""
-    return _probe("started", _checked(request).started())
+    return _probe("started", await workers.probe(_checked(request), "started"))
 
 
 @router.get("/v2/health/ready", response_model=ReadyResponse, responses=_NOT_READY)
 async def ready(request: Request) -> Response:
-    return _probe("ready", _checked(request).ready())
+    return _probe("ready", await workers.probe(_checked(request), "ready"))
 
 
 @router.get("/v2/models/{name}/ready", response_model=ModelReadyResponse, responses=_NOT_READY)
@@ -85,5 +86,5 @@ async def ready(request: Request) -> Response:
     responses=_NOT_READY,
 )
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    ok = _checked(request).model_ready(name, version)
+    ok = await workers.model_ready(_checked(request), name, version)
     return json_response({"name": name, "ready": ok}, 200 if ok else 503)

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from service import metadata
+from service import metadata, workers
 from service.api.auth import require_api
 from service.api.http import dataplane_of, json_response
 
@@ -59,7 +59,7 @@ async def server_metadata(request: Request) -> Response:
 async def all_statistics(request: Request) -> Response:
     require_api(request)
     dataplane = dataplane_of(request)
-    return json_response(metadata.statistics(dataplane.repository, None, None))
+    return json_response(await workers.statistics(dataplane, None, None))
 
 
 @router.get("/v2/models/{name}", response_model=ModelMetadata)
@@ -83,4 +83,4 @@ async def model_config(request: Request, name: str, version: str | None = None) 
 async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
     require_api(request)
     dataplane = dataplane_of(request)
-    return json_response(metadata.statistics(dataplane.repository, name, version))
+    return json_response(await workers.statistics(dataplane, name, version))

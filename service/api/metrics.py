@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from service import workers
 from service.api.auth import check_bearer
 from service.api.http import dataplane_of
 
@@ -17,6 +18,4 @@ async def metrics(request: Request) -> Response:
     settings = dataplane.settings
     if settings.protect_health_and_metrics:
         check_bearer(request, settings.api_token, "api")
-    return Response(
-        generate_latest(dataplane.observer.metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+    return Response(await workers.metrics(dataplane), media_type=CONTENT_TYPE_LATEST)

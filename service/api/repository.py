@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from service import workers
 from service.api.auth import require_admin
 from service.api.http import dataplane_of, json_response, read_body
 
@@ -20,7 +21,7 @@ async def index(request: Request) -> Response:
 async def load(request: Request, name: str) -> Response:
     dataplane = dataplane_of(request)
     await read_body(request, 1024 * 1024)  # parameters are accepted and not needed
-    await dataplane.load_model(name)
+    await workers.load_model(dataplane, name)
     return json_response({})
 
 
@@ -28,5 +29,5 @@ async def load(request: Request, name: str) -> Response:
 async def unload(request: Request, name: str) -> Response:
     dataplane = dataplane_of(request)
     await read_body(request, 1024 * 1024)
-    await dataplane.unload_model(name)
+    await workers.unload_model(dataplane, name)
     return json_response({})

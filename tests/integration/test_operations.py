@@ -246,10 +246,14 @@ def test_a_chunked_body_without_length_is_cut_off_at_the_limit(ops: Server) -> N
 # -- drain on SIGTERM, with the real `tensorgate serve` process and a bounded load ----------
 
 
-def test_sigterm_mid_load_drains_every_accepted_request_and_exits_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_mid_load_drains_every_accepted_request_and_exits_0(
+    tmp_path: Path, workers: str
+) -> None:
     root = tmp_path / "models"
     shutil.copytree(MODELS / "digits", root / "digits")
-    env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "20", "TG_ACCESS_LOG": "false"}
+    env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "20", "TG_ACCESS_LOG": "false",
+           "TG_WORKERS": workers}  # fmt: skip
     server = Server(root, env=env, log_path=tmp_path / "server.log")
     server.wait_until()
     events: list[tuple[float, str, int]] = []
@@ -297,7 +301,7 @@ def test_sigterm_mid_load_drains_every_accepted_request_and_exits_0(tmp_path: Pa
     assert first_not_ready < min(t for t, _, _ in refusals)
     assert {code for _, _, code in infers} <= {200, 503}
     assert len([e for e in infers if e[2] == 200]) > 50
-    assert "drained: every accepted request was answered" in server.log()
+    assert server.log().count("drained: every accepted request was answered") == int(workers)
     server.stop()
 
 

@@ -93,7 +93,9 @@ def test_settings_default_threads_follow_the_cpus() -> None:
     from service.settings import Settings
 
     settings = Settings()
-    assert settings.intra_op_threads == settings.preprocess_threads == available_cpus()
+    assert settings.cpus == available_cpus()
+    share = max(1, settings.cpus // settings.workers)
+    assert settings.intra_op_threads == settings.preprocess_threads == share
 
 
 def test_memory_limit_is_the_tightest_cgroup_limit(tmp_path: Path, proc: Path) -> None:

@@ -1,0 +1,163 @@
+"""TG_WORKERS=2: several processes on one port, one server to the outside (issue #17).
+
+Each request below goes on a connection of its own, so the kernel spreads them over the
+workers (SO_REUSEPORT hashes each new connection); the access log's ``worker`` field says which
+one answered, and the tests check that both did before they trust a total.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import tritonclient.grpc as tgrpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server import MODELS, Server
+
+pytestmark = pytest.mark.integration
+ADMIN = "admin-s3cret-token-123"
+DIGIT = {
+    "inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]
+}
+
+
+def start(root: Path, log: Path, **env: str) -> Server:
+    environment = {"TG_WORKERS": "2", "TG_DRAIN_PRE_STOP_S": "0", **env}
+    server = Server(root, env=environment, log_path=log)
+    server.wait_until()
+    return server
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("workers") / "models"
+    shutil.copytree(MODELS / "digits", root / "digits")
+    server = start(root, root.parent / "server.log", TG_ADMIN_TOKEN=ADMIN)
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def workers(server: Server) -> list[psutil.Process]:
+    return psutil.Process(server.process.pid).children()
+
+
+def fresh(method: str, url: str, **kwargs: object) -> httpx.Response:
+    """One request on a connection of its own (so that any worker may take it)."""
+    return httpx.request(method, url, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def access_lines(server: Server) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    return [line for line in lines if line["logger"] == "tensorgate.access"]
+
+
+def requests_total(text: str, model: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tensorgate_requests_total" and sample.labels["model"] == model
+    )
+
+
+def test_two_workers_answer_as_one_server_with_exact_totals(two: Server) -> None:
+    assert len(workers(two)) == 2
+    before = len(access_lines(two))
+    count = 60
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda _: fresh("POST", f"{two.url}/v2/models/digits/infer",
+                                                json=DIGIT).status_code, range(count)))  # fmt: skip
+    assert codes == [200] * count
+    two.wait_for(lambda: len(access_lines(two)) - before == count)
+    lines = access_lines(two)[before:]
+    assert {line["worker"] for line in lines} == {0, 1}  # both served, one line per request
+    # Whichever worker answers, the totals are the server's: ask on fresh connections.
+    for _ in range(6):
+        assert requests_total(fresh("GET", f"{two.url}/metrics").text, "digits") == count
+        stats = fresh("GET", f"{two.url}/v2/models/digits/stats").json()["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == count
+        assert (
+            sum(b["compute_infer"]["count"] for b in stats["batch_stats"])
+            == (stats["execution_count"])
+        )
+    with tgrpc.InferenceServerClient(two.grpc_url) as client:
+        assert client.is_server_ready()
+        grpc_stats = client.get_inference_statistics("digits", as_json=True)
+        assert int(grpc_stats["model_stats"][0]["inference_stats"]["success"]["count"]) == count
+
+
+def test_load_and_unload_reach_every_worker(two: Server) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = f"{two.url}/v2/repository/models/digits"
+    before = len(access_lines(two))
+    assert fresh("POST", f"{url}/unload", headers=admin).status_code == 200
+    codes = [fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+             for _ in range(16)]  # fmt: skip
+    assert 200 not in codes
+    two.wait_for(lambda: len(access_lines(two)) - before == 16)
+    assert {line["worker"] for line in access_lines(two)[before:]} == {0, 1}
+    assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
+    codes = [fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+             for _ in range(16)]  # fmt: skip
+    assert codes == [200] * 16
+
+
+def test_a_dead_worker_is_replaced_while_the_other_serves(two: Server) -> None:
+    victim, survivor = workers(two)
+    victim.kill()
+    victim.wait(10)
+    # The survivor serves every new connection while the replacement starts; readiness is
+    # false until the replacement is ready too.
+    saw_not_ready = False
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready = fresh("GET", f"{two.url}/v2/health/ready")
+        if ready.status_code == 503:
+            saw_not_ready = True
+            assert "worker" in ready.json()["reason"]
+        assert fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code == 200
+        if saw_not_ready and ready.status_code == 200:
+            break
+    else:
+        raise AssertionError(f"the server was never ready again:\n{two.log(3000)}")
+    assert saw_not_ready
+    pids = {p.pid for p in workers(two)}
+    assert survivor.pid in pids and victim.pid not in pids and len(pids) == 2
+    assert "worker" in two.log() and "exited with status -9" in two.log()
+
+
+def test_no_worker_outlives_its_supervisor_however_it_ends(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "digits", root / "digits")
+    server = start(root, tmp_path / "server.log")
+    children = workers(server)
+    assert len(children) == 2
+    server.process.kill()  # no chance to forward anything: the kernel tells the workers
+    server.process.wait()
+    _gone, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [p.pid for p in alive]
+    server.stop()
+
+
+def test_sigterm_stops_every_worker_and_exits_0(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "digits", root / "digits")
+    server = start(root, tmp_path / "server.log")
+    children = workers(server)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0
+    _gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+    assert server.log().count("drained: every accepted request was answered") == 2
+    server.stop()

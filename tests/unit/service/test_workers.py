@@ -1,0 +1,100 @@
+"""Several workers as one server: the sizing of workers and threads, and the sums a worker
+makes of the others' statistics and metrics (the processes themselves: tests/integration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.resources import memory_limit_bytes
+from service.settings import Settings
+from service.workers import Worker, merge_metrics, merge_statistics
+
+
+@pytest.mark.parametrize(
+    ("cpus", "workers", "expected"),
+    [(1, 0, (1, 1)), (2, 0, (1, 2)), (4, 0, (1, 4)), (8, 0, (2, 4)), (16, 0, (4, 4)),
+     (2, 2, (2, 1)), (3, 2, (2, 1)), (64, 0, (16, 4))],
+)  # fmt: skip
+def test_workers_and_their_threads_share_the_cpus(
+    cpus: int, workers: int, expected: tuple[int, int]
+) -> None:
+    settings = Settings(cpus=cpus, workers=workers)
+    assert (settings.workers, settings.intra_op_threads) == expected
+    assert settings.preprocess_threads == expected[1]
+
+
+def test_threads_set_by_hand_are_kept() -> None:
+    settings = Settings(cpus=8, workers=2, intra_op_threads=3, preprocess_threads=1)
+    assert (settings.intra_op_threads, settings.preprocess_threads) == (3, 1)
+
+
+def test_the_in_flight_budget_is_shared_among_workers() -> None:
+    four = Settings(workers=4)
+    share = min(1 << 30, memory_limit_bytes() // 16 // 4)
+    assert four.max_inflight_bytes == max(four.max_body_bytes, share)
+
+
+def test_a_worker_reads_its_place_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    worker = Worker(1, 3, 42, Path("/tmp/a/b c"), replacement=True)
+    monkeypatch.setenv("TENSORGATE_WORKER", worker.encode())
+    assert Worker.from_environment() == worker
+    assert worker.others == [0, 2]
+
+
+def _stats(success: int, batches: dict[int, int], last: int) -> dict[str, object]:
+    return {
+        "name": "m", "version": "1", "last_inference": last, "inference_count": success,
+        "execution_count": sum(batches.values()),
+        "inference_stats": {"success": {"count": success, "ns": success * 10},
+                            "fail": {"count": 0, "ns": 0}},
+        "batch_stats": [{"batch_size": size, "compute_infer": {"count": n, "ns": n * 5}}
+                        for size, n in batches.items()],
+    }  # fmt: skip
+
+
+def test_statistics_add_up_by_model_and_batch_size() -> None:
+    other = {**_stats(1, {1: 1}, 5), "name": "n"}
+    merged = merge_statistics([
+        {"model_stats": [_stats(10, {1: 2, 4: 2}, 100)]},
+        {"model_stats": [_stats(6, {2: 1, 4: 1}, 300), other]},
+    ])["model_stats"]  # fmt: skip
+    assert [(m["name"], m["version"]) for m in merged] == [("m", "1"), ("n", "1")]
+    m = merged[0]
+    assert m["inference_count"] == 16 and m["execution_count"] == 6
+    assert m["last_inference"] == 300
+    assert m["inference_stats"]["success"] == {"count": 16, "ns": 160}
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in m["batch_stats"]] == [
+        (1, 2), (2, 1), (4, 3)
+    ]  # fmt: skip
+    assert merged[1] == other
+
+
+def _worker_text(requests: int, rss: float, started: float, state: float) -> str:
+    registry = CollectorRegistry()
+    Counter("tg_requests", "r", ["model"], registry=registry).labels("m").inc(requests)
+    histogram = Histogram("tg_seconds", "s", buckets=(1.0,), registry=registry)
+    histogram.observe(0.5)
+    Gauge("process_resident_memory_bytes", "rss", registry=registry).set(rss)
+    Gauge("process_start_time_seconds", "t", registry=registry).set(started)
+    Gauge("tensorgate_model_state", "s", ["state"], registry=registry).labels("READY").set(state)
+    return generate_latest(registry).decode()
+
+
+def test_metrics_add_up_and_gauges_merge_by_meaning() -> None:
+    text = merge_metrics([_worker_text(3, 100, 50, 1), _worker_text(4, 200, 40, 0)]).decode()
+    found = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert found[("tg_requests_total", (("model", "m"),))] == 7
+    assert found[("tg_seconds_count", ())] == 2
+    assert found[("tg_seconds_bucket", (("le", "1.0"),))] == 2
+    assert found[("process_resident_memory_bytes", ())] == 300  # what the server holds
+    assert found[("process_start_time_seconds", ())] == 40  # when it started
+    assert found[("tensorgate_model_state", (("state", "READY"),))] == 1
+    assert "# TYPE tg_requests_total counter" in text
