@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -120,3 +121,9 @@ def wait_until_up(url: str, method: str = "GET", timeout_s: float = 120) -> None
             pass
         time.sleep(0.05)  # poll interval
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """``median (min–max)`` of ``values``, each formatted with ``fmt``."""
+    low, mid, high = (fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+    return f"{mid} ({low}–{high})"

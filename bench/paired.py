@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import numpy as np
 import orjson
 
 from bench.batching import W1_PATH, jpeg_640x480, mlp_models
-from bench.common import publish, table, wait_until_up, wrk
+from bench.common import publish, spread, table, wait_until_up, wrk
 from tests.server import MODELS, REPO_ROOT, free_port
 
 ENV = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2",
@@ -98,17 +97,13 @@ def main() -> None:
         old, new = results[(name, "old")], results[(name, "new")]
         ratios = sorted(n[0] / o[0] for o, n in zip(old, new, strict=True))
         rows.append([
-            name, _spread([r for r, _ in old], "{:.0f}"), _spread([r for r, _ in new], "{:.0f}"),
-            _spread([p for _, p in old], "{:.2f}"), _spread([p for _, p in new], "{:.2f}"),
-            _spread(ratios, "{:.3f}"),
+            name, spread([r for r, _ in old], "{:.0f}"), spread([r for r, _ in new], "{:.0f}"),
+            spread([p for _, p in old], "{:.2f}"), spread([p for _, p in new], "{:.2f}"),
+            spread(ratios, "{:.3f}"),
         ])  # fmt: skip
     header = ["workload", "old req/s", "new req/s", "old p50 ms", "new p50 ms", "new/old req/s"]
     publish("paired", f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "
                       f"of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n")  # fmt: skip
-
-
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument(
         "--model-repository", type=Path, help="model repository (TG_MODEL_REPOSITORY, ./models)"
     )
+    serve.add_argument(
+        "--workers", type=int, help="server processes on the same ports (TG_WORKERS; default: "
+        "one per four CPUs the process may use, at least one)",
+    )  # fmt: skip
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
         "--poll", type=float, metavar="SECONDS", dest="poll_interval_s",
@@ -113,6 +117,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             "log_level": args.log_level,
             "poll_interval_s": args.poll_interval_s,
             "model_name": args.model_name,
+            "workers": args.workers,
         }.items()
         if value is not None
     }

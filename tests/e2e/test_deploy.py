@@ -65,27 +65,27 @@ def test_probes_mean_what_kubernetes_means() -> None:
             assert ports.get(port, port) in ports.values(), (where, probe, port)
 
 
-def test_threads_follow_the_cpu_limit_everywhere() -> None:
-    """Both overlays and the KServe runtime size the thread pools from the container's own
-    limits.cpu (downward API), and nothing sets them to a number that could disagree."""
+SIZED_BY_CPUS = {"TG_WORKERS", "TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"}
+
+
+def test_workers_and_threads_follow_the_cpu_limit_everywhere() -> None:
+    """Both overlays and the KServe runtime pass the container's own limits.cpu as TG_CPUS
+    (downward API), and nothing sets the worker count or the thread pools to a number that
+    could disagree with it: the server derives both from TG_CPUS."""
     for where, container in containers_with_probes():
         env = {e["name"]: e for e in container.get("env", [])}
         assert "cpu" in container["resources"]["limits"], where
-        for name in ("TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"):
-            field = env[name]["valueFrom"]["resourceFieldRef"]
-            assert field["resource"] == "limits.cpu", (where, name)
-            assert field["containerName"] == container["name"], (where, name)
-            assert str(field.get("divisor", "1")) == "1", (where, name)
+        field = env["TG_CPUS"]["valueFrom"]["resourceFieldRef"]
+        assert field["resource"] == "limits.cpu", where
+        assert field["containerName"] == container["name"], where
+        assert str(field.get("divisor", "1")) == "1", where
+        assert not SIZED_BY_CPUS & set(env), where
     for overlay in ("cpu", "gpu"):
         data = next(d for d in k8s(overlay) if d["kind"] == "ConfigMap")["data"]
-        assert not {"TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"} & set(data), overlay
+        assert not SIZED_BY_CPUS & set(data), overlay
     for service in COMPOSE["services"].values():  # compose: the server reads its cgroup quota
-        assert not {"TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"} & set(
-            service.get("environment", {})
-        )
-    assert not {"TG_INTRA_OP_THREADS", "TG_PREPROCESS_THREADS"} & set(
-        COMPOSE["x-tensorgate"]["environment"]
-    )
+        assert not SIZED_BY_CPUS & set(service.get("environment", {}))
+    assert not SIZED_BY_CPUS & set(COMPOSE["x-tensorgate"]["environment"])
 
 
 def test_metrics_are_scraped_once() -> None:
