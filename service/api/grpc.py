@@ -20,6 +20,7 @@ from google.protobuf import json_format
 
 from service import metadata, workers
 from service.api.auth import check_authorization
+from service.api.compression import MIN_COMPRESS_BYTES
 from service.api.streaming import completion_order
 from service.dataplane import DataPlane
 from service.errors import ModelNotFound, ServerBusy, TensorgateError
@@ -51,6 +52,15 @@ ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (T
 STREAM_IN_FLIGHT = 64
 """Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
 done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
+
+
+def _compress_if_worth_it(
+    context: grpc.aio.ServicerContext[Any, Any], response: pb.ModelInferResponse
+) -> None:
+    """Leave a small answer uncompressed; a larger one is compressed with an encoding the client
+    accepts (``grpc-accept-encoding``; see :func:`start_grpc`)."""
+    if response.ByteSize() < MIN_COMPRESS_BYTES:
+        context.disable_next_message_compression()
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -155,7 +165,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
         async def infer() -> pb.ModelInferResponse:
-            return await self._infer(request, context.time_remaining())
+            response = await self._infer(request, context.time_remaining())
+            _compress_if_worth_it(context, response)
+            return response
 
         return await self._answer(context, infer)
 
@@ -210,6 +222,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         answers = completion_order(request_iterator, answer, STREAM_IN_FLIGHT, self.closing)
         async for response in answers:
+            _compress_if_worth_it(context, response.infer_response)
             yield response
         if self.closing.is_set():
             await context.abort(

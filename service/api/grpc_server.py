@@ -19,6 +19,9 @@ from service.protocol.pb import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("tensorgate.grpc")
 
+_COMPRESSION_LEVEL_LOW = 1
+"""grpc_compression_level GRPC_COMPRESS_LEVEL_LOW: gzip when the client accepts it, else
+deflate, else none (grpc.Compression names algorithms only)."""
 _HealthStatus = health_pb2.HealthCheckResponse.ServingStatus
 
 
@@ -82,6 +85,13 @@ async def start_grpc(dataplane: DataPlane) -> GrpcServer:
             # after decompression, before any of it reaches Python.
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.max_send_message_length", -1),
+            # Answers compressed as the client accepts: a compression *level* makes gRPC pick,
+            # call by call, an encoding (gzip first) from the client's grpc-accept-encoding, and
+            # none when it lists none. Python never sees that header (nor a request's
+            # grpc-encoding), and an algorithm set per call is sent whatever the client accepts
+            # (a client without it fails), so the level is the way. Small answers are left as
+            # they are (_compress_if_worth_it); gRPC itself sends any that would not shrink.
+            ("grpc.default_compression_level", _COMPRESSION_LEVEL_LOW),
         ],
     )
     servicer = InferenceServicer(dataplane)
