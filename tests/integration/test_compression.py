@@ -9,16 +9,19 @@ import socket
 import threading
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
 from tests.identity import write_identity_model
-from tests.integration.test_batching import _slow_model
+from tests.integration.test_batching import _slow_busy, _slow_model, slow_body
+from tests.integration.test_connection_limits import in_flight
 from tests.server import Server
 
 pytestmark = pytest.mark.integration
@@ -207,3 +210,25 @@ def test_grpc_answers_are_compressed_as_the_client_accepts_when_large_enough(
         accepts_all.close()
     finally:
         relay.close()
+
+
+def test_compressed_bodies_hold_what_they_inflate_to_in_the_budget(limited: Server) -> None:
+    """A 3 kB gzip body that inflates to 3 MiB holds 3 MiB of the 4 MiB budget while it is
+    served: a second one is 503 instead of being inflated too, and the budget comes back."""
+    inflating = gzip.compress(orjson.dumps(slow_body(1.0)) + b" " * (3 << 20))  # JSON whitespace
+    assert len(inflating) < 16 << 10
+    headers = {"content-encoding": "gzip", "content-type": "application/json"}
+    with ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(limited.client.post, "/v2/models/slow/infer", json=slow_body(1.0))
+        limited.wait_for(lambda: _slow_busy(limited))
+        held = pool.submit(
+            limited.client.post, "/v2/models/slow/infer", content=inflating, headers=headers
+        )
+        limited.wait_for(lambda: in_flight(limited) > 3 << 20, timeout=60)  # queued behind
+        refused = limited.client.post("/v2/models/slow/infer", content=inflating, headers=headers)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert "TG_MAX_INFLIGHT_BYTES" in refused.json()["error"]
+        assert blocker.result().status_code == 200
+        assert held.result().status_code == 200
+    limited.wait_for(lambda: in_flight(limited) == 0)
