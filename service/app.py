@@ -25,7 +25,7 @@ from service import PROCESS_STARTED, __version__
 from service.api import routers
 from service.api.admission import BodyBudget
 from service.api.fast import InferFastPath
-from service.api.grpc import start_grpc
+from service.api.grpc_server import start_grpc
 from service.api.http import CLIENT_GONE, Answer, ClientGone, error_answer, error_body
 from service.dataplane import DataPlane
 from service.errors import TensorgateError

@@ -13,7 +13,7 @@ import numpy as np
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
-from service.protocol.datatypes import TO_NUMPY
+from service.protocol.datatypes import as_values, cast, from_values
 from service.runtimes.base import Signature, shape_fits
 
 
@@ -37,7 +37,7 @@ def check_inputs(
         want = ((-1,) if batched else ()) + spec.shape
         data = tensor.data
         if tensor.datatype != spec.datatype and _castable(config, tensor.datatype, spec.datatype):
-            data = data.astype(TO_NUMPY[spec.datatype])
+            data = cast(data, tensor.datatype, spec.datatype)
         elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
             raise InvalidInput(
                 f"input '{spec.name}': expected {spec.datatype} {list(want)}, "
@@ -48,7 +48,7 @@ def check_inputs(
                 f"input '{spec.name}': expected shape {list(want)}, got {list(tensor.shape)}"
             )
         if spec.range is not None:
-            check_range(spec.name, data, spec.range)
+            check_range(spec.name, as_values(data, spec.datatype), spec.range)
         if batched:
             rows.add(tensor.shape[0])
         batch[spec.name] = data
@@ -101,7 +101,7 @@ def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> l
     tensors = []
     for spec in specs:
         try:
-            array = np.asarray(columns[spec.name], dtype=TO_NUMPY[spec.datatype])
+            array = from_values(columns[spec.name], spec.datatype)
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidInput(
                 f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "

@@ -14,19 +14,29 @@ ONNX_TYPES = {
     "FP16": TensorProto.FLOAT16, "FP32": TensorProto.FLOAT, "FP64": TensorProto.DOUBLE,
     "BYTES": TensorProto.STRING,
 }  # fmt: skip
+"""The datatypes of the every-datatype identity model: those numpy has."""
+BF16_TYPE = TensorProto.BFLOAT16
+"""BF16 is in a model only when asked for: numpy has no bfloat16 (clients use ml_dtypes), and
+onnxruntime cannot return bfloat16 from a session that takes strings."""
 
 
 def write_identity_model(
-    folder: Path, max_batch_size: int = 8, datatypes: tuple[str, ...] = (), **config: object
+    folder: Path,
+    max_batch_size: int = 8,
+    datatypes: tuple[str, ...] = (),
+    width: int | str = 3,
+    **config: object,
 ) -> None:
     """``folder/config.yaml`` and ``folder/1/model.onnx``: ``in_<T>`` → ``out_<T>`` for each T
-    (of ``datatypes``, or every one)."""
+    (of ``datatypes``, or every one of ONNX_TYPES), of shape ``[batch, width]`` (a name: a
+    dynamic dim)."""
     nodes, inputs, outputs = [], [], []
     for datatype in datatypes or tuple(ONNX_TYPES):
-        onnx_type = ONNX_TYPES[datatype]
+        onnx_type = BF16_TYPE if datatype == "BF16" else ONNX_TYPES[datatype]
+        shape = ["batch", width]
         nodes.append(helper.make_node("Identity", [f"in_{datatype}"], [f"out_{datatype}"]))
-        inputs.append(helper.make_tensor_value_info(f"in_{datatype}", onnx_type, ["batch", 3]))
-        outputs.append(helper.make_tensor_value_info(f"out_{datatype}", onnx_type, ["batch", 3]))
+        inputs.append(helper.make_tensor_value_info(f"in_{datatype}", onnx_type, shape))
+        outputs.append(helper.make_tensor_value_info(f"out_{datatype}", onnx_type, shape))
     graph = helper.make_graph(nodes, "identity", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

@@ -6,13 +6,17 @@ together. A request whose declared ``Content-Length`` would take the bytes held 
 ``max_inflight_bytes`` is answered 503 with ``Retry-After`` before any of its body is read; the
 body is then discarded as it arrives (closing at once would reset the connection under a client
 that is still sending, before it could read the answer). A body without a declared length is counted
-as it arrives and refused the same way once it would pass the budget. Bytes stay counted until
-the request's answer has been sent, since decoding and inference hold them until then.
+as it arrives and refused the same way once it would pass the budget. A compressed body holds
+what it inflates to as well, counted as it inflates (:data:`RESERVE`): past the budget, 503
+before it is inflated further. Bytes stay counted until the request's answer has been sent,
+since decoding and inference hold them until then.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +27,15 @@ from service.logs import REQUEST_ID, request_id_for
 
 BUDGETS: weakref.WeakSet[BodyBudget] = weakref.WeakSet()
 """This process's budgets (one per server), for the metrics."""
+RESERVE = "tensorgate.reserve"
+"""The ASGI scope key of a request's ``reserve(size)``: hold ``size`` more bytes for this request
+(its body inflating), or raise :class:`ServerBusy`. Callable from any thread."""
+
+
+def reserve_of(scope: Scope) -> Callable[[int], None] | None:
+    """The request's ``reserve`` (None outside a budget, as in process)."""
+    reserve: Callable[[int], None] | None = scope.get(RESERVE)
+    return reserve
 
 
 class BodyBudget:
@@ -33,7 +46,9 @@ class BodyBudget:
         self.limit = limit
         self.max_body_bytes = max_body_bytes
         self.held = 0
-        """Body bytes of the requests being handled now (declared, or read so far)."""
+        """Body bytes of the requests being handled now (declared or read so far, and what
+        compressed ones have inflated to)."""
+        self._lock = threading.Lock()  # bodies inflate on the thread pool
         BUDGETS.add(self)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,36 +56,40 @@ class BodyBudget:
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
+        held = 0
+
+        def reserve(size: int) -> None:
+            nonlocal held
+            with self._lock:
+                if self.held + size > self.limit:
+                    REFUSED["body_budget"] += 1
+                    raise ServerBusy(
+                        f"the server holds {self.held} bytes of request bodies and this one "
+                        f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
+                        "retry shortly"
+                    )
+                self.held += size
+                held += size
+
         # A body over the per-request limit is the route's to refuse (413): reserve nothing.
-        reserved = declared if declared is not None and declared <= self.max_body_bytes else 0
-        if reserved and self.held + reserved > self.limit:
-            REFUSED["body_budget"] += 1
-            await _refuse(scope, send, self._message(reserved))
-            return
-        self.held += reserved
-        counted = 0
+        if declared is not None and declared <= self.max_body_bytes:
+            try:
+                reserve(declared)
+            except ServerBusy as exc:
+                await _refuse(scope, send, exc.message)
+                return
 
         async def counting_receive() -> Message:
-            nonlocal counted
             message = await receive()
-            size = len(message.get("body", b""))
-            if size and self.held + size > self.limit:
-                REFUSED["body_budget"] += 1
-                raise ServerBusy(self._message(size))
-            self.held += size
-            counted += size
+            reserve(len(message.get("body", b"")))
             return message
 
+        scope[RESERVE] = reserve
         try:
             await self.app(scope, receive if declared is not None else counting_receive, send)
         finally:
-            self.held -= reserved + counted
-
-    def _message(self, wanted: int) -> str:
-        return (
-            f"the server holds {self.held} bytes of request bodies and this one needs {wanted} "
-            f"more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): retry shortly"
-        )
+            with self._lock:
+                self.held -= held
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -5,6 +5,7 @@ body is large enough to gain. Pure functions over bytes."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 
@@ -14,10 +15,13 @@ _CHUNK = 1 << 20
 _GZIP, _ZLIB, _RAW = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
 
 
-def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+def decompress(
+    body: bytes, encoding: str, limit: int, reserve: Callable[[int], None] | None = None
+) -> bytes:
     """The body under ``encoding`` (``identity``, ``gzip`` or ``deflate``), inflated a chunk at
     a time: past ``limit`` decompressed bytes it is a 413 at once, so a compression bomb costs
-    at most ``limit`` bytes of memory."""
+    at most ``limit`` bytes of memory. ``reserve(size)`` is told of each chunk before it is
+    kept, and may refuse it by raising (the server's budget for bodies in flight)."""
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -46,6 +50,8 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
                 raise PayloadTooLarge(
                     f"the {encoding} request body inflates past the limit of {limit} bytes"
                 )
+            if reserve is not None and part:
+                reserve(len(part))
             parts.append(part)
             pending = inflater.unconsumed_tail
             if inflater.eof:

@@ -16,6 +16,7 @@ import re
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
+from service.api.admission import reserve_of
 from service.api.http import Route, answer_inference
 from service.dataplane import DataPlane
 from service.logs import REQUEST_ID, request_id_for
@@ -43,7 +44,7 @@ class InferFastPath:
             headers.setdefault(key.decode("latin-1"), value.decode("latin-1"))
         request_id = request_id_for(headers.get("x-request-id", ""))
         REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
-        answer = await answer_inference(dataplane, route, headers, receive)
+        answer = await answer_inference(dataplane, route, headers, receive, reserve_of(scope))
         raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
         raw.append((b"content-length", str(len(answer.body)).encode()))
         raw.append((b"x-request-id", request_id.encode()))

@@ -1,6 +1,6 @@
 """gRPC for every RPC, in one place, as :mod:`service.api.http` is for HTTP: Triton's
-``inference.GRPCInferenceService`` and the standard ``grpc.health.v1.Health``, served by a
-``grpc.aio`` server in the event loop uvicorn runs (started and stopped by the app's lifespan).
+``inference.GRPCInferenceService``, served by a ``grpc.aio`` server in the event loop uvicorn
+runs (:mod:`service.api.grpc_server`: started and stopped by the app's lifespan).
 
 These take care of the gRPC-specific things (metadata, deadlines, status codes) and delegate
 to the same :class:`~service.dataplane.DataPlane` the REST routes call: gRPC and REST requests
@@ -20,13 +20,14 @@ from google.protobuf import json_format
 
 from service import metadata, workers
 from service.api.auth import check_authorization
+from service.api.compression import MIN_COMPRESS_BYTES
+from service.api.streaming import completion_order
 from service.dataplane import DataPlane
-from service.errors import ModelNotFound, TensorgateError
+from service.errors import ModelNotFound, ServerBusy, TensorgateError
 from service.logs import REQUEST_ID, request_id_for
 from service.protocol import grpc as codec
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
-from service.protocol.pb import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("tensorgate.grpc")
 
@@ -48,7 +49,18 @@ SHARED_MEMORY = (
     "(the server may run on another machine than its clients)"
 )
 ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (TG_ADMIN_TOKEN)"
-_HealthStatus = health_pb2.HealthCheckResponse.ServingStatus
+STREAM_IN_FLIGHT = 64
+"""Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
+done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
+
+
+def _compress_if_worth_it(
+    context: grpc.aio.ServicerContext[Any, Any], response: pb.ModelInferResponse
+) -> None:
+    """Leave a small answer uncompressed; a larger one is compressed with an encoding the client
+    accepts (``grpc-accept-encoding``; see :func:`start_grpc`)."""
+    if response.ByteSize() < MIN_COMPRESS_BYTES:
+        context.disable_next_message_compression()
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -71,6 +83,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
         self.settings = dataplane.settings
+        self.closing = asyncio.Event()
+        """Set when the server stops: open streams stop reading and end."""
 
     async def _answer(
         self,
@@ -151,29 +165,70 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
         async def infer() -> pb.ModelInferResponse:
-            remaining = context.time_remaining()
-            dataplane = self.dataplane
-
-            async def decode() -> Any:
-                return codec.decode_request(
-                    request, remaining, dataplane.settings.max_tensor_elements
-                )
-
-            raw = bool(request.raw_input_contents)
-            return await dataplane.infer(
-                request.model_name, request.model_version or None, "grpc", decode,
-                lambda result: codec.encode_result(result, raw),
-            )  # fmt: skip
+            response = await self._infer(request, context.time_remaining())
+            _compress_if_worth_it(context, response)
+            return response
 
         return await self._answer(context, infer)
 
+    async def _infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        dataplane = self.dataplane
+
+        async def decode() -> Any:
+            return codec.decode_request(request, timeout_s, dataplane.settings.max_tensor_elements)
+
+        raw = bool(request.raw_input_contents)
+        return await dataplane.infer(
+            request.model_name, request.model_version or None, "grpc", decode,
+            lambda result: codec.encode_result(result, raw),
+        )  # fmt: skip
+
     async def ModelStreamInfer(
-        self, request_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "ModelStreamInfer (decoupled models) is not supported: call ModelInfer",
-        )
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request of the stream answered as ModelInfer answers it, concurrently (they
+        batch together, and with everyone else's), in the order they complete: clients match
+        answers by request id. A request that fails gets ``error_message`` (and its id) and the
+        stream goes on. The token is the stream's, checked once; a stream opened while the
+        server drains is UNAVAILABLE, and one still open when it stops ends UNAVAILABLE after
+        its requests in flight are answered."""
+        headers = dict(context.invocation_metadata() or ())
+        stream_id = str(headers.get("x-request-id", ""))
+        try:
+            check_authorization(
+                str(headers.get("authorization", "")), self.settings.api_token, "api"
+            )
+            if self.dataplane.drain.refusing:
+                raise ServerBusy("the server is shutting down; send this request elsewhere")
+        except Exception as exc:
+            await context.abort(*grpc_status(exc))
+
+        async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+            REQUEST_ID.set(request_id_for(request.id or stream_id))  # this request's task
+            try:
+                response = await self._infer(request, context.time_remaining())
+            except Exception as exc:
+                _, message = grpc_status(exc)
+                failed = pb.ModelInferResponse(
+                    model_name=request.model_name, model_version=request.model_version,
+                    id=request.id,
+                )  # fmt: skip
+                return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+            return pb.ModelStreamInferResponse(infer_response=response)
+
+        answers = completion_order(request_iterator, answer, STREAM_IN_FLIGHT, self.closing)
+        async for response in answers:
+            _compress_if_worth_it(context, response.infer_response)
+            yield response
+        if self.closing.is_set():
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: open a new stream (to another replica)",
+            )
 
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: Any
@@ -255,64 +310,3 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED, "log settings are set at start (TG_LOG_LEVEL)"
         )
-
-
-class HealthServicer(health_pb2_grpc.HealthServicer):
-    """``grpc.health.v1.Health`` for Kubernetes ``grpc:`` probes: SERVING when the server is
-    ready (the service ``""`` or ``inference.GRPCInferenceService``). Open, whatever the token
-    settings: a kubelet's probe sends no metadata, and the answer is one word."""
-
-    WATCH_INTERVAL_S = 1.0
-
-    def __init__(self, dataplane: DataPlane) -> None:
-        self.dataplane = dataplane
-
-    async def _status(self, service: str) -> Any:
-        if service not in ("", SERVICE):
-            return None
-        ready = (await workers.probe(self.dataplane, "ready"))[0]
-        return _HealthStatus.SERVING if ready else _HealthStatus.NOT_SERVING
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: Any
-    ) -> health_pb2.HealthCheckResponse:
-        status = await self._status(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: Any
-    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
-        last = None
-        while True:
-            status = await self._status(request.service)
-            status = _HealthStatus.SERVICE_UNKNOWN if status is None else status
-            if status != last:
-                yield health_pb2.HealthCheckResponse(status=status)
-                last = status
-            await asyncio.sleep(self.WATCH_INTERVAL_S)
-
-
-async def start_grpc(dataplane: DataPlane) -> grpc.aio.Server:
-    """A started gRPC server on ``TG_HOST:TG_GRPC_PORT`` in the running event loop."""
-    settings = dataplane.settings
-    server = grpc.aio.server(
-        options=[
-            # Triton's meaning: a larger message is RESOURCE_EXHAUSTED, checked by gRPC itself
-            # after decompression, before any of it reaches Python.
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", -1),
-        ],
-    )
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
-        InferenceServicer(dataplane), server
-    )
-    health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
-        HealthServicer(dataplane), server
-    )
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    port = server.add_insecure_port(f"{host}:{settings.grpc_port}")
-    await server.start()
-    log.info("gRPC listening on %s:%d", settings.host, port)
-    return server

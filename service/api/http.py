@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -58,11 +58,17 @@ CLIENT_GONE = 499
 
 
 async def answer_inference(
-    dataplane: DataPlane, route: Route, headers: Mapping[str, str], receive: Receive
+    dataplane: DataPlane,
+    route: Route,
+    headers: Mapping[str, str],
+    receive: Receive,
+    reserve: Callable[[int], None] | None = None,
 ) -> Answer:
     """Answer one inference request: token, body (within its limit), decode, the core, encode;
     499 when the client leaves first, and any error as :func:`error_answer` maps it.
-    ``headers`` are the request's, names in lower case (the first of repeated ones)."""
+    ``headers`` are the request's, names in lower case (the first of repeated ones);
+    ``reserve``: the server's budget for bodies in flight, told what a compressed body inflates
+    to (:mod:`service.api.admission`)."""
     settings = dataplane.settings
     try:
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
@@ -70,8 +76,9 @@ async def answer_inference(
         encoding = headers.get("content-encoding")
         if encoding is not None:
             body = await dataplane.offload(
-                len(body) * 4, compression.decompress, body, encoding, settings.max_body_bytes
-            )
+                len(body) * 4, compression.decompress, body, encoding, settings.max_body_bytes,
+                reserve,
+            )  # fmt: skip
         timeout_s = parse_timeout(headers.get("x-request-timeout"))
         if route.kind == "infer":
             header_length = v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(body))

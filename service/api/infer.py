@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from service.api.admission import reserve_of
 from service.api.http import Route, answer_inference, dataplane_of
 
 router = APIRouter(tags=["inference"])
@@ -36,7 +37,9 @@ _V1_BODY = {
 
 async def _answer(request: Request, route: Route) -> Response:
     headers = {key: request.headers[key] for key in request.headers}  # first of repeated ones
-    answer = await answer_inference(dataplane_of(request), route, headers, request.receive)
+    answer = await answer_inference(
+        dataplane_of(request), route, headers, request.receive, reserve_of(request.scope)
+    )
     return Response(answer.body, answer.status, answer.headers)
 
 

@@ -102,7 +102,7 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) ->
     if field is None:
         raise InvalidInput(
             f"input '{name}': {datatype} has no typed 'contents' in the protocol; send it in "
-            "raw_input_contents"
+            "raw_input_contents (2-byte little-endian words)"
         )
     values = getattr(tensor.contents, field)
     if len(values) != count:

@@ -18,7 +18,7 @@ import orjson
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest as CoreRequest
 from service.inference import InferenceResult, InputTensor, RequestedOutput
-from service.protocol.datatypes import TO_NUMPY
+from service.protocol.datatypes import TO_NUMPY, as_values, from_values
 
 HEADER_LENGTH = "inference-header-content-length"
 MAX_BYTES_ELEMENTS = 65_536
@@ -230,7 +230,7 @@ def _from_json(data: Any, datatype: str, name: str) -> np.ndarray:
             array[i] = item.encode()
         return array
     try:
-        array = np.asarray(data, dtype=TO_NUMPY[datatype])
+        array = from_values(data, datatype)
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(
             f"input '{name}': 'data' is not a (nested) list of {datatype} values: {exc}"
@@ -314,7 +314,7 @@ def _to_json(data: np.ndarray, datatype: str) -> Any:
             item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
             for item in flat
         ]
-    return np.ascontiguousarray(flat)
+    return np.ascontiguousarray(as_values(flat, datatype))
 
 
 def to_binary(data: np.ndarray, datatype: str) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,12 @@ _ORT_TYPES = {
     "tensor(float16)": "FP16",
     "tensor(float)": "FP32",
     "tensor(double)": "FP64",
+    "tensor(bfloat16)": "BF16",
     "tensor(string)": "BYTES",
 }
+_BFLOAT16 = 16
+"""ONNX's element type number for bfloat16 (``onnx.TensorProto.BFLOAT16``; onnx itself is not
+a runtime dependency)."""
 
 
 Provider = str | tuple[str, dict[str, Any]]
@@ -111,24 +116,61 @@ class OnnxRuntime(Runtime):
         device = self.options.device
         self._device_type = "cuda" if device.startswith("cuda") else "cpu"
         self._device_id = int(device.partition(":")[2] or 0)
+        self._bf16_inputs = {t.name for t in graph.inputs if t.datatype == "BF16"}
+        self._bf16_outputs = {t.name for t in graph.outputs if t.datatype == "BF16"}
+        if self._bf16_outputs and any(t.datatype == "BYTES" for t in graph.inputs):
+            raise ModelLoadError(
+                f"outputs {sorted(self._bf16_outputs)} are BF16 and the model takes strings: "
+                "onnxruntime's Python API returns bfloat16 only from OrtValue inputs, and makes "
+                "no OrtValue of strings; split the model, or return FP32"
+            )
         mode = self.options.gpu.io_binding
         self._io_binding = (
-            mode == "on" or (mode == "auto" and self._device_type == "cuda")
-        ) and all(
-            t.datatype != "BYTES" for t in graph.outputs
-        )  # string outputs live on the host: bound to a device they would fail
+            (mode == "on" or (mode == "auto" and self._device_type == "cuda"))
+            # string outputs live on the host: bound to a device they would fail; bfloat16
+            # outputs have no numpy type to be copied back as
+            and all(t.datatype not in ("BYTES", "BF16") for t in graph.outputs)
+            and not self._bf16_inputs
+        )
         return declared or graph
 
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if any(a.dtype == object for a in batch.values()):
+        if self._bf16_outputs:
+            results = self._run_bf16(batch)
+        elif any(a.dtype == object for a in batch.values()) or self._bf16_inputs:
             # String tensors live on the host whatever the device: no binding for them.
-            feed = {name: _text(name, a) if a.dtype == object else a for name, a in batch.items()}
+            feed = {name: self._feed(name, a) for name, a in batch.items()}
             results = self._session.run(self._output_names, feed)
         elif self._io_binding:
             results = self._run_bound(batch)
         else:
             results = self._session.run(self._output_names, dict(batch))
         return dict(zip(self._output_names, results, strict=True))
+
+    def _feed(self, name: str, array: np.ndarray) -> Any:
+        """One input as onnxruntime takes it: strings as str, BF16 bit patterns as bfloat16."""
+        if array.dtype == object:
+            return _text(name, array)
+        if name in self._bf16_inputs:
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                np.ascontiguousarray(array), _BFLOAT16
+            )
+        return array
+
+    def _run_bf16(self, batch: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """A model with bfloat16 outputs: onnxruntime cannot hand them to numpy, so the run
+        takes and gives OrtValues, and those outputs are read back as their bit patterns."""
+        feed = {
+            name: self._feed(name, a)
+            if name in self._bf16_inputs
+            else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
+            for name, a in batch.items()
+        }
+        values = self._session.run_with_ort_values(self._output_names, feed)
+        return [
+            _bf16_bits(value) if name in self._bf16_outputs else _numpy(value)
+            for name, value in zip(self._output_names, values, strict=True)
+        ]
 
     def _run_bound(self, batch: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """IO binding: each input is copied host→device once, each output is left on the device
@@ -144,6 +186,21 @@ class OnnxRuntime(Runtime):
 
     def close(self) -> None:
         self.__dict__.pop("_session", None)  # idempotent; the session is freed with it
+
+
+def _bf16_bits(value: ort.OrtValue) -> np.ndarray:
+    """A bfloat16 OrtValue (on the host) → its bit patterns as a ``uint16`` array."""
+    if value.device_name().lower() != "cpu":
+        raise RuntimeError(f"a bfloat16 output came back on {value.device_name()}, not the host")
+    size = value.tensor_size_in_bytes()
+    raw = ctypes.string_at(value.data_ptr(), size) if size else b""
+    return np.frombuffer(raw, dtype="<u2").reshape(value.shape())
+
+
+def _numpy(value: ort.OrtValue) -> np.ndarray:
+    array: np.ndarray = value.numpy()
+    # strings come back as numpy str here, as Python objects from session.run()
+    return array.astype(object) if array.dtype.kind == "U" else array
 
 
 def _text(name: str, array: np.ndarray) -> np.ndarray:

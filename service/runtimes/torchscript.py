@@ -18,7 +18,9 @@ from service.errors import ModelLoadError
 from service.runtimes.base import Runtime, Signature
 
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_TORCH_DTYPES = {"FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64}
+_TORCH_DTYPES = {
+    "FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64, "BF16": torch.bfloat16,
+}  # fmt: skip
 
 GraphKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 log = logging.getLogger("tensorgate.runtime")
@@ -120,6 +122,7 @@ class TorchScriptRuntime(Runtime):
             else None
         )
         self._input_names = [t.name for t in declared.inputs]
+        self._bf16_inputs = {t.name for t in declared.inputs if t.datatype == "BF16"}
         self._output_names = [t.name for t in declared.outputs]
         self._output_dtypes = [_TORCH_DTYPES.get(t.datatype) for t in declared.outputs]
         self._graphs: dict[GraphKey, _Graph] = {}
@@ -179,14 +182,18 @@ class TorchScriptRuntime(Runtime):
         return frozenset(self._graphs)
 
     def _inputs(self, batch: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
-        return [self._to_tensor(batch[name]) for name in self._input_names]
+        return [
+            self._to_tensor(batch[name], name in self._bf16_inputs) for name in self._input_names
+        ]
 
-    def _to_tensor(self, array: np.ndarray) -> torch.Tensor:
+    def _to_tensor(self, array: np.ndarray, bf16: bool = False) -> torch.Tensor:
         # torch.from_numpy shares memory and needs a writable array; views of a request body
         # are read-only, so those are copied once here.
         if not array.flags.writeable:
             array = array.copy()
         tensor = torch.from_numpy(array)
+        if bf16:  # tensorgate holds BF16 as its bit patterns (service/protocol/datatypes.py)
+            tensor = tensor.view(torch.bfloat16)
         if self._cuda:
             # Pinned host memory lets the copy run asynchronously on the instance's stream.
             tensor = tensor.pin_memory().to(self._device, non_blocking=True)
@@ -213,5 +220,7 @@ class TorchScriptRuntime(Runtime):
         ):
             if dtype is not None and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)  # half-precision results back to the declared type
+            if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its bit patterns
+                tensor = tensor.view(torch.uint16)
             arrays[name] = tensor.detach().cpu().numpy()
         return arrays

@@ -1,19 +1,94 @@
-"""Compressed requests and answers with NVIDIA's client, and a compression bomb."""
+"""Compressed requests and answers with NVIDIA's client, what travels on the wire (a relay
+counts it), a compression bomb, and the budget for bodies in flight counting inflated bytes."""
 
 from __future__ import annotations
 
 import gzip
+import queue
+import socket
+import threading
 import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 
+from tests.identity import write_identity_model
+from tests.integration.test_batching import _slow_busy, _slow_model, slow_body
+from tests.integration.test_connection_limits import in_flight
 from tests.server import Server
 
 pytestmark = pytest.mark.integration
+BODY_LIMIT = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """An identity model of any width (compressible answers of any size) and a slow model, with
+    the budget for bodies in flight at its smallest: one largest body."""
+    root = tmp_path_factory.mktemp("compression") / "models"
+    write_identity_model(root / "wide", datatypes=("UINT8",), width="n")
+    _slow_model(root, "slow", 150_000)
+    env = {"TG_MAX_BODY_BYTES": str(BODY_LIMIT), "TG_MAX_INFLIGHT_BYTES": str(BODY_LIMIT)}
+    running = Server(root, env=env, log_path=root.parent / "server.log")
+    try:
+        running.wait_until(timeout=180)
+        yield running
+    finally:
+        running.stop()
+
+
+class CountingRelay:
+    """A TCP relay in front of a port that counts the bytes going each way: what a call put on
+    the wire, compressed or not, whatever the client library shows."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent = {"up": 0, "down": 0}
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def take(self) -> dict[str, int]:
+        """The bytes relayed since the last call."""
+        with self.lock:
+            counts, self.sent = self.sent, {"up": 0, "down": 0}
+        return counts
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            self.sockets += [client, upstream]
+            for source, target, way in ((client, upstream, "up"), (upstream, client, "down")):
+                threading.Thread(target=self._pump, args=(source, target, way), daemon=True).start()
+
+    def _pump(self, source: socket.socket, target: socket.socket, way: str) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                with self.lock:
+                    self.sent[way] += len(data)
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            target.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
@@ -87,3 +162,73 @@ def test_a_compression_bomb_is_413_and_memory_stays_flat(server: Server, encodin
         headers={"content-encoding": "gzip"},
     )  # fmt: skip
     assert bad.status_code == 400
+
+
+def _wide(client: tgrpc.InferenceServerClient, width: int, **options: Any) -> None:
+    x = np.zeros((1, width), np.uint8)
+    x[0, ::97] = 7
+    tensor = tgrpc.InferInput("in_UINT8", [1, width], "UINT8")
+    tensor.set_data_from_numpy(x)
+    np.testing.assert_array_equal(
+        client.infer("wide", [tensor], **options).as_numpy("out_UINT8"), x
+    )
+
+
+def test_grpc_answers_are_compressed_as_the_client_accepts_when_large_enough(
+    limited: Server,
+) -> None:
+    relay = CountingRelay(limited.grpc_port)
+    try:
+        accepts_all = tgrpc.InferenceServerClient(relay.address)  # gzip, deflate, identity
+        _wide(accepts_all, 1)  # the connection's setup is behind us
+        relay.take()
+        _wide(accepts_all, 900)  # an answer under 1 KiB goes as it is
+        assert relay.take()["down"] > 900
+        _wide(accepts_all, 300_000)
+        assert relay.take()["down"] < 30_000  # 300 kB of mostly zeros, compressed
+        _wide(accepts_all, 300_000, compression_algorithm="gzip")  # the request too
+        assert relay.take()["up"] < 30_000
+        for accepted, compressed in ((1, False), (3, True)):  # identity only; + deflate
+            args = [("grpc.compression_enabled_algorithms_bitset", accepted)]
+            client = tgrpc.InferenceServerClient(relay.address, channel_args=args)
+            _wide(client, 1)
+            relay.take()
+            _wide(client, 300_000)
+            assert (relay.take()["down"] < 30_000) is compressed, accepted
+            client.close()
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        accepts_all.start_stream(lambda result, error: answers.put((result, error)))
+        x = np.zeros((1, 300_000), np.uint8)
+        tensor = tgrpc.InferInput("in_UINT8", [1, 300_000], "UINT8")
+        tensor.set_data_from_numpy(x)
+        accepts_all.async_stream_infer("wide", [tensor])
+        result, error = answers.get(timeout=30)
+        accepts_all.stop_stream()
+        assert error is None
+        np.testing.assert_array_equal(result.as_numpy("out_UINT8"), x)
+        assert relay.take()["down"] < 30_000  # stream answers too
+        accepts_all.close()
+    finally:
+        relay.close()
+
+
+def test_compressed_bodies_hold_what_they_inflate_to_in_the_budget(limited: Server) -> None:
+    """A 3 kB gzip body that inflates to 3 MiB holds 3 MiB of the 4 MiB budget while it is
+    served: a second one is 503 instead of being inflated too, and the budget comes back."""
+    inflating = gzip.compress(orjson.dumps(slow_body(1.0)) + b" " * (3 << 20))  # JSON whitespace
+    assert len(inflating) < 16 << 10
+    headers = {"content-encoding": "gzip", "content-type": "application/json"}
+    with ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(limited.client.post, "/v2/models/slow/infer", json=slow_body(1.0))
+        limited.wait_for(lambda: _slow_busy(limited))
+        held = pool.submit(
+            limited.client.post, "/v2/models/slow/infer", content=inflating, headers=headers
+        )
+        limited.wait_for(lambda: in_flight(limited) > 3 << 20, timeout=60)  # queued behind
+        refused = limited.client.post("/v2/models/slow/infer", content=inflating, headers=headers)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert "TG_MAX_INFLIGHT_BYTES" in refused.json()["error"]
+        assert blocker.result().status_code == 200
+        assert held.result().status_code == 200
+    limited.wait_for(lambda: in_flight(limited) == 0)

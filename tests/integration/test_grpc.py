@@ -4,13 +4,15 @@ KServe's InferenceGRPCClient, against a real server: the same core, scheduler an
 from __future__ import annotations
 
 import asyncio
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -246,6 +248,81 @@ def test_a_cancelled_call_leaves_no_work_behind(grpc_server: Server) -> None:
     assert after - before == 1  # only the REST request ran
 
 
+def slow_input() -> tgrpc.InferInput:
+    tensor = tgrpc.InferInput("x", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+    return tensor
+
+
+def test_a_stream_answers_in_completion_order_by_id_and_outlives_a_bad_request(
+    client: tgrpc.InferenceServerClient, grpc_server: Server
+) -> None:
+    alone = {i: client.infer("digits", [digit_input(digit(1, seed=i))]) for i in range(6)}
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    streaming = tgrpc.InferenceServerClient(grpc_server.grpc_url)
+    streaming.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        streaming.async_stream_infer("slow", [slow_input()], request_id="slow")  # sent first
+        for i in range(6):
+            if i == 3:
+                bad = tgrpc.InferInput("pixels", [1, 1, 8, 8], "FP32")
+                bad.set_data_from_numpy(digit())
+                streaming.async_stream_infer("digits", [bad], request_id="bad")
+            streaming.async_stream_infer(
+                "digits", [digit_input(digit(1, seed=i))], request_id=f"d{i}"
+            )
+        got = [answers.get(timeout=60) for _ in range(8)]
+    finally:
+        streaming.stop_stream()
+    errors = [error for _, error in got if error is not None]
+    assert len(errors) == 1 and "pixels" in str(errors[0])  # and the stream went on
+    results = {r.get_response().id: r for r, _ in got if r is not None}
+    assert set(results) == {"slow", *(f"d{i}" for i in range(6))}
+    assert [r.get_response().id for r, _ in got if r is not None][-1] == "slow"  # overtaken
+    for i, want in alone.items():  # each answer is its own request's (batched: to rounding)
+        got_logits = results[f"d{i}"].as_numpy("logits")
+        np.testing.assert_allclose(got_logits, want.as_numpy("logits"), rtol=1e-4, atol=1e-4)
+    grpc_server.wait_for(lambda: _slow_idle(grpc_server))
+
+
+def test_the_aio_client_streams_and_errors_come_in_the_stream(grpc_server: Server) -> None:
+    async def run() -> list[tuple[Any, Any]]:
+        client = tgrpc_aio.InferenceServerClient(grpc_server.grpc_url)
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            for i in range(4):
+                yield {"model_name": "digits", "inputs": [digit_input(digit(1, seed=i))],
+                       "request_id": f"a{i}"}  # fmt: skip
+            yield {"model_name": "nope", "inputs": [digit_input(digit())], "request_id": "x"}
+
+        try:
+            return [answer async for answer in client.stream_infer(requests())]
+        finally:
+            await client.close()
+
+    got = asyncio.run(run())
+    assert sorted(r.get_response().id for r, _ in got if r is not None) == ["a0", "a1", "a2", "a3"]
+    assert [str(e) for _, e in got if e is not None] == ["unknown model 'nope'"]
+
+
+def test_a_cancelled_stream_leaves_no_work_behind(grpc_server: Server) -> None:
+    stats = "/v2/models/slow/stats"
+    before = grpc_server.client.get(stats).json()["model_stats"][0]["execution_count"]
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(grpc_server.client.post, "/v2/models/slow/infer", json=slow_body(1.0))
+        grpc_server.wait_for(lambda: _slow_busy(grpc_server))
+        streaming = tgrpc.InferenceServerClient(grpc_server.grpc_url)
+        streaming.start_stream(callback=lambda result, error: None)
+        for i in range(2):
+            streaming.async_stream_infer("slow", [slow_input()], request_id=f"s{i}")
+        grpc_server.wait_for(lambda: _slow_pending(grpc_server) == 2)
+        streaming.stop_stream(cancel_requests=True)
+        assert busy.result().status_code == 200
+    grpc_server.wait_for(lambda: _slow_idle(grpc_server))
+    after = grpc_server.client.get(stats).json()["model_stats"][0]["execution_count"]
+    assert after - before == 1  # only the REST request ran
+
+
 def test_grpc_health_check_as_a_kubelet_probe_does(grpc_server: Server) -> None:
     """The kubelet calls /grpc.health.v1.Health/Check with service "" and reads the status."""
     request = b""  # HealthCheckRequest{service: ""} is the empty message
@@ -325,6 +402,17 @@ def test_the_api_token_is_asked_for_in_metadata(tmp_path: Path) -> None:
         headers = {"authorization": f"Bearer {API_TOKEN}"}
         result = client.infer("digits", [digit_input(digit())], headers=headers)
         assert result.as_numpy("logits").shape == (1, 10)
+        # a stream's token is in the stream's metadata: without it, it ends at once
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(lambda result, error: answers.put((result, error)))
+        _, error = answers.get(timeout=30)
+        assert error.status() == "StatusCode.UNAUTHENTICATED" and "Bearer" in str(error)
+        client.stop_stream()
+        client.start_stream(lambda result, error: answers.put((result, error)), headers=headers)
+        client.async_stream_infer("digits", [digit_input(digit())])
+        answer, error = answers.get(timeout=30)
+        client.stop_stream()
+        assert error is None and answer.as_numpy("logits").shape == (1, 10)
     finally:
         server.stop()
 
@@ -366,15 +454,26 @@ def test_sigterm_drains_mixed_grpc_and_rest_load_losing_nothing(tmp_path: Path) 
             if not note("rest", "ok" if code.status_code == 200 else str(code.status_code)):
                 return
 
+    # An open stream, idle at SIGTERM, must not hold the server for the whole grace (20 s).
+    streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    streaming = tgrpc.InferenceServerClient(server.grpc_url)
+    streaming.start_stream(lambda result, error: streamed.put((result, error)))
+    streaming.async_stream_infer("digits", [digit_input(x)])
+    assert streamed.get(timeout=30)[1] is None
     with ThreadPoolExecutor(4) as pool:
         loops = [pool.submit(grpc_loop if i % 2 else rest_loop) for i in range(4)]
         server.wait_for(lambda: len(outcomes) > 80)
         ready = tgrpc.InferenceServerClient(server.grpc_url)
         server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         server.wait_for(lambda: not ready.is_server_ready(), timeout=5)
         for loop in loops:
             loop.result(timeout=60)
     assert server.process.wait(timeout=60) == 0
+    assert time.monotonic() - signalled < 15
+    _, ended = streamed.get(timeout=5)
+    assert ended.status() == "StatusCode.UNAVAILABLE" and "shutting down" in str(ended)
+    streaming.stop_stream()
     failures = {o for _, o in outcomes if o != "ok"}
     # every accepted call was answered; refusals are UNAVAILABLE / 503 / a closed port only
     assert failures <= {"StatusCode.UNAVAILABLE", "503", "refused"}, failures

@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from service.api import compression
-from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.errors import InvalidInput, PayloadTooLarge, ServerBusy, UnsupportedMediaType
 
 pytestmark = pytest.mark.unit
 BODY = b'{"inputs": []}' * 100
@@ -35,6 +35,22 @@ def test_bodies_inflate_to_what_was_sent(encoding: str, packed: bytes) -> None:
 def test_inflating_past_the_limit_stops_at_the_limit() -> None:
     with pytest.raises(PayloadTooLarge, match="inflates past the limit of 1000 bytes"):
         compression.decompress(gzip.compress(bytes(10_000_000)), "gzip", 1000)
+
+
+def test_each_inflated_chunk_is_reserved_before_it_is_kept() -> None:
+    told: list[int] = []
+    assert compression.decompress(gzip.compress(BODY), "gzip", len(BODY), told.append) == BODY
+    assert sum(told) == len(BODY)
+
+    def budget(size: int) -> None:  # a budget with 3 MiB left
+        told.append(size)
+        if sum(told) > 3 << 20:
+            raise ServerBusy("over budget")
+
+    told.clear()
+    with pytest.raises(ServerBusy):
+        compression.decompress(gzip.compress(bytes(10 << 20)), "gzip", 16 << 20, budget)
+    assert sum(told) <= 4 << 20  # refused within a chunk (1 MiB) of the budget, not at 10 MiB
 
 
 def test_broken_and_unknown_encodings_are_refused() -> None:

@@ -44,9 +44,11 @@ def fp32(rows: int) -> InputTensor:
 def all_inputs(rows: int) -> list[InputTensor]:
     """Every input of the identity model (it takes one of each datatype)."""
     from service.protocol.datatypes import TO_NUMPY
+    from tests.identity import ONNX_TYPES
 
     tensors = []
-    for datatype, dtype in TO_NUMPY.items():
+    for datatype in ONNX_TYPES:
+        dtype = TO_NUMPY[datatype]
         data = np.full((rows, 3), b"x" if datatype == "BYTES" else 1, dtype=dtype)
         tensors.append(InputTensor(f"in_{datatype}", datatype, data.shape, data))
     return tensors

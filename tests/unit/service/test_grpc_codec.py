@@ -37,6 +37,7 @@ def test_typed_and_raw_contents_decode_to_the_same_tensor() -> None:
         (request_with("INT8", [1], int_contents=[300]), InvalidInput, "not INT8"),
         (request_with("FP32", [2], fp32_contents=[1.0]), InvalidInput, "needs 2 elements"),
         (request_with("FP16", [1]), InvalidInput, "raw_input_contents"),
+        (request_with("BF16", [1], fp32_contents=[1.0]), InvalidInput, "BF16.*raw_input_contents"),
         (request_with("FP64", [1 << 20, 1 << 10]), PayloadTooLarge, "limit"),
         (request_with("NOPE", [1]), InvalidInput, "datatype must be one of"),
     ],
@@ -74,3 +75,18 @@ def test_parameters_round_trip_and_fp16_outputs_go_raw() -> None:
         InferenceResult("m", "1", None, outputs[1:], {}, {}, None, True), False
     )
     assert list(typed.outputs[0].contents.int_contents) == [7] and not typed.raw_output_contents
+
+
+def test_bf16_travels_as_two_byte_words_both_ways() -> None:
+    message = request_with("BF16", [1, 3])
+    words = np.array([0x3F80, 0x8000, 0x7FC0], "<u2")
+    message.raw_input_contents.append(words.tobytes())
+    (tensor,) = codec.decode_request(message, None).inputs
+    assert tensor.datatype == "BF16" and tensor.data.dtype == np.uint16
+    np.testing.assert_array_equal(tensor.data, [words])
+    outputs = [OutputTensor("y", "BF16", tensor.data), OutputTensor("z", "INT32", np.int32([[7]]))]
+    response = codec.encode_result(
+        InferenceResult("m", "1", None, outputs, {}, {}, None, True), False
+    )
+    assert response.raw_output_contents[0] == words.tobytes()  # and so every output goes raw
+    assert response.outputs[0].datatype == "BF16" and list(response.outputs[0].shape) == [1, 3]

@@ -17,7 +17,7 @@ from service.runtimes.onnx import providers_for
 from service.runtimes.pt2 import TORCH_KEY, Pt2Runtime
 from service.runtimes.torchscript import TorchScriptRuntime
 from tests.conftest import Exported
-from tests.models import Mlp, TinyText, TrainModeNet
+from tests.models import Copy, Mlp, TinyText, TrainModeNet
 
 SIGNATURE = Signature(
     (TensorConfig(name="x", datatype="FP32", shape=(8,)),),
@@ -138,6 +138,51 @@ def test_half_precision_is_converted_at_load_and_answers_in_the_declared_dtype(
         exact = TrainModeNet().eval()(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(y, exact, atol=0.1)
     assert np.abs(y - exact).max() > 0  # it really ran in half precision
+
+
+BF16_WORDS = np.array([[0x3F80, 0x8000, 0x7F80], [0xFF80, 0x7FC0, 0x0001]], np.uint16)
+"""1, -0, inf, -inf, NaN and the smallest subnormal, as bfloat16 bit patterns."""
+
+
+def test_onnx_bf16_tensors_go_in_and_come_out_as_bit_patterns(tmp_path: Path) -> None:
+    from tests.identity import write_identity_model
+
+    write_identity_model(tmp_path / "m", datatypes=("BF16", "FP32"))
+    runtime = create_runtime("onnx", RuntimeOptions("cpu", 1))
+    signature = runtime.load(tmp_path / "m" / "1" / "model.onnx", None, max_batch_size=8)
+    assert [t.datatype for t in signature.inputs] == ["BF16", "FP32"]
+    x = np.ones((2, 3), np.float32)
+    out = runtime.run({"in_BF16": BF16_WORDS, "in_FP32": x})
+    assert out["out_BF16"].dtype == np.uint16
+    np.testing.assert_array_equal(out["out_BF16"], BF16_WORDS)
+    np.testing.assert_array_equal(out["out_FP32"], x)
+
+
+def test_onnx_bf16_outputs_beside_string_inputs_are_refused_at_load(tmp_path: Path) -> None:
+    from tests.identity import write_identity_model
+
+    write_identity_model(tmp_path / "m", datatypes=("BF16", "BYTES"))
+    runtime = create_runtime("onnx", RuntimeOptions("cpu", 1))
+    with pytest.raises(
+        ModelLoadError, match=r"\['out_BF16'\] are BF16 and the model takes strings"
+    ):
+        runtime.load(tmp_path / "m" / "1" / "model.onnx", None, max_batch_size=8)
+
+
+def test_torchscript_bf16_tensors_go_in_and_come_out_as_bit_patterns(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.jit.script(Copy()).save(str(path))
+    bf16 = Signature(
+        (TensorConfig(name="x", datatype="BF16", shape=(3,)),),
+        (TensorConfig(name="y", datatype="BF16", shape=(3,)),),
+    )
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    runtime.load(path, bf16, max_batch_size=8)
+    words = BF16_WORDS.copy()
+    words.flags.writeable = False  # as a view of a request body is
+    out = runtime.run({"x": words})["y"]
+    assert out.dtype == np.uint16
+    np.testing.assert_array_equal(out, BF16_WORDS)
 
 
 @pytest.mark.integration  # loads the built digits model

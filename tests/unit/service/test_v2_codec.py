@@ -2,9 +2,11 @@
 
 import contextlib
 import json
+import math
 import struct
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import orjson
 import pytest
@@ -16,7 +18,7 @@ from tritonclient.http._utils import _get_inference_request
 
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
-from service.protocol.datatypes import TO_NUMPY
+from service.protocol.datatypes import TO_NUMPY, bf16_bits
 from service.protocol.v2 import (
     MAX_BYTES_ELEMENTS,
     decode_request,
@@ -24,7 +26,8 @@ from service.protocol.v2 import (
     parse_header_length,
 )
 
-NUMERIC = [name for name in TO_NUMPY if name != "BYTES"]
+NUMERIC = [name for name in TO_NUMPY if name not in ("BYTES", "BF16")]
+"""The datatypes numpy has; BF16 (ml_dtypes on the client's side, bit patterns on ours) below."""
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5)
 
 
@@ -118,6 +121,47 @@ def test_responses_parse_with_tritonclients_own_reader(datatype: str, data: st.D
         assert list(result.as_numpy("b")) == strings
         assert result.get_response()["id"] == "id-7"
         assert result.get_response()["parameters"] == {"k": 1}
+
+
+BF16_VALUES = [1.0, 1 + 2**-8 + 2**-30, -0.0, 3.0e38, -2.5, 1e-40]
+BF16_BITS = [0x3F80, 0x3F81, 0x8000, 0x7F62, 0xC020, 0x0001]
+"""JSON floats and the bfloat16 each rounds to (nearest, ties to even)."""
+
+
+def test_bf16_json_data_is_rounded_to_nearest_even_bfloat16() -> None:
+    body = orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": "BF16", "shape": [2, 3], "data": BF16_VALUES}]}
+    )
+    (decoded,) = decode_request(body).inputs
+    assert decoded.datatype == "BF16" and decoded.data.dtype == np.uint16
+    assert decoded.data.reshape(-1).tolist() == BF16_BITS
+
+
+def test_bf16_binary_data_from_tritonclient_is_two_byte_words() -> None:
+    values = np.array([[1.5, -0.0, np.inf], [-np.inf, np.nan, 3.0e38]], ml_dtypes.bfloat16)
+    body, header_length = triton_body({"x": values}, binary=True)
+    (decoded,) = decode_request(body, header_length).inputs
+    assert decoded.datatype == "BF16" and decoded.shape == (2, 3)
+    np.testing.assert_array_equal(decoded.data, values.view(np.uint16))
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_bf16_outputs_parse_with_tritonclients_own_reader(binary: bool) -> None:
+    bits = np.array([BF16_BITS], np.uint16)
+    result = InferenceResult("m", "1", None, [OutputTensor("y", "BF16", bits)], {}, {}, None, True)
+    body, headers = encode_result(result, binary)
+    length = headers.get("inference-header-content-length")
+    if binary:
+        assert body[int(length or 0) :] == bits.astype("<u2").tobytes()
+    else:  # floats, written as float32 (shortest): each parses back to the same bfloat16
+        data = orjson.loads(body)["outputs"][0]["data"]
+        assert bf16_bits(np.array(data)).tolist() == BF16_BITS
+        assert data[:3] == [1.0, 1.0078125, -0.0] and math.copysign(1, data[2]) == -1
+    parsed = triton.InferResult.from_response_body(
+        body, header_length=int(length) if length else None
+    ).as_numpy("y")
+    assert parsed.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(parsed.view(np.uint16), bits)
 
 
 def _request(**tensor: Any) -> bytes:
