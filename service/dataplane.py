@@ -215,7 +215,7 @@ class DataPlane:
 
 def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -> None:
     """Before anything runs: every output asked for is one the model offers."""
-    known = {t.name for t in model.public_outputs()}
+    known = model.output_datatypes
     for output in wanted or []:
         if output.name not in known:
             raise InvalidInput(
@@ -229,7 +229,7 @@ def _outputs(
 ) -> list[OutputTensor]:
     """The outputs a request asked for (all the model offers by default), with the
     classification extension's top-k strings where asked."""
-    known = {t.name: t.datatype for t in model.public_outputs()}
+    known = model.output_datatypes
     tensors = []
     for output in wanted or [RequestedOutput(name) for name in known]:
         top_k = output.parameters.get("classification")

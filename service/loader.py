@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,11 @@ class LoadedVersion:
         if self.pipeline is not None:
             inputs.append(TensorConfig(name=self.pipeline.raw_input, datatype="BYTES", shape=()))
         return inputs
+
+    @cached_property
+    def output_datatypes(self) -> dict[str, str]:
+        """Each public output's name and datatype (asked of every request)."""
+        return {t.name: t.datatype for t in self.public_outputs()}
 
     def public_outputs(self) -> list[TensorConfig]:
         """Outputs as clients see them: the model's, plus top-k classification strings."""

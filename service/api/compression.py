@@ -65,6 +65,8 @@ def decompress(
 
 def choose(accept: str) -> str | None:
     """The encoding to answer with for an ``Accept-Encoding`` value (gzip first), or None."""
+    if not accept:
+        return None
     offered = {}
     for item in accept.lower().split(","):
         name, _, params = item.strip().partition(";")
