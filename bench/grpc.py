@@ -11,7 +11,9 @@ with N concurrent streams (what a gRPC client's channel does), and counts reques
 mean latency (it reports no percentiles). Cells: W2 (1×64 FP32) at 1 and 64 concurrent,
 efficientnet_lite0 (1×3×224×224 FP32 tensor) at 1 and 16. Each round runs every cell once, the
 protocols in an order that flips every round; figures are medians over rounds (min–max).
-Writes bench/results/grpc.md.
+For W2, the same frame also goes to an empty grpc.aio server (every call answered with an empty
+message, in a process of its own): the library's ceiling on this machine, whatever a server
+does with the calls. Writes bench/results/grpc.md.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import shutil
 import statistics
 import struct
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -32,7 +36,7 @@ import orjson
 from bench.batching import mlp_models
 from bench.common import publish, table, wrk
 from service.protocol.pb import grpc_service_pb2 as pb
-from tests.server import MODELS, Server
+from tests.server import MODELS, Server, free_port
 
 SERVER_ENV = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2"}
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
@@ -86,6 +90,45 @@ def h2load(url: str, frame: bytes, streams: int, seconds: int) -> tuple[float, f
     return float(rate.group(1)), ms
 
 
+EMPTY_SERVER = """
+import asyncio, sys
+import grpc
+import uvloop
+
+async def empty(request, context):
+    return b""
+
+async def main():
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(empty)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService", {"ModelInfer": handler})])
+    server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+    await server.start()
+    await server.wait_for_termination()
+
+uvloop.run(main())
+"""
+"""The ceiling of grpcio's asyncio server on this machine: every call answered with an empty
+message, no decoding, no model, in an event loop of its own (as the server's, uvloop)."""
+
+
+def empty_server() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", EMPTY_SERVER, str(port)])
+    url = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with grpc.insecure_channel(url) as channel:
+                grpc.channel_ready_future(channel).result(timeout=1)
+            return process, url
+        except grpc.FutureTimeoutError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise
+
+
 def check_grpc(server: Server, model: str, frame: bytes) -> None:
     """One call through the real client stack: the frame must be a valid request."""
     request = pb.ModelInferRequest.FromString(frame[5:])
@@ -111,6 +154,7 @@ def main() -> None:
         (root / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
         mlp_models(root)
         server = Server(root, env=SERVER_ENV)
+        ceiling, ceiling_url = empty_server()
         try:
             server.wait_until(timeout=300)
             payloads = {(m, s): bodies(m, s, n) for _, m, s, n, _ in cells}
@@ -138,8 +182,14 @@ def main() -> None:
                             assert result.errors == 0, (kind, label, result)
                             figure = (result.requests_per_s, result.p50_ms)
                         results.setdefault((label, concurrency, kind), []).append(figure)
+                    if label == "W2":  # the library's own ceiling, in the same rotation
+                        figure = h2load(f"http://{ceiling_url}", kinds["gRPC"][0], concurrency,
+                                        args.seconds)  # fmt: skip
+                        results.setdefault((label, concurrency, "ceiling"), []).append(figure)
         finally:
             server.stop()
+            ceiling.terminate()
+            ceiling.wait(timeout=30)
     rows = []
     for label, _, _, _, concurrency in cells:
         row = [label, str(concurrency)]
@@ -150,9 +200,11 @@ def main() -> None:
         grpc_rate = statistics.median(r for r, _ in results[(label, concurrency, "gRPC")])
         binary_rate = statistics.median(r for r, _ in results[(label, concurrency, "REST binary")])
         row.append(f"{grpc_rate / binary_rate:.2f}")
+        ceiling = [r for r, _ in results.get((label, concurrency, "ceiling"), [])]
+        row.append(f"{statistics.median(ceiling) / binary_rate:.2f}" if ceiling else "")
         rows.append(row)
     header = ["workload", "concurrent", "REST JSON req/s", "REST binary req/s", "gRPC req/s",
-              "gRPC / REST binary"]  # fmt: skip
+              "gRPC / REST binary", "empty grpc.aio server / REST binary"]  # fmt: skip
     publish("grpc", f"# gRPC vs REST, {args.rounds} alternating rounds of {args.seconds} s\n\n"
                     f"median (min–max)\n\n{table(rows, header)}\n")  # fmt: skip
 

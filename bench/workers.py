@@ -5,7 +5,7 @@
 Both servers serve one repository (efficientnet_lite0 and the W2 MLP) with the CPUs of this
 machine shared as the server would share them by default (``TG_CPUS`` split among workers) and
 stay up; each pair runs every workload against one and then the other, the order flipping
-every pair: W1 (a 640×480 JPEG → top-5, v1 predict) at 16 connections, W2 (the 64→256→10 MLP, a
+every pair: W1 (a 640×480 JPEG → top-5, v1 predict) at 16 and 1 connections, W2 (the 64→256→10 MLP, a
 JSON tensor, v2 infer) at 64 and 1. wrk is the client (one thread), on the same machine.
 Reported per workload: requests/s, p50 and the mean batch size (rows per model execution,
 from the statistics extension, which sums over workers), min/median/max over pairs, and the
@@ -48,6 +48,7 @@ def main() -> None:
                                     "data": x.ravel().tolist()}]})  # fmt: skip
     workloads = {
         "W1 c=16": ("efficientnet_lite0", W1_PATH, image, "image/jpeg", 16),
+        "W1 c=1": ("efficientnet_lite0", W1_PATH, image, "image/jpeg", 1),
         "W2 c=64": ("mlp", "/v2/models/mlp/infer", mlp, "application/json", 64),
         "W2 c=1": ("mlp", "/v2/models/mlp/infer", mlp, "application/json", 1),
     }

@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     serve.add_argument(
         "--workers", type=int, help="server processes on the same ports (TG_WORKERS; default: "
-        "one per four CPUs the process may use, at least one)",
+        "one per two CPUs the process may use, at least one)",
     )  # fmt: skip
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(

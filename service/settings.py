@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.resources import available_cpus, memory_limit_bytes
 
 ENV_PREFIX = "TG_"
-CPUS_PER_WORKER = 4
+CPUS_PER_WORKER = 2
 """The default of TG_WORKERS is one worker per this many CPUs (docs/performance.md, workers)."""
 MIN_TOKEN_LENGTH = 16
 """A bearer token shorter than this is refused at start: short tokens are guessed."""
@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     the affinity mask, capped by the cgroup's CPU quota (a Kubernetes ``limits.cpu``)."""
     workers: int = Field(default=0, ge=0)
     """Server processes on the same ports, each with its own event loop, models and batcher
-    (docs/architecture.md). 0: one per four CPUs, at least one (docs/performance.md)."""
+    (docs/architecture.md). 0: one per two CPUs, at least one (docs/performance.md)."""
     intra_op_threads: int = Field(default=0, ge=0)
     """Threads each model instance's runtime uses inside one operator (torch / onnxruntime).
     0: the CPUs divided among the workers."""

@@ -16,8 +16,8 @@ from service.workers import Worker, merge_metrics, merge_statistics
 
 @pytest.mark.parametrize(
     ("cpus", "workers", "expected"),
-    [(1, 0, (1, 1)), (2, 0, (1, 2)), (4, 0, (1, 4)), (8, 0, (2, 4)), (16, 0, (4, 4)),
-     (2, 2, (2, 1)), (3, 2, (2, 1)), (64, 0, (16, 4))],
+    [(1, 0, (1, 1)), (2, 0, (1, 2)), (3, 0, (1, 3)), (4, 0, (2, 2)), (16, 0, (8, 2)),
+     (2, 2, (2, 1)), (3, 2, (2, 1)), (8, 1, (1, 8))],
 )  # fmt: skip
 def test_workers_and_their_threads_share_the_cpus(
     cpus: int, workers: int, expected: tuple[int, int]
