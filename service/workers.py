@@ -61,6 +61,9 @@ ASK_TIMEOUT_S = 5.0
 """How long a worker waits for another's answer to a health or statistics question."""
 REPOSITORY_TIMEOUT_S = 3600.0
 """How long it waits for another worker to load a model (gates and warmup included)."""
+STARTUP_S = 60.0
+"""A worker that exits with an error this soon after the server started, on its first start,
+is a server that cannot start: the supervisor stops, rather than retry for ever."""
 RESTART_BACKOFF_S = (1.0, 30.0)
 """A dead worker is started again after the first delay, doubled each time it dies within a
 minute of starting, up to the second."""
@@ -150,13 +153,16 @@ class Supervisor:
     def _start(self, index: int, port: int, replacement: bool = False) -> None:
         worker = Worker(index, self.count, os.getpid(), self.folder, replacement)
         env = {**os.environ, WORKER_ENV: worker.encode(), "TG_PORT": str(port)}
+        # A session of its own: a signal to the supervisor's process group (Ctrl-C, `kill` of a
+        # `make run`) reaches the workers once, forwarded, instead of twice ("stop now").
         self.processes[index] = subprocess.Popen([sys.executable, "-m", "service", *self.argv],
-                                                 env=env)  # fmt: skip
+                                                 env=env, start_new_session=True)  # fmt: skip
         self.started_at[index] = time.monotonic()
         log.info("worker %d started (pid %d)", index, self.processes[index].pid)
 
     def _watch(self, port: int) -> int:
         failed = False
+        began = time.monotonic()
         while True:
             now = time.monotonic()
             for index, process in list(self.processes.items()):
@@ -168,6 +174,13 @@ class Supervisor:
                     del self.processes[index]
                     continue
                 del self.processes[index]
+                if code > 0 and now - began < STARTUP_S and index not in self.backoff:
+                    # A worker that cannot start (a port in use, a bad setting) will not start
+                    # on a retry either: stop as one server would, with its status.
+                    log.error("worker %d could not start (status %d): stopping", index, code)
+                    self._forward(signal.SIGTERM, None)
+                    failed = True
+                    continue
                 quick = now - self.started_at[index] < 60
                 delay = min(self.backoff.get(index, 0) * 2, RESTART_BACKOFF_S[1]) if quick else 0
                 self.backoff[index] = max(delay, RESTART_BACKOFF_S[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -161,3 +162,17 @@ def test_sigterm_stops_every_worker_and_exits_0(tmp_path: Path) -> None:
     assert not alive
     assert server.log().count("drained: every accepted request was answered") == 2
     server.stop()
+
+
+def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "digits", root / "digits")
+    with socket.socket() as taken:  # a port another program listens on, without SO_REUSEPORT
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = Server(root, env={"TG_WORKERS": "2"}, log_path=tmp_path / "server.log",
+                        port=taken.getsockname()[1])  # fmt: skip
+        code = server.process.wait(60)
+        assert code != 0, server.log()
+        assert "Address already in use" in server.log()
+        server.stop()
