@@ -184,9 +184,14 @@ def test_poisoned_requests_mixed_into_load_fail_alone(tmp_path: Path) -> None:
             results = [r for batch in pool.map(client, range(8)) for r in batch]
         for value, status, data in results:
             if value < 0:
-                assert status == 400
+                # 400 when it shared a batch with valid requests (they ran, so its input is
+                # the cause); 500 when it ran alone, as the load thinned out (nothing tells a
+                # bad input from a broken model then). tests/integration/test_poison.py pins
+                # the 400 deterministically.
+                assert status in (400, 500)
             else:
                 assert status == 200 and data == [value * 2] * 4, (value, status, data)
+        assert any(status == 400 for value, status, _ in results if value < 0)
         isolated = [line for line in server.client.get("/metrics").text.splitlines()
                     if line.startswith("tensorgate_isolated_batches_total")]  # fmt: skip
         print(f"\n{isolated}")

@@ -20,8 +20,10 @@ def test_ready_stays_503_until_every_bucket_of_every_model_has_run(tmp_path: Pat
         server.wait_until("/v2/health/live")
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            started = server.client.get("/v2/health/startup").status_code
+            # Readiness first: loading may finish between requests, and a later "not started"
+            # or "LOADING" then means readiness was false when it was read.
             ready = server.client.get("/v2/health/ready")
+            started = server.client.get("/v2/health/startup").status_code
             state = server.client.get("/v2/models/minilm").json()["state"]
             observed.append((ready.status_code, state))
             if started == 503:  # loading: neither started nor ready
