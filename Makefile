@@ -44,7 +44,7 @@ venv: $(STAMP)
 # A model's artifacts (model.pt2 compiles for a minute) are rebuilt only when its build script,
 # config or the export code changes.
 models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py service/runtimes/pt2.py \
-		preprocessing/image.py preprocessing/text.py preprocessing/spec.py | $(STAMP)
+		service/cpu_targets.py preprocessing/image.py preprocessing/text.py preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1
 
 models: $(ARTIFACTS)

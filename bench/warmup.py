@@ -1,11 +1,12 @@
-"""First request after ready vs steady state, per sequence bucket (issue: dynamic shapes).
+"""First request after ready vs steady state, per shape (issues: dynamic shapes, #18).
 
     .venv/bin/python -m bench.warmup [--steady 10]
 
 For minilm served from its ONNX, TorchScript and pt2 artifacts, each with the bundled warmup and
-with none: start a fresh server, wait for ready, then per bucket send one text of exactly that
-many tokens (the first request of that shape) and then ``--steady`` more; report the first
-latency, the median of the rest, and their ratio (target ≤ 1.5 with warmup).
+with none: start a fresh server, wait for ready, then per shape send one request of that shape
+(the first) and then ``--steady`` more; report the first latency, the median of the rest, and
+their ratio (target ≤ 1.5 with warmup). The shapes: one text of exactly each bucket's tokens,
+then 2, 4, 8 and 16 such texts of 64 tokens in one request (each a batch of that many rows).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from bench.common import publish, table
 from tests.server import MODELS, Server
 
 BUCKETS = (16, 32, 64, 128, 256)
+SHAPES = [(1, tokens) for tokens in BUCKETS] + [(rows, 64) for rows in (2, 4, 8, 16)]
+"""(texts in the request, tokens in each)"""
 
 
 def repository(root: Path, backend: str, warm: bool) -> None:
@@ -36,9 +39,9 @@ def repository(root: Path, backend: str, warm: bool) -> None:
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
 
 
-def latency(client: httpx.Client, text: str) -> float:
+def latency(client: httpx.Client, texts: list[str]) -> float:
     started = time.perf_counter()
-    response = client.post("/v1/models/minilm:predict", json={"instances": [text]})
+    response = client.post("/v1/models/minilm:predict", json={"instances": texts})
     elapsed = time.perf_counter() - started
     response.raise_for_status()
     return elapsed * 1000
@@ -53,12 +56,12 @@ def measure(backend: str, warm: bool, steady: int) -> list[list[str]]:
                                    "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
         try:
             server.wait_until(timeout=300)
-            for bucket in BUCKETS:
-                text = "word " * (bucket - 2)  # + [CLS] and [SEP] = exactly `bucket` tokens
-                first = latency(server.client, text)
-                rest = statistics.median(latency(server.client, text) for _ in range(steady))
-                rows.append([backend, "yes" if warm else "no", str(bucket), f"{first:.1f}",
-                             f"{rest:.1f}", f"{first / rest:.2f}"])  # fmt: skip
+            for texts, tokens in SHAPES:
+                batch = ["word " * (tokens - 2)] * texts  # + [CLS] and [SEP] = `tokens` tokens
+                first = latency(server.client, batch)
+                rest = statistics.median(latency(server.client, batch) for _ in range(steady))
+                rows.append([backend, "yes" if warm else "no", str(texts), str(tokens),
+                             f"{first:.1f}", f"{rest:.1f}", f"{first / rest:.2f}"])  # fmt: skip
         finally:
             server.stop()
     return rows
@@ -73,9 +76,10 @@ def main() -> None:
         for warm in (True, False):
             rows += measure(backend, warm, args.steady)
     text = (
-        "# Warmup benchmark: minilm, batch of 1\n\n"
+        "# Warmup benchmark: minilm, first request of each shape vs steady\n\n"
         + table(
-            rows, ["backend", "warmup", "tokens", "first ms", "steady p50 ms", "first / steady"]
+            rows,
+            ["backend", "warmup", "texts", "tokens", "first ms", "steady p50 ms", "first / steady"],
         )
         + "\n"
     )

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service import __version__
+from service import __version__, cpu_targets
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -77,6 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="lengths of the dynamic (-1) dims, e.g. 16,32,64,128")  # fmt: skip
     export.add_argument("--preprocessing", type=Path, help="a YAML/JSON file with the spec")
     export.add_argument("--opset", type=int, default=None)
+    export.add_argument(
+        "--pt2-cpu", choices=cpu_targets.TARGETS, default=None,
+        help="the CPU model.pt2 is compiled for (default x86-64-v3 on x86-64: AVX2, which every "
+        "x86-64 server CPU since 2013-2015 has; native: this machine's, refused on other CPUs)",
+    )  # fmt: skip
 
     commands.add_parser("schema", help="print the JSON Schema of config.yaml")
 

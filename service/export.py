@@ -2,12 +2,12 @@
 
 :func:`export_model` writes any of ``model.onnx`` (ONNX, through ``torch.export`` and the dynamo
 exporter), ``model.pt2`` (an AOTInductor package compiled from ``torch.export``, for the device it
-is exported on) and ``model.pt`` (TorchScript, deprecated upstream) into a version folder. It
-replays fixed golden inputs, and the same rows at the smallest and largest batch and length,
-through eager PyTorch and each artifact, and refuses (``ExportError``, naming the max abs/rel
-error) when they disagree beyond tolerance. It then writes ``golden.npz`` and ``manifest.json``,
-which the server's load gates check. Imported only by ``tensorgate export`` and build scripts:
-the server never needs it.
+is exported on and a portable CPU target) and ``model.pt`` (TorchScript, deprecated upstream)
+into a version folder. It replays fixed golden inputs, and the same rows at the smallest and
+largest batch and length, through eager PyTorch and each artifact, and refuses (``ExportError``,
+naming the max abs/rel error) when they disagree beyond tolerance. It then writes ``golden.npz``
+and ``manifest.json``, which the server's load gates check. Imported only by ``tensorgate
+export`` and build scripts: the server never needs it.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from preprocessing.spec import ImageSpec, TextSpec, spec_hash
+from service import cpu_targets
 from service.errors import ModelLoadError
 from service.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
 from service.model_config import TensorConfig
 from service.protocol.datatypes import TO_NUMPY
 from service.runtimes.base import RuntimeOptions, Signature
-from service.runtimes.pt2 import TORCH_KEY, Pt2Runtime, package_needs
+from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
 
 log = logging.getLogger("tensorgate.export")
 DEFAULT_OPSET = 18  # the dynamo exporter's own; a lower one goes through onnx's version converter
@@ -67,11 +68,14 @@ def export_model(
     formats: Sequence[str] = DEFAULT_FORMATS,
     buckets: Sequence[int] = (),
     device: str | None = None,
+    pt2_cpu: str | None = None,
 ) -> Manifest:
     """Export ``module`` into ``out_dir`` (a version folder) and return the manifest written.
 
     ``buckets`` bound the dynamic (-1) dims (a text spec's buckets when empty); ``device`` is
-    where the ``pt2`` package will run (default: CUDA when torch sees it, else the CPU).
+    where the ``pt2`` package will run (default: CUDA when torch sees it, else the CPU);
+    ``pt2_cpu`` the CPU it is compiled for (:mod:`service.cpu_targets`; default ``x86-64-v3``
+    on x86-64).
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
@@ -84,6 +88,11 @@ def export_model(
             "export with FP32 tensors (and cast inside the module), or serve a BF16 ONNX model "
             "from its own folder"
         )
+    pt2_cpu = pt2_cpu or cpu_targets.default_target()
+    try:
+        cpu_targets.check_target(pt2_cpu)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     tolerance = tolerance or Tolerance()
     out_dir.mkdir(parents=True, exist_ok=True)
     module = _prepare(module)
@@ -114,7 +123,7 @@ def export_model(
             raise ExportError(
                 f"{not_exported}; make the module exportable, or leave pt2 out of the formats"
             )
-        versions.update(_export_pt2(program, out_dir / PT2_ARTIFACT))
+        versions.update(_export_pt2(program, out_dir / PT2_ARTIFACT, pt2_cpu))
         artifacts["pt2"] = PT2_ARTIFACT
         signature = Signature(tuple(inputs), tuple(outputs))
         parity["pt2"] = check("AOTInductor", _pt2_runner(out_dir / PT2_ARTIFACT, device, signature))
@@ -242,18 +251,29 @@ def _exported_program(
         return None, f"torch.export failed: {_first_line(exc)}"
 
 
-def _export_pt2(program: ExportedProgram, path: Path) -> dict[str, str | None]:
-    """Compile the AOTInductor package; return what it needs to load, for the manifest."""
+def _export_pt2(program: ExportedProgram, path: Path, cpu: str) -> dict[str, str | None]:
+    """Compile the AOTInductor package for ``cpu``; return what it needs to load, for the
+    manifest."""
     from torch._inductor import aoti_compile_and_package
 
-    aoti_compile_and_package(
-        program,
-        package_path=str(path),
-        inductor_configs={"aot_inductor.metadata": {TORCH_KEY: torch.__version__}},
-    )
+    metadata = {TORCH_KEY: torch.__version__, CPU_KEY: cpu,
+                CPU_FLAGS_KEY: " ".join(sorted(cpu_targets.needed_flags(cpu)))}  # fmt: skip
+    # Freezing folds the weights into the graph as constants and lays out the matrix products'
+    # weights once, at compile time, for oneDNN; unfrozen, every call to MKL's sgemm packs the
+    # weight matrix again, which costs more than the product for short inputs
+    # (docs/performance.md#artifacts). Inductor freezes only where autograd is off.
+    options = {"aot_inductor.metadata": metadata, "freezing": True}
+    with torch.no_grad():
+        aoti_compile_and_package(
+            program,
+            package_path=str(path),
+            inductor_configs={**options, **cpu_targets.inductor_options(cpu)},
+        )
     needs = package_needs(path)
     return {
         "pt2_device": needs.get("AOTI_DEVICE_KEY"),
+        "pt2_cpu": cpu,
+        "pt2_cpu_flags": needs.get(CPU_FLAGS_KEY),
         "pt2_cpu_isa": needs.get("AOTI_CPU_ISA") or None,
         "pt2_compute_capability": needs.get("AOTI_COMPUTE_CAPABILITY") or None,
     }

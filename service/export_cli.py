@@ -42,7 +42,7 @@ def run_export(args: argparse.Namespace) -> int:
             module, out_dir, name=args.name, inputs=inputs, outputs=outputs,
             golden_inputs=golden, max_batch_size=args.max_batch_size,
             preprocessing=preprocessing, opset=args.opset or DEFAULT_OPSET, formats=formats,
-            buckets=buckets,
+            buckets=buckets, pt2_cpu=args.pt2_cpu,
         )  # fmt: skip
     except ExportError as exc:
         log.error("export failed: %s", exc)

@@ -8,7 +8,6 @@ Each refusal is a :class:`~service.errors.ModelLoadError` whose message names th
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from preprocessing.spec import spec_hash
+from service import cpu_targets
 from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig, describe_validation_error
 
@@ -55,7 +55,8 @@ class Manifest(BaseModel):
     versions: dict[str, str | None]
     """torch, onnx, onnxruntime, python and cuda versions used at export; ``onnx_exporter``
     (``dynamo``, or ``torchscript`` with ``onnx_exporter_fallback`` saying why); and what
-    ``model.pt2`` needs to load: ``pt2_device`` (``cpu``/``cuda``), ``pt2_cpu_isa``,
+    ``model.pt2`` needs to load: ``pt2_device`` (``cpu``/``cuda``), ``pt2_cpu`` (the CPU target
+    it was compiled for), ``pt2_cpu_flags`` (what that target needs of the CPU), ``pt2_cpu_isa``,
     ``pt2_compute_capability`` (kept in this mapping so that servers which predate them still
     read the manifest)."""
     artifacts: dict[str, str]
@@ -110,9 +111,10 @@ def check_versions(manifest: Manifest, backend: str, runtime_versions: Mapping[s
                 f"(it runs opsets {MIN_OPSET}–{highest}); re-export with a supported opset"
             )
     if backend == "pt2":
+        versions = manifest.versions
+        needs = {k: versions.get(f"pt2_{k}") for k in ("device", "cpu", "cpu_flags", "cpu_isa")}
         check_pt2(
-            {"torch": manifest.versions.get("torch"), "device": manifest.versions.get("pt2_device"),
-             "cpu_isa": manifest.versions.get("pt2_cpu_isa")},
+            {**needs, "torch": versions.get("torch")},
             runtime_versions["torch"], runtime_versions["devices"].split(","),
         )  # fmt: skip
     if backend == "torchscript":
@@ -140,10 +142,12 @@ def check_pt2(
     cpu_flags: Collection[str] | None = None,
 ) -> None:
     """Refuse an AOTInductor package this process cannot run: it is machine code for the torch
-    release, the device type and (on the CPU) the instruction set that compiled it.
+    release, the device type and the CPU that compiled it.
 
-    ``needs`` has ``torch``, ``device`` and ``cpu_isa`` (as the package's metadata names it);
-    ``devices`` are the device types the model may run on; ``cpu_flags`` default to this CPU's.
+    ``needs`` has ``torch``, ``device``, and the CPU it was compiled for: ``cpu`` (its name) and
+    ``cpu_flags`` (the /proc/cpuinfo flags it needs), which ``tensorgate export`` records, or
+    else ``cpu_isa`` (as the package's metadata names the kernels' instruction sets); ``devices``
+    are the device types the model may run on; ``cpu_flags`` default to this CPU's.
     """
     built = needs.get("torch")
     if built is not None and built.split("+")[0] != running_torch.split("+")[0]:
@@ -159,8 +163,20 @@ def check_pt2(
             f"{' or '.join(sorted(devices))}: export it again on a {' or '.join(sorted(devices))} "
             "machine, or serve the ONNX artifact"
         )
-    flags = _cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
-    isa = (needs.get("cpu_isa") or "").split() if device == "cpu" and flags else []
+    flags = cpu_targets.cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+    if not flags:
+        return
+    needed = needs.get("cpu_flags")
+    if needed is not None:  # host code of a CUDA package too: it is compiled for that CPU
+        missing = sorted(set(needed.split()) - flags)
+        if missing:
+            raise ModelLoadError(
+                f"model.pt2 was compiled for {needs.get('cpu') or 'another'} CPUs, this CPU lacks "
+                f"{' '.join(missing)}: export it again with --pt2-cpu native on this machine, or "
+                "serve the ONNX artifact"
+            )
+        return
+    isa = (needs.get("cpu_isa") or "").split() if device == "cpu" else []
     missing = [name for name in isa if _ISA_FLAGS.get(name, name.lower()) not in flags]
     if missing:
         raise ModelLoadError(
@@ -171,19 +187,6 @@ def check_pt2(
 
 # AOTInductor's names for instruction sets, where /proc/cpuinfo's differ from their lower case.
 _ISA_FLAGS = {"AVX512": "avx512f"}
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """This CPU's flags from /proc/cpuinfo; empty (nothing checked) where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def _major_minor(version: str) -> tuple[int, int] | None:

@@ -110,11 +110,12 @@ class Exported:
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
-    """tests.models' Mlp and TinyText (dynamic batch and length) exported as onnx, pt2 and
-    torchscript by ``export_model``, as ``tensorgate export`` does."""
+    """tests.models' Mlp, TinyText (dynamic batch and length) and TrainModeNet (handed over in
+    training mode) exported as onnx, pt2 and torchscript by ``export_model``, as ``tensorgate
+    export`` does."""
     from service.export import FORMATS, export_model
     from service.model_config import TensorConfig
-    from tests.models import Mlp, TinyText
+    from tests.models import Mlp, TinyText, TrainModeNet
 
     root = tmp_path_factory.mktemp("exported")
     rng = np.random.default_rng(0)
@@ -123,18 +124,24 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
     text_inputs = tuple(
         TensorConfig(name=n, datatype="INT64", shape=(-1,)) for n in ("input_ids", "attention_mask")
     )
+
+    def floats(name: str, width: int) -> TensorConfig:
+        return TensorConfig(name=name, datatype="FP32", shape=(width,))
+
     models = {
-        "mlp": (Mlp(), {"x": rng.standard_normal((3, 64)).astype(np.float32)}, Exported(
-            root / "mlp", (TensorConfig(name="x", datatype="FP32", shape=(64,)),),
-            (TensorConfig(name="y", datatype="FP32", shape=(10,)),), max_batch_size=8)),
-        "tiny_text": (TinyText(), ids, Exported(
-            root / "tiny_text", text_inputs,
-            (TensorConfig(name="embedding", datatype="FP32", shape=(8,)),), max_batch_size=4,
+        "mlp": (Mlp().eval(), {"x": rng.standard_normal((3, 64)).astype(np.float32)}, Exported(
+            root / "mlp", (floats("x", 64),), (floats("y", 10),), max_batch_size=8)),
+        "tiny_text": (TinyText().eval(), ids, Exported(
+            root / "tiny_text", text_inputs, (floats("embedding", 8),), max_batch_size=4,
             buckets=(4, 8, 16))),
+        # Handed over in training mode: every artifact must still answer as eval() does.
+        "train_mode": (TrainModeNet().train(), {"x": rng.standard_normal((3, 8)).astype(
+            np.float32)}, Exported(root / "train_mode", (floats("x", 8),), (floats("y", 4),),
+            max_batch_size=8)),
     }  # fmt: skip
     for name, (module, golden, spec) in models.items():
         export_model(
-            module.eval(), spec.version, name=name, inputs=spec.inputs, outputs=spec.outputs,
+            module, spec.version, name=name, inputs=spec.inputs, outputs=spec.outputs,
             golden_inputs=golden, max_batch_size=spec.max_batch_size, formats=FORMATS,
             buckets=spec.buckets,
         )  # fmt: skip

@@ -1,9 +1,9 @@
 """AOTInductor packages (``model.pt2``, from ``torch.export``) on libtorch.
 
 The package is machine code compiled ahead of time for one torch release, one kind of device and
-(on the CPU) one instruction set: what it needs is read from the package itself before it is
-loaded, and a package this process cannot run is refused with both sides named, not left to fail
-in a kernel. Loading needs no compiler. Inputs, outputs, streams and inference mode are as for
+one CPU target (:mod:`service.cpu_targets`): what it needs is read from the package itself before
+it is loaded, and a package this process cannot run is refused with both sides named, not left to
+fail in a kernel. Loading needs no compiler. Inputs, outputs, streams and inference mode are as for
 TorchScript (:class:`~service.runtimes.torchscript.TorchScriptRuntime`); there is no module to put
 in eval mode: ``tensorgate export`` exported it in eval mode, and a compiled graph has no
 ``training`` flag left to flip.
@@ -12,6 +12,7 @@ in eval mode: ``tensorgate export`` exported it in eval mode, and a compiled gra
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import zipfile
@@ -29,12 +30,17 @@ from service.runtimes.torchscript import TorchScriptRuntime
 
 TORCH_KEY = "tensorgate.torch"
 """The package metadata key ``tensorgate export`` writes the compiling torch's version under."""
+CPU_KEY = "tensorgate.cpu"
+"""… the CPU target it compiled for (:mod:`service.cpu_targets`) under."""
+CPU_FLAGS_KEY = "tensorgate.cpu_flags"
+"""… and the /proc/cpuinfo flags that target needs, space-separated."""
 _METADATA_SUFFIX = "wrapper_metadata.json"
 
 
 def package_needs(path: Path) -> dict[str, str]:
     """What a package says it needs, from its metadata file (read without loading it):
-    ``AOTI_DEVICE_KEY``, ``AOTI_CPU_ISA``, ``AOTI_COMPUTE_CAPABILITY``, ``tensorgate.torch``."""
+    ``AOTI_DEVICE_KEY``, ``AOTI_CPU_ISA``, ``AOTI_COMPUTE_CAPABILITY``, and what ``tensorgate
+    export`` adds: ``tensorgate.torch``, ``tensorgate.cpu``, ``tensorgate.cpu_flags``."""
     try:
         with zipfile.ZipFile(path) as package:
             names = [n for n in package.namelist() if n.endswith(_METADATA_SUFFIX)]
@@ -44,6 +50,21 @@ def package_needs(path: Path) -> dict[str, str]:
     except (OSError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path.name} is not an AOTInductor package: {exc}") from None
     return needs
+
+
+class _IsaChecked(logging.Filter):
+    """Drops torch's warning that a package's ``AOTI_CPU_ISA`` is not this CPU's widest, which
+    a package for a portable CPU target always gets: :func:`check_pt2` checked what it needs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (
+            str(record.msg).startswith("Device information mismatch")
+            and args[:1] == ("AOTI_CPU_ISA",)
+        )
+
+
+_ISA_CHECKED = _IsaChecked()
 
 
 class Pt2Runtime(TorchScriptRuntime):
@@ -63,9 +84,11 @@ class Pt2Runtime(TorchScriptRuntime):
         needs = package_needs(path)
         check_pt2(
             {"torch": needs.get(TORCH_KEY), "device": needs.get("AOTI_DEVICE_KEY"),
+             "cpu": needs.get(CPU_KEY), "cpu_flags": needs.get(CPU_FLAGS_KEY),
              "cpu_isa": needs.get("AOTI_CPU_ISA")},
             torch.__version__, {device.type},
         )  # fmt: skip
+        logging.getLogger("torch.export.pt2_archive._package").addFilter(_ISA_CHECKED)
         # On the CPU every instance thread shares this runtime; a package runs one call per
         # runner at a time, so it gets as many runners as calls can usefully run at once (the
         # runners share the weights, each has its own activations).

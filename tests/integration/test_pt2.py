@@ -1,12 +1,13 @@
 """Every format through export → load gates → served answers, and pt2's own gates, in one real
 server that has no C++ compiler on its PATH: serving an AOTInductor package compiles nothing.
 
-tests.models' Mlp and TinyText are exported once per session (conftest's ``exported``); each is
-served from each of its artifacts, beside pt2 copies broken one way each.
+tests.models' Mlp, TinyText and TrainModeNet are exported once per session (conftest's
+``exported``); each is served from each of its artifacts, beside pt2 copies broken one way each.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import torch
 import yaml
 
 from tests.conftest import Exported
-from tests.models import Mlp, TinyText
+from tests.models import Mlp, TinyText, TrainModeNet
 from tests.server import Server
 
 pytestmark = pytest.mark.integration
@@ -95,14 +96,22 @@ def test_each_format_serves_verified_answers_equal_to_eager(served: Server, back
         with torch.inference_mode():
             want = Mlp().eval()(torch.from_numpy(x)).numpy()
         np.testing.assert_allclose(_infer(served, f"mlp_{backend}", {"x": x}), want, atol=1e-5)
-    for rows, length in ((1, 3), (2, 8), (4, 16), (3, 11)):
+        # Exported from a module left in training mode: its dropout and batch statistics are off.
+        x = rng.standard_normal((rows, 8)).astype(np.float32)
+        with torch.inference_mode():
+            want = TrainModeNet().eval()(torch.from_numpy(x)).numpy()
+        got = _infer(served, f"train_mode_{backend}", {"x": x})
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # Every batch size at every bucket and between buckets (padded up to the next one).
+    for rows, length in itertools.product(range(1, 5), (3, 4, 8, 11, 16)):
         ids = rng.integers(1, 100, (rows, length))
         mask = np.ones_like(ids)
+        mask[0, length // 2 + 1 :] = 0
         with torch.inference_mode():
             want = TinyText().eval()(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
         got = _infer(served, f"tiny_text_{backend}", {"input_ids": ids, "attention_mask": mask})
         np.testing.assert_allclose(got, want, atol=1e-5)
-    for model in (f"mlp_{backend}", f"tiny_text_{backend}"):
+    for model in (f"mlp_{backend}", f"tiny_text_{backend}", f"train_mode_{backend}"):
         metadata = served.client.get(f"/v2/models/{model}").json()
         assert metadata["verified"] is True
         assert metadata["platform"] == PLATFORMS[backend]

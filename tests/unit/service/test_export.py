@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from preprocessing.spec import ImageSpec, spec_hash
+from service import cpu_targets
+from service.cpu_targets import PORTABLE
 from service.export import ExportError, export_model
 from service.manifest import Tolerance
 from service.model_config import TensorConfig
-from service.runtimes.pt2 import TORCH_KEY
+from service.runtimes.pt2 import CPU_FLAGS_KEY, TORCH_KEY
 from tests.conftest import Exported
 from tests.models import Mlp, TrainModeNet
 
@@ -89,11 +91,21 @@ def test_pt2_manifest_records_what_the_package_needs_to_load(
         assert manifest["parity"]["pt2"]["max_abs"] < 1e-4
         versions = manifest["versions"]
         assert versions["pt2_device"] == "cpu"  # no GPU here: compiled for the CPU
-        assert versions["pt2_cpu_isa"]
+        assert versions["pt2_cpu"] == cpu_targets.default_target()
+        needed = cpu_targets.needed_flags(versions["pt2_cpu"])
+        assert versions["pt2_cpu_flags"] == " ".join(sorted(needed))
         assert versions["onnx_exporter"] == "dynamo"
         with zipfile.ZipFile(spec.version / "model.pt2") as package:
             (meta,) = [n for n in package.namelist() if n.endswith("wrapper_metadata.json")]
-            assert json.loads(package.read(meta))[TORCH_KEY] == torch.__version__
+            metadata = json.loads(package.read(meta))
+            (wrapper,) = [n for n in package.namelist() if n.endswith("wrapper.cpp")]
+            commands = package.read(wrapper).decode().partition("// Compile cmd")[2]
+        assert metadata[TORCH_KEY] == torch.__version__
+        assert metadata[CPU_FLAGS_KEY] == versions["pt2_cpu_flags"]
+        if versions["pt2_cpu"] == PORTABLE:
+            # The package's own record of how it was compiled: for the level, not this machine.
+            assert "-march=x86-64-v3" in commands
+            assert "-march=native" not in commands and "-mavx512" not in commands
 
 
 def test_an_untraceable_module_falls_back_to_the_torchscript_onnx_exporter_saying_why(

@@ -14,7 +14,7 @@ from service.model_config import TensorConfig
 from service.runtimes import create_runtime, resolve_device
 from service.runtimes.base import RuntimeOptions, Signature
 from service.runtimes.onnx import providers_for
-from service.runtimes.pt2 import TORCH_KEY, Pt2Runtime
+from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime
 from service.runtimes.torchscript import TorchScriptRuntime
 from tests.conftest import Exported
 from tests.models import Copy, Mlp, TinyText, TrainModeNet
@@ -363,9 +363,29 @@ def test_pt2_without_a_declared_signature_is_refused(exported: dict[str, Exporte
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(exported["mlp"].version / "model.pt2", None, 8)
 
 
-def test_a_cpu_package_needs_the_instruction_sets_it_was_compiled_for() -> None:
+def test_a_foreign_cpu_package_needs_the_instruction_sets_its_metadata_names() -> None:
     needs = {"torch": "2.13.0+cpu", "device": "cpu", "cpu_isa": "AVX512 AVX512_VNNI"}
     check_pt2(needs, "2.13.0", {"cpu"}, cpu_flags={"avx2", "avx512f", "avx512_vnni"})
     with pytest.raises(ModelLoadError, match="with AVX512 AVX512_VNNI, this CPU lacks AVX512_VNNI"):
         check_pt2(needs, "2.13.0", {"cpu"}, cpu_flags={"avx2", "avx512f"})
     check_pt2({**needs, "device": "cuda"}, "2.13.0", {"cpu", "cuda"}, cpu_flags={"avx2"})
+
+
+def test_a_package_needs_every_cpu_flag_its_target_recorded_cuda_host_code_too() -> None:
+    needs = {"torch": "2.13.0+cpu", "device": "cpu", "cpu": "x86-64-v3",
+             "cpu_flags": "avx avx2 bmi2 fma", "cpu_isa": "AVX2"}  # fmt: skip
+    check_pt2(needs, "2.13.0", {"cpu"}, cpu_flags={"avx", "avx2", "bmi2", "fma", "sse2"})
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ModelLoadError, match=r"compiled for x86-64-v3 CPUs, this CPU lacks "
+                           r"avx2 bmi2: export it again with --pt2-cpu native"):  # fmt: skip
+            check_pt2({**needs, "device": device}, "2.13.0", {device}, cpu_flags={"avx", "fma"})
+
+
+def test_a_package_for_a_cpu_this_one_is_not_is_refused_before_it_loads(
+    exported: dict[str, Exported], tmp_path: Path
+) -> None:
+    spec = exported["mlp"]
+    future = _repackaged(spec.version / "model.pt2", tmp_path / "future.pt2",
+                         **{CPU_KEY: "x86-64-v9", CPU_FLAGS_KEY: "avx2 avx10_9"})  # fmt: skip
+    with pytest.raises(ModelLoadError, match="compiled for x86-64-v9 CPUs, this CPU lacks avx10_9"):
+        Pt2Runtime(RuntimeOptions("cpu", 1)).load(future, Signature(spec.inputs, spec.outputs), 8)
