@@ -1,12 +1,17 @@
 """ONNX Runtime vs TorchScript vs AOTInductor (pt2) on the CPU, in one sitting (issue #18).
 
     .venv/bin/python -m bench.formats [--seconds 5] [--threads 2]
+    .venv/bin/python -m bench.formats --lengths 16,32,64,128,256 [--idle-ms 10]
 
 Per bundled model (efficientnet_lite0: W1, the real JPEG → top-5; minilm: one 64-token text) and
 per artifact, at batch 1 and at the preferred batch: in process (preprocessing once, then the
 runtime alone, as an instance thread runs it) and served (one v2 request of that many rows at a
 time to a real server on 127.0.0.1). Rows/s and p50 latency; the formats alternate in rounds so
 that a noisy neighbour hits all of them alike.
+
+With ``--lengths``: minilm in process only, one text of each length at batch 1, each call
+back to back and each after ``--idle-ms`` of idleness (as a served request arrives after the
+previous answer has gone): what the served path adds that a tight loop does not see.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from preprocessing.spec import ImageSpec, TextSpec
 from preprocessing.text import TextPipeline
 from service.manifest import read_manifest
 from service.runtimes import create_runtime
-from service.runtimes.base import RuntimeOptions, Signature
+from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from tests.conftest import encode
 from tests.server import MODELS, Server
 
@@ -52,15 +57,62 @@ def inputs(model: str, rows: int) -> dict[str, np.ndarray]:
     return {k: np.repeat(v, rows, axis=0) for k, v in arrays.items()}
 
 
-def timed(call: Callable[[], object], seconds: float) -> list[float]:
+def timed(call: Callable[[], object], seconds: float, idle_s: float = 0.0) -> list[float]:
     call()
     laps = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
+        if idle_s:
+            time.sleep(idle_s)
         started = time.perf_counter()
         call()
         laps.append(time.perf_counter() - started)
     return laps
+
+
+def loaded(model: str, threads: int) -> dict[str, Runtime]:
+    """Each artifact of ``model`` loaded in this process, as the server loads it."""
+    manifest = read_manifest(MODELS / model / "1")
+    assert manifest is not None
+    runtimes = {}
+    for backend in BACKENDS:
+        runtime = create_runtime(backend, RuntimeOptions("cpu", threads))
+        runtime.load(
+            MODELS / model / "1" / runtime.artifact,
+            Signature(manifest.inputs, manifest.outputs), manifest.max_batch_size,
+        )  # fmt: skip
+        runtimes[backend] = runtime
+    return runtimes
+
+
+def lengths(args: argparse.Namespace) -> None:
+    """minilm at batch 1 per text length, back to back and after an idle pause, in process."""
+    runtimes = loaded("minilm", args.threads)
+    medians: dict[tuple[int, str, float], list[float]] = {}
+    sizes = [int(n) for n in args.lengths.split(",")]
+    for _ in range(args.rounds):
+        for tokens in sizes:
+            ids = np.full((1, tokens), 2773, np.int64)  # "word"
+            ids[0, 0], ids[0, -1] = 101, 102  # [CLS] ... [SEP]
+            batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+            for idle in (0.0, args.idle_ms / 1000):
+                for backend, runtime in runtimes.items():
+                    laps = timed(partial(runtime.run, batch), args.seconds, idle)
+                    medians.setdefault((tokens, backend, idle), []).append(statistics.median(laps))
+    # Each round's median, the best and the worst round: a neighbour's burst of CPU hits some
+    # rounds, and what it does to each artifact is worth seeing too.
+    rows = [
+        [
+            str(tokens),
+            f"{idle * 1000:g}",
+            backend,
+            f"{min(runs) * 1e3:.2f}",
+            f"{max(runs) * 1e3:.2f}",
+        ]
+        for (tokens, backend, idle), runs in sorted(medians.items())
+    ]
+    header = ["tokens", "idle ms", "artifact", "p50 ms, best round", "p50 ms, worst round"]
+    publish("formats_lengths", table(rows, header))
 
 
 def served_call(server: Server, model: str, batch: dict[str, np.ndarray]) -> Callable[[], object]:
@@ -81,7 +133,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--lengths", help="minilm in process per text length (comma-separated)")
+    parser.add_argument("--idle-ms", type=float, default=10.0)
     args = parser.parse_args()
+    if args.lengths:
+        lengths(args)
+        return
     laps: dict[tuple[str, str, str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         servers = {}
@@ -97,17 +154,11 @@ def main() -> None:
                     (root / model / "labels.txt").symlink_to(MODELS / model / "labels.txt")
             servers[backend] = Server(root, env={"TG_LOG_LEVEL": "warning",
                                                  "TG_INTRA_OP_THREADS": str(args.threads)})  # fmt: skip
-        runtimes = {}
-        for model in PREFERRED:
-            manifest = read_manifest(MODELS / model / "1")
-            assert manifest is not None
-            for backend in BACKENDS:
-                runtime = create_runtime(backend, RuntimeOptions("cpu", args.threads))
-                runtime.load(
-                    MODELS / model / "1" / runtime.artifact,
-                    Signature(manifest.inputs, manifest.outputs), manifest.max_batch_size,
-                )  # fmt: skip
-                runtimes[model, backend] = runtime
+        runtimes = {
+            (model, backend): runtime
+            for model in PREFERRED
+            for backend, runtime in loaded(model, args.threads).items()
+        }
         try:
             for server in servers.values():
                 server.wait_until(timeout=600)

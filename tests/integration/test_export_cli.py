@@ -41,7 +41,7 @@ def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "service", "export", "usermodel:make", "--name", "mlp",
         "--repository", str(repository), "--input", "x:FP32:64", "--output", "y:FP32:10",
-        "--max-batch-size", "8",
+        "--max-batch-size", "8", "--pt2-cpu", "native",
     ]  # fmt: skip
     path = os.pathsep.join(
         p for p in (str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p
@@ -53,6 +53,7 @@ def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
     # The default formats: portable ONNX and torch.export's compiled package, no TorchScript.
     assert manifest["artifacts"] == {"onnx": "model.onnx", "pt2": "model.pt2"}
     assert manifest["versions"]["onnx_exporter"] == "dynamo"
+    assert manifest["versions"]["pt2_cpu"] == "native"  # this machine's, as --pt2-cpu asked
     assert manifest["parity"]["onnx"]["max_abs"] < 1e-4
     assert (repository / "mlp" / "config.yaml").read_text().startswith("backend: onnx")
 
