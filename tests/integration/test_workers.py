@@ -177,3 +177,21 @@ def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path)
         assert code != 0, server.log()
         assert "Address already in use" in server.log()
         server.stop()
+
+
+def test_a_new_version_found_by_poll_reaches_every_worker(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    shutil.copytree(MODELS / "digits", root / "digits")
+    server = start(root, tmp_path / "server.log", TG_POLL_INTERVAL_S="0.5")
+    try:
+        shutil.copytree(root / "digits" / "1", root / "digits" / "2")
+        url = f"{server.url}/v2/models/digits/versions/2"
+        server.wait_for(lambda: all(fresh("GET", f"{url}/ready").status_code == 200
+                                    for _ in range(8)), timeout=120)  # fmt: skip
+        before = len(access_lines(server))
+        codes = [fresh("POST", f"{url}/infer", json=DIGIT).status_code for _ in range(16)]
+        assert codes == [200] * 16
+        server.wait_for(lambda: len(access_lines(server)) - before == 16)
+        assert {line["worker"] for line in access_lines(server)[before:]} == {0, 1}
+    finally:
+        assert server.stop() == 0
