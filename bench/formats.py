@@ -63,7 +63,7 @@ def timed(call: Callable[[], object], seconds: float, idle_s: float = 0.0) -> li
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         if idle_s:
-            time.sleep(idle_s)
+            time.sleep(idle_s)  # the idle gap measured (--idle-ms), not a wait for anything
         started = time.perf_counter()
         call()
         laps.append(time.perf_counter() - started)

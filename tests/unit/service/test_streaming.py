@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -45,9 +45,9 @@ class Gate:
             raise ValueError(f"bad request {n}")
         return f"answer {n}"
 
-    async def until(self, condition: object) -> None:
+    async def until(self, condition: Callable[[], bool]) -> None:
         async with self.started:
-            await self.started.wait_for(condition)  # type: ignore[arg-type]
+            await self.started.wait_for(condition)
 
 
 def test_answers_come_in_completion_order() -> None:
