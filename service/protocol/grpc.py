@@ -8,7 +8,6 @@ bytes, laid out as Triton's binary tensors; typed ``contents`` are read field by
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,7 +76,7 @@ def _decode_input(
     shape = tuple(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise InvalidInput(f"input '{name}': shape dims must be integers ≥ 0 (got {list(shape)})")
-    count = math.prod(shape)
+    count = v2.element_count(shape, name)
     if max_elements is not None and count > max_elements:
         raise PayloadTooLarge(
             f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"

@@ -24,6 +24,9 @@ HEADER_LENGTH = "inference-header-content-length"
 MAX_BYTES_ELEMENTS = 65_536
 """Most elements one BYTES tensor may hold: each becomes a Python object (an encoded image or a
 text a row), far costlier than a number, so TG_MAX_TENSOR_ELEMENTS is no bound for them."""
+MAX_EXTENT = 2**40
+"""Most a shape's non-zero dims may multiply to beside a zero dim: numpy refuses even an empty
+array whose other dims multiply past what it can index."""
 _MAX_NESTING = 64
 
 
@@ -124,7 +127,7 @@ def _decode_input(
         )
     shape = _shape(raw.get("shape"), f"input '{name}'")
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
-    count = math.prod(shape)
+    count = element_count(shape, name)
     if max_elements is not None and count > max_elements:
         raise PayloadTooLarge(
             f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
@@ -164,6 +167,18 @@ def _shape(raw: Any, what: str) -> tuple[int, ...]:
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise InvalidInput(f"{what}: shape dims must be integers ≥ 0 (got {raw})")
     return tuple(raw)
+
+
+def element_count(shape: tuple[int, ...], name: str) -> int:
+    """Elements a tensor of ``shape`` holds; 400 for an empty shape no array can have (a zero
+    dim beside others too large for numpy: a non-empty one can never match its data)."""
+    count = math.prod(shape)
+    if count == 0 and (extent := math.prod(dim for dim in shape if dim)) > MAX_EXTENT:
+        raise InvalidInput(
+            f"input '{name}': shape {list(shape)} is too large for any tensor, even an empty "
+            f"one (its non-zero dims multiply to {extent}; the most is {MAX_EXTENT})"
+        )
+    return count
 
 
 def _parameters(raw: Any, what: str) -> dict[str, Any]:
