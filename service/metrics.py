@@ -9,13 +9,13 @@ two views can never disagree.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Histogram,
     ProcessCollector,
     disable_created_metrics,
 )
@@ -26,6 +26,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from service.connections import REFUSED
 from service.repository import ModelRepository, ModelState
@@ -72,9 +73,9 @@ class Metrics:
             "tensorgate_requests", "Requests answered, by model, version, protocol and outcome.",
             ["model", "version", "protocol", "outcome"], registry=r,
         )  # fmt: skip
-        self.duration = Histogram(
+        self.duration = DurationHistogram(
             "tensorgate_request_duration_seconds", "Time from request body to answer.",
-            ["model", "protocol"], buckets=LATENCY_BUCKETS, registry=r,
+            ("model", "protocol"), LATENCY_BUCKETS, r,
         )  # fmt: skip
         self.queue = self._stage("queue", "Time a request waited in its model's queue.")
         self.compute = self._stage("compute", "Time the model ran the batch a request was in.")
@@ -121,11 +122,66 @@ class Metrics:
             preprocess.observe(timing.compute_input_ns / 1e9)
             postprocess.observe(timing.compute_output_ns / 1e9)
 
-    def _stage(self, stage: str, help_text: str) -> Histogram:
-        return Histogram(
-            f"tensorgate_{stage}_duration_seconds", help_text, ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+    def _stage(self, stage: str, help_text: str) -> DurationHistogram:
+        return DurationHistogram(
+            f"tensorgate_{stage}_duration_seconds", help_text, ("model",), LATENCY_BUCKETS,
+            self.registry,
         )  # fmt: skip
+
+
+class _Series:
+    """One labelled series of a :class:`DurationHistogram`: a count per bucket and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value: its le
+        self.sum += value
+
+
+class DurationHistogram(Collector):
+    """A Prometheus histogram of per-request durations, exposed as prometheus_client's own
+    (same names, ``le`` labels and series), recorded more cheaply: one bisect and two
+    additions per observation, on the event loop that answers the requests, where
+    prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets. A request
+    observes five of these (docs/performance.md, "Per-request bookkeeping")."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: tuple[str, ...],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.documentation, self.label_names = name, documentation, labels
+        self.bounds = tuple(float(b) for b in buckets)
+        self._series: dict[tuple[str, ...], _Series] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Series:
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = _Series(self.bounds)
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        for values, series in list(self._series.items()):
+            counts = list(series.counts)  # a copy: the loop may observe while this runs
+            buckets = []
+            total = 0
+            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+                total += count
+                le = floatToGoString(bound)  # type: ignore[no-untyped-call]  # the library leaves it untyped
+                buckets.append((le, float(total)))
+            family.add_metric(list(values), buckets, series.sum)
+        yield family
 
 
 class _RepositoryCollector(Collector):

@@ -7,9 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import TracebackType
 
 from service.errors import ServerBusy, TensorgateError
 from service.metrics import Metrics
@@ -51,31 +50,23 @@ class Observer:
         self.repository, self.metrics, self.drain = repository, metrics, drain
         self.access_log = access_log
 
-    @contextmanager
-    def observe(self, protocol: str, name: str, version: str | None) -> Iterator[Observation]:
+    def observe(self, protocol: str, name: str, version: str | None) -> _Observing:
+        """``with observer.observe(...) as observation:`` around one request: 503 while the
+        server refuses new work; whatever happens inside is counted, timed and logged once."""
         if self.drain.refusing:
             raise ServerBusy("the server is shutting down; send this request elsewhere")
-        observation = Observation(version or "")
-        self.drain.in_flight += 1
-        status = 500
-        try:
-            yield observation
-            status = 200
-        except TensorgateError as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            self.drain.in_flight -= 1
-            if observation.served is not None:  # the model's own statistics (Triton's names)
-                stats = observation.served.stats
-                if status == 200:
-                    stats.record_success(observation.rows, observation.timing)
-                else:
-                    stats.record_failure(observation.timing)
-            self._record(protocol, name, observation, status)
+        return _Observing(self, protocol, name, Observation(version or ""))
+
+    def finish(self, protocol: str, name: str, observation: Observation, status: int) -> None:
+        """A request is answered with ``status``: its model's statistics, metrics, log line."""
+        self.drain.in_flight -= 1
+        if observation.served is not None:  # the model's own statistics (Triton's names)
+            stats = observation.served.stats
+            if status == 200:
+                stats.record_success(observation.rows, observation.timing)
+            else:
+                stats.record_failure(observation.timing)
+        self._record(protocol, name, observation, status)
 
     def _record(self, protocol: str, name: str, observation: Observation, status: int) -> None:
         timing = observation.timing
@@ -98,3 +89,34 @@ class Observer:
                     "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
                 },
             )  # fmt: skip
+
+
+class _Observing:
+    """The context of :meth:`Observer.observe`: a class rather than ``@contextmanager``, whose
+    generator costs every request a few more calls (docs/performance.md, "Per-request
+    bookkeeping")."""
+
+    __slots__ = ("name", "observation", "observer", "protocol")
+
+    def __init__(
+        self, observer: Observer, protocol: str, name: str, observation: Observation
+    ) -> None:
+        self.observer, self.protocol, self.name = observer, protocol, name
+        self.observation = observation
+
+    def __enter__(self) -> Observation:
+        self.observer.drain.in_flight += 1
+        return self.observation
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None:
+            status = 200
+        elif isinstance(exc, TensorgateError):
+            status = exc.status
+        elif isinstance(exc, asyncio.CancelledError):
+            status = 499
+        else:
+            status = 500
+        self.observer.finish(self.protocol, self.name, self.observation, status)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 import numpy as np
 
@@ -30,6 +29,8 @@ class ServedVersion:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = 0
         self._idle = threading.Condition()
+        self._closing = False
+        self._use = _InUse(self)
 
     @property
     def in_flight(self) -> int:
@@ -59,27 +60,44 @@ class ServedVersion:
             raise ModelNotReady(f"model '{self.loaded.name}' was unloaded while the request waited")
         return await self.start().submit(work, timing, deadline)
 
-    @contextmanager
-    def use(self) -> Iterator[None]:
+    def use(self) -> _InUse:
         """Held by each request from lookup to answer, so that close() waits for it."""
-        with self._idle:
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
+        return self._use
 
     def close(self, drain_timeout_s: float = 60.0) -> None:
         """Wait for requests in flight (up to the timeout), then stop and release everything."""
         with self._idle:
+            self._closing = True
             self._idle.wait_for(lambda: self._in_flight == 0, drain_timeout_s)
             self.closed = True
         if self.scheduler is not None and self._loop is not None and not self._loop.is_closed():
             stopping = asyncio.run_coroutine_threadsafe(self.scheduler.stop(), self._loop)
             stopping.result(timeout=drain_timeout_s)
         self.loaded.close()
+
+
+class _InUse:
+    """``with served.use():`` around a request. Only the event loop counts requests in and
+    out, without a lock; close(), on another thread, reads the count, and once it waits it is
+    woken at each exit. So a request takes no lock unless its version is closing
+    (docs/performance.md, "Per-request bookkeeping")."""
+
+    __slots__ = ("served",)
+
+    def __init__(self, served: ServedVersion) -> None:
+        self.served = served
+
+    def __enter__(self) -> None:
+        self.served._in_flight += 1
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        served = self.served
+        served._in_flight -= 1
+        if served._closing:  # set before close() reads the count: it cannot miss this one
+            with served._idle:
+                served._idle.notify_all()
 
 
 def scheduler_config(config: ModelConfig) -> SchedulerConfig:

@@ -64,18 +64,24 @@ class ModelStats:
 
     def record_success(self, rows: int, timing: RequestTiming) -> None:
         total = time.perf_counter_ns() - timing.started_ns
-        with self._lock:
+        now_ms = time.time_ns() // 1_000_000
+        phases = self._phases
+        with self._lock:  # written out, not looped: this runs for every request
             self.inference_count += rows
-            self.last_inference_ms = time.time_ns() // 1_000_000
-            for phase, ns in (
-                ("success", total),
-                ("queue", timing.queue_ns),
-                ("compute_input", timing.compute_input_ns),
-                ("compute_infer", timing.compute_infer_ns),
-                ("compute_output", timing.compute_output_ns),
-            ):
-                self._phases[phase][0] += 1
-                self._phases[phase][1] += ns
+            self.last_inference_ms = now_ms
+            success, queue = phases["success"], phases["queue"]
+            compute_input, compute_infer = phases["compute_input"], phases["compute_infer"]
+            compute_output = phases["compute_output"]
+            success[0] += 1
+            success[1] += total
+            queue[0] += 1
+            queue[1] += timing.queue_ns
+            compute_input[0] += 1
+            compute_input[1] += timing.compute_input_ns
+            compute_infer[0] += 1
+            compute_infer[1] += timing.compute_infer_ns
+            compute_output[0] += 1
+            compute_output[1] += timing.compute_output_ns
 
     def record_failure(self, timing: RequestTiming) -> None:
         with self._lock:

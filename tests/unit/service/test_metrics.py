@@ -1,13 +1,33 @@
-"""GPU metrics: NVML cannot run on these GPU-less machines, so a stand-in with NVML's calls
-checks the translation; the absence path runs for real."""
+"""The request-duration histograms against prometheus_client's own; GPU metrics: NVML cannot
+run on these GPU-less machines, so a stand-in with NVML's calls checks the translation; the
+absence path runs for real."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from service.metrics import _GpuCollector
+from service.metrics import LATENCY_BUCKETS, DurationHistogram, _GpuCollector
+
+
+def test_duration_histograms_expose_exactly_what_prometheus_client_would() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = DurationHistogram("tg_seconds", "Help.", ("model", "protocol"), LATENCY_BUCKETS, ours)
+    reference = Histogram("tg_seconds", "Help.", ["model", "protocol"],
+                          buckets=LATENCY_BUCKETS, registry=theirs)  # fmt: skip
+    # on a bound (le is inclusive), between bounds, zero, past the last bound
+    values = [0.0, 0.0001, 0.0005, 0.0007, 0.002, 3.0, 10.0, 11.5]
+    for labels in (("a", "v2"), ("b", "grpc")):
+        for value in values:
+            fast.labels(*labels).observe(value)
+            reference.labels(*labels).observe(value)
+    created = {line for line in generate_latest(theirs).decode().splitlines() if "_created" in line}
+    expected = [
+        line for line in generate_latest(theirs).decode().splitlines() if line not in created
+    ]
+    assert generate_latest(ours).decode().splitlines() == expected
 
 
 class FakeNvml:
