@@ -11,22 +11,29 @@ with N concurrent streams (what a gRPC client's channel does), and counts reques
 mean latency (it reports no percentiles). Cells: W2 (1×64 FP32) at 1 and 64 concurrent,
 efficientnet_lite0 (1×3×224×224 FP32 tensor) at 1 and 16. Each round runs every cell once, the
 protocols in an order that flips every round; figures are medians over rounds (min–max).
-For W2, the same frame also goes to an empty grpc.aio server (every call answered with an empty
-message, in a process of its own): the library's ceiling on this machine, whatever a server
-does with the calls. Writes bench/results/grpc.md.
+For W2, the same requests also go to two empty servers, each in a process of its own and
+answering every request with an empty message: a grpc.aio server (gRPC's library ceiling on this
+machine, whatever a server does with the calls) and a bare ASGI app on uvicorn with uvloop and
+httptools (REST's). Each run also reads the event loop's CPU time (the serving process's main
+thread, from /proc) per request answered: what each protocol's stack costs the loop that every
+request shares. Writes bench/results/grpc.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
+import socket
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -112,6 +119,48 @@ uvloop.run(main())
 """The ceiling of grpcio's asyncio server on this machine: every call answered with an empty
 message, no decoding, no model, in an event loop of its own (as the server's, uvloop)."""
 
+EMPTY_REST_SERVER = """
+import sys
+import uvicorn
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+            access_log=False, loop="uvloop", http="httptools")
+"""
+"""REST's ceiling, the same way: every request's body read and an empty answer sent, on the
+HTTP stack tensorgate serves on (uvicorn, uvloop, httptools), with no framework."""
+
+
+def loop_cpu_s(pid: int) -> float:
+    """CPU seconds the process's main thread (its event loop) has used."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def empty_rest_server() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-c", EMPTY_REST_SERVER, str(port)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, url
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise
+            time.sleep(0.1)
+
 
 def empty_server() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
@@ -139,15 +188,27 @@ def check_grpc(server: Server, model: str, frame: bytes) -> None:
     assert answer.model_name == model and answer.raw_output_contents, answer
 
 
+Figure = tuple[float, float, float]
+"""Requests/s, latency (ms), event-loop CPU µs per request."""
+
+
+def measured(pid: int, run: Callable[[], tuple[float, float]], seconds: int) -> Figure:
+    """``run()``'s requests/s and latency, and the event-loop CPU µs per request it cost."""
+    before = loop_cpu_s(pid)
+    rate, latency = run()
+    return rate, latency, (loop_cpu_s(pid) - before) / (rate * seconds) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    seconds = args.seconds
     cells = [("W2", "mlp", (1, 64), "x", 1), ("W2", "mlp", (1, 64), "x", 64),
              ("efficientnet_lite0", "efficientnet_lite0", (1, 3, 224, 224), "input", 1),
              ("efficientnet_lite0", "efficientnet_lite0", (1, 3, 224, 224), "input", 16)]  # fmt: skip
-    results: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, int, str], list[Figure]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "models"
         root.mkdir()
@@ -155,58 +216,88 @@ def main() -> None:
         mlp_models(root)
         server = Server(root, env=SERVER_ENV)
         ceiling, ceiling_url = empty_server()
+        rest_ceiling, rest_ceiling_url = empty_rest_server()
+        pid = server.process.pid
+
+        def rest(url: str, body: bytes, header_length: int | None, n: int) -> tuple[float, float]:
+            ct = "application/json" if header_length is None else "application/octet-stream"
+            result = wrk(url, body, ct, connections=n, seconds=seconds,
+                         header_length=header_length)  # fmt: skip
+            assert result.errors == 0, (url, result)
+            return result.requests_per_s, result.p50_ms
+
         try:
             server.wait_until(timeout=300)
             payloads = {(m, s): bodies(m, s, n) for _, m, s, n, _ in cells}
             for (model, _), kinds in payloads.items():
                 check_grpc(server, model, kinds["gRPC"][0])
             for round_ in range(args.rounds):
-                for label, model, shape, _, concurrency in cells:
+                for label, model, shape, _, n in cells:
                     kinds = payloads[(model, shape)]
                     order = list(kinds) if round_ % 2 == 0 else list(kinds)[::-1]
                     for kind in order:
                         body, header_length = kinds[kind]
                         if kind == "gRPC":
-                            figure = h2load(
-                                f"http://{server.grpc_url}", body, concurrency, args.seconds
-                            )
+                            run = partial(h2load, f"http://{server.grpc_url}", body, n, seconds)
                         else:
-                            ct = (
-                                "application/json"
-                                if header_length is None
-                                else "application/octet-stream"
-                            )
-                            result = wrk(f"{server.url}/v2/models/{model}/infer", body, ct,
-                                         connections=concurrency, seconds=args.seconds,
-                                         header_length=header_length)  # fmt: skip
-                            assert result.errors == 0, (kind, label, result)
-                            figure = (result.requests_per_s, result.p50_ms)
-                        results.setdefault((label, concurrency, kind), []).append(figure)
-                    if label == "W2":  # the library's own ceiling, in the same rotation
-                        figure = h2load(f"http://{ceiling_url}", kinds["gRPC"][0], concurrency,
-                                        args.seconds)  # fmt: skip
-                        results.setdefault((label, concurrency, "ceiling"), []).append(figure)
+                            url = f"{server.url}/v2/models/{model}/infer"
+                            run = partial(rest, url, body, header_length, n)
+                        figure = measured(pid, run, seconds)
+                        results.setdefault((label, n, kind), []).append(figure)
+                    if label == "W2":  # the libraries' own ceilings, in the same rotation
+                        frame = kinds["gRPC"][0]
+                        run = partial(h2load, f"http://{ceiling_url}", frame, n, seconds)
+                        figure = measured(ceiling.pid, run, seconds)
+                        results.setdefault((label, n, "ceiling"), []).append(figure)
+                        body, header_length = kinds["REST binary"]
+                        run = partial(rest, f"{rest_ceiling_url}/x", body, header_length, n)
+                        figure = measured(rest_ceiling.pid, run, seconds)
+                        results.setdefault((label, n, "REST ceiling"), []).append(figure)
         finally:
             server.stop()
-            ceiling.terminate()
-            ceiling.wait(timeout=30)
-    rows = []
-    for label, _, _, _, concurrency in cells:
-        row = [label, str(concurrency)]
+            for process in (ceiling, rest_ceiling):
+                process.terminate()
+                process.wait(timeout=30)
+    publish("grpc", report(results, cells, args.rounds, seconds))
+
+
+def report(
+    results: dict[tuple[str, int, str], list[Figure]],
+    cells: list[tuple[str, str, tuple[int, ...], str, int]],
+    rounds: int,
+    seconds: int,
+) -> str:
+    def median(label: str, n: int, kind: str, index: int) -> float:
+        return statistics.median(f[index] for f in results[(label, n, kind)])
+
+    rows, loop_rows = [], []
+    for label, _, _, _, n in cells:
+        row = [label, str(n)]
         for kind in ("REST JSON", "REST binary", "gRPC"):
-            figures = results[(label, concurrency, kind)]
-            rates = [r for r, _ in figures]
+            rates = [f[0] for f in results[(label, n, kind)]]
             row.append(f"{statistics.median(rates):.0f} ({min(rates):.0f}–{max(rates):.0f})")
-        grpc_rate = statistics.median(r for r, _ in results[(label, concurrency, "gRPC")])
-        binary_rate = statistics.median(r for r, _ in results[(label, concurrency, "REST binary")])
-        row.append(f"{grpc_rate / binary_rate:.2f}")
-        ceiling = [r for r, _ in results.get((label, concurrency, "ceiling"), [])]
-        row.append(f"{statistics.median(ceiling) / binary_rate:.2f}" if ceiling else "")
+        binary = median(label, n, "REST binary", 0)
+        row.append(f"{median(label, n, 'gRPC', 0) / binary:.2f}")
+        for kind in ("ceiling", "REST ceiling"):
+            row.append(f"{median(label, n, kind, 0) / binary:.2f}" if (label, n, kind) in results
+                       else "")  # fmt: skip
         rows.append(row)
+        if label == "W2":
+            loop_rows.append([label, str(n)] + [
+                f"{median(label, n, kind, 2):.0f}"
+                for kind in ("REST binary", "gRPC", "REST ceiling", "ceiling")
+            ])  # fmt: skip
     header = ["workload", "concurrent", "REST JSON req/s", "REST binary req/s", "gRPC req/s",
-              "gRPC / REST binary", "empty grpc.aio server / REST binary"]  # fmt: skip
-    publish("grpc", f"# gRPC vs REST, {args.rounds} alternating rounds of {args.seconds} s\n\n"
-                    f"median (min–max)\n\n{table(rows, header)}\n")  # fmt: skip
+              "gRPC / REST binary", "empty grpc.aio server / REST binary",
+              "empty REST server / REST binary"]  # fmt: skip
+    loop_header = ["workload", "concurrent", "REST binary", "gRPC", "empty REST server",
+                   "empty grpc.aio server"]  # fmt: skip
+    return (
+        f"# gRPC vs REST, {rounds} alternating rounds of {seconds} s\n\n"
+        f"Requests/s, median (min–max)\n\n{table(rows, header)}\n\n"
+        "Event-loop CPU per request answered, µs (the serving process's main thread), median\n\n"
+        f"{table(loop_rows, loop_header)}\n"
+    )
 
 
 if __name__ == "__main__":
