@@ -58,7 +58,8 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.poll_interval_s is not None:
             polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
         # In this event loop, beside uvicorn's: one DataPlane, one Drain, shared schedulers.
-        grpc_server = await start_grpc(app.state.dataplane) if settings.grpc_port else None
+        budget = getattr(app.state, "body_budget", None)  # set by serving_app
+        grpc_server = await start_grpc(app.state.dataplane, budget) if settings.grpc_port else None
         control = None
         worker = Worker.from_environment()
         if worker is not None:  # one of several processes: answer the others, ask them
@@ -103,7 +104,9 @@ def create_app(settings: Settings) -> FastAPI:
 def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
     """What uvicorn runs: the app, its inference routes answered on plain ASGI, under the
     server-wide budget for request bodies."""
-    return BodyBudget(InferFastPath(app), settings.max_inflight_bytes, settings.max_body_bytes)
+    budget = BodyBudget(InferFastPath(app), settings.max_inflight_bytes, settings.max_body_bytes)
+    app.state.body_budget = budget  # gRPC's messages count in it too (service.api.grpc)
+    return budget
 
 
 class RequestIdMiddleware:

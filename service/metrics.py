@@ -262,7 +262,8 @@ class _RepositoryCollector(Collector):
 
         yield GaugeMetricFamily(
             "tensorgate_request_body_bytes_in_flight",
-            "Request body bytes held now over all connections (TG_MAX_INFLIGHT_BYTES bounds it).",
+            "Request body bytes (and gRPC inference messages) held now over all connections "
+            "(TG_MAX_INFLIGHT_BYTES bounds it).",
             value=sum(budget.held for budget in BUDGETS),
         )
 

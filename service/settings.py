@@ -70,8 +70,9 @@ class Settings(BaseSettings):
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
     """Most elements one input tensor may hold; more is a 413."""
     max_inflight_bytes: int = Field(default=0, ge=0)
-    """Request body bytes one worker holds at once over all its connections; a request whose
-    body would pass it gets 503 + Retry-After before its body is read. 0: sized to the machine,
+    """Request body bytes (and gRPC inference messages) one worker holds at once over all its
+    connections; a request whose body would pass it gets 503 + Retry-After before its body is
+    read (a gRPC call: UNAVAILABLE). 0: sized to the machine,
     a sixteenth of the memory limit (cgroup, else physical) shared among the workers, up to
     1 GiB, and at least max_body_bytes."""
     max_connections: int = Field(default_factory=_default_max_connections, ge=1)

@@ -9,7 +9,10 @@ that is still sending, before it could read the answer). A body without a declar
 as it arrives and refused the same way once it would pass the budget. A compressed body holds
 what it inflates to as well, counted as it inflates (:data:`RESERVE`): past the budget, 503
 before it is inflated further. Bytes stay counted until the request's answer has been sent,
-since decoding and inference hold them until then.
+since decoding and inference hold them until then. gRPC inference requests hold their message's
+size in the same budget while they are answered (:mod:`service.api.grpc`): gRPC has received
+the message by then, so past the budget it is answered UNAVAILABLE at once and let go, instead
+of held through decoding and the queue.
 """
 
 from __future__ import annotations
@@ -60,16 +63,8 @@ class BodyBudget:
 
         def reserve(size: int) -> None:
             nonlocal held
-            with self._lock:
-                if self.held + size > self.limit:
-                    REFUSED["body_budget"] += 1
-                    raise ServerBusy(
-                        f"the server holds {self.held} bytes of request bodies and this one "
-                        f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
-                        "retry shortly"
-                    )
-                self.held += size
-                held += size
+            self.take(size)
+            held += size
 
         # A body over the per-request limit is the route's to refuse (413): reserve nothing.
         if declared is not None and declared <= self.max_body_bytes:
@@ -88,8 +83,25 @@ class BodyBudget:
         try:
             await self.app(scope, receive if declared is not None else counting_receive, send)
         finally:
-            with self._lock:
-                self.held -= held
+            self.release(held)
+
+    def take(self, size: int) -> None:
+        """Hold ``size`` more bytes, or raise :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when
+        that would pass the limit. Callable from any thread."""
+        with self._lock:
+            if self.held + size > self.limit:
+                REFUSED["body_budget"] += 1
+                raise ServerBusy(
+                    f"the server holds {self.held} bytes of request bodies and this one "
+                    f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
+                    "retry shortly"
+                )
+            self.held += size
+
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes once the request that held them has been answered."""
+        with self._lock:
+            self.held -= size
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -19,6 +19,7 @@ import grpc
 from google.protobuf import json_format
 
 from service import metadata, workers
+from service.api.admission import BodyBudget
 from service.api.auth import check_authorization
 from service.api.compression import MIN_COMPRESS_BYTES
 from service.api.streaming import completion_order
@@ -80,9 +81,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` over the DataPlane. Every RPC but the health ones asks
     for the API token (``authorization: Bearer …`` metadata) when one is set."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, budget: BodyBudget | None = None) -> None:
         self.dataplane = dataplane
         self.settings = dataplane.settings
+        self.budget = budget
+        """The server's budget for request bodies in flight (:mod:`service.api.admission`):
+        an inference request's message holds its size in it until answered."""
         self.closing = asyncio.Event()
         """Set when the server stops: open streams stop reading and end."""
 
@@ -172,6 +176,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, infer)
 
     async def _infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        budget = self.budget
+        if budget is None:
+            return await self._answer_infer(request, timeout_s)
+        size = request.ByteSize()
+        budget.take(size)  # past the budget: UNAVAILABLE now, and the message is let go
+        try:
+            return await self._answer_infer(request, timeout_s)
+        finally:
+            budget.release(size)
+
+    async def _answer_infer(
         self, request: pb.ModelInferRequest, timeout_s: float | None
     ) -> pb.ModelInferResponse:
         dataplane = self.dataplane

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from service import workers
+from service.api.admission import BodyBudget
 from service.api.grpc import SERVICE, InferenceServicer
 from service.dataplane import DataPlane
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
@@ -76,8 +77,9 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-async def start_grpc(dataplane: DataPlane) -> GrpcServer:
-    """A started gRPC server on ``TG_HOST:TG_GRPC_PORT`` in the running event loop."""
+async def start_grpc(dataplane: DataPlane, budget: BodyBudget | None = None) -> GrpcServer:
+    """A started gRPC server on ``TG_HOST:TG_GRPC_PORT`` in the running event loop; its
+    inference requests hold their size in ``budget``, REST's budget for bodies in flight."""
     settings = dataplane.settings
     server = grpc.aio.server(
         options=[
@@ -94,7 +96,7 @@ async def start_grpc(dataplane: DataPlane) -> GrpcServer:
             ("grpc.default_compression_level", _COMPRESSION_LEVEL_LOW),
         ],
     )
-    servicer = InferenceServicer(dataplane)
+    servicer = InferenceServicer(dataplane, budget)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
         servicer, server
     )

@@ -11,8 +11,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from service.protocol.pb import grpc_service_pb2 as pb
 from tests.server import MODELS, Server
 
 pytestmark = pytest.mark.integration
@@ -161,7 +163,8 @@ def test_past_the_connection_limit_new_connections_get_503_and_the_rest_serve(
 
 def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: Path) -> None:
     """Two stalled 400 kB uploads hold 800 kB of a 1 MB budget: a third is refused at once,
-    a small request still fits, and the budget comes back when the stalled clients leave."""
+    and so is a 300 kB gRPC message (the protocols share the budget), a small request still
+    fits, and the budget comes back when the stalled clients leave."""
     root = tmp_path / "models"
     shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
     server = Server(root, env={**LIMITS, "TG_BODY_TIMEOUT_S": "120"}, log_path=tmp_path / "log")
@@ -177,18 +180,40 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
         assert answer.status_code == 503
         assert answer.headers["retry-after"] == "1"
         assert "TG_MAX_INFLIGHT_BYTES" in answer.json()["error"]
-        assert served(server)  # a small body still fits
-        for sock in stalled:
-            sock.close()
-        server.wait_for(  # read now, and refused for what it is
-            lambda: server.client.post("/v2/models/digits/infer", content=big).status_code == 400,
-            timeout=60,
-        )
-        assert refused(server)["body_budget"] >= 1
+        with grpc.insecure_channel(server.grpc_url) as channel:
+            infer = channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=pb.ModelInferRequest.SerializeToString,
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as refused_call:
+                infer(padded_digit(300_000), timeout=30)
+            assert refused_call.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "TG_MAX_INFLIGHT_BYTES" in (refused_call.value.details() or "")
+            assert served(server)  # a small body still fits
+            for sock in stalled:
+                sock.close()
+            server.wait_for(  # read now, and refused for what it is
+                lambda: (
+                    server.client.post("/v2/models/digits/infer", content=big).status_code == 400
+                ),
+                timeout=60,
+            )
+            assert infer(padded_digit(300_000), timeout=30).outputs  # the budget came back
+        assert refused(server)["body_budget"] >= 2
+        assert in_flight(server) == 0
     finally:
         for sock in stalled:
             sock.close()
         server.stop()
+
+
+def padded_digit(size: int) -> pb.ModelInferRequest:
+    """A valid digits request of about ``size`` bytes: a request parameter pads it."""
+    request = pb.ModelInferRequest(model_name="digits", raw_input_contents=[bytes(4 * 64)])
+    request.inputs.add(name="image", datatype="FP32", shape=[1, 1, 8, 8])
+    request.parameters["padding"].string_param = "x" * size
+    return request
 
 
 def test_a_body_over_the_per_request_limit_is_still_413(guarded: Server) -> None:
