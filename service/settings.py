@@ -21,10 +21,11 @@ MIN_TOKEN_LENGTH = 16
 
 
 def _default_max_connections() -> int:
-    """4096, or half the open-file limit when that is lower: the other half stays for models,
-    logs and the connections refused politely (a refusal needs a descriptor too)."""
+    """4096, or a quarter of the open-file limit when that is lower: HTTP and gRPC may each
+    hold that many, and the other half stays for models, logs and the connections refused
+    politely (a refusal needs a descriptor too)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(1, min(4096, soft // 2)) if soft != resource.RLIM_INFINITY else 4096
+    return max(1, min(4096, soft // 4)) if soft != resource.RLIM_INFINITY else 4096
 
 
 class Settings(BaseSettings):
@@ -76,8 +77,9 @@ class Settings(BaseSettings):
     a sixteenth of the memory limit (cgroup, else physical) shared among the workers, up to
     1 GiB, and at least max_body_bytes."""
     max_connections: int = Field(default_factory=_default_max_connections, ge=1)
-    """Open connections at most; one more is answered 503 + Retry-After and closed. Default:
-    4096, or half the open-file limit when that is lower."""
+    """Open connections at most, on HTTP and on gRPC each; one more is answered 503 +
+    Retry-After and closed (gRPC: closed before it is read). Default: 4096, or a quarter of
+    the open-file limit when that is lower."""
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     """Largest request head (request line and headers); a larger one gets 431, closed."""
     header_timeout_s: float = Field(default=10.0, gt=0)

@@ -94,6 +94,12 @@ async def start_grpc(dataplane: DataPlane, budget: BodyBudget | None = None) -> 
             # (a client without it fails), so the level is the way. Small answers are left as
             # they are (_compress_if_worth_it); gRPC itself sends any that would not shrink.
             ("grpc.default_compression_level", _COMPRESSION_LEVEL_LOW),
+            # The bounds HTTP connections have (service/connections.py): at most
+            # TG_MAX_CONNECTIONS open (one more is closed before gRPC reads from it), and
+            # TG_HEADER_TIMEOUT_S for a new connection's HTTP/2 preface and settings to arrive
+            # (a silent socket is closed then).
+            ("grpc.max_allowed_incoming_connections", settings.max_connections),
+            ("grpc.server_handshake_timeout_ms", max(1, round(settings.header_timeout_s * 1000))),
         ],
     )
     servicer = InferenceServicer(dataplane, budget)

@@ -208,6 +208,31 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
         server.stop()
 
 
+def test_grpc_connections_are_bounded_and_silent_ones_closed(guarded: Server) -> None:
+    """TG_MAX_CONNECTIONS bounds gRPC connections too: with every slot held by sockets that
+    never speak, one more is closed before anything is read from it; the silent ones are
+    closed after TG_HEADER_TIMEOUT_S, and gRPC serves again."""
+    host, port = guarded.grpc_url.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=15) for _ in range(40)]
+    try:
+        for sock in silent:  # the server's first frame: gRPC has accepted it, a slot is taken
+            assert sock.recv(9)
+        with socket.create_connection((host, int(port)), timeout=15) as extra:
+            assert read_all(extra) == b""  # closed, nothing sent: no slot for it
+        for sock in silent:  # closed by the server once the handshake time is up
+            read_all(sock)
+    finally:
+        for sock in silent:
+            sock.close()
+    with grpc.insecure_channel(guarded.grpc_url) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        assert infer(padded_digit(0), timeout=30).outputs
+
+
 def padded_digit(size: int) -> pb.ModelInferRequest:
     """A valid digits request of about ``size`` bytes: a request parameter pads it."""
     request = pb.ModelInferRequest(model_name="digits", raw_input_contents=[bytes(4 * 64)])
