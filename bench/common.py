@@ -8,6 +8,8 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,3 +129,17 @@ def spread(values: list[float], fmt: str) -> str:
     """``median (min–max)`` of ``values``, each formatted with ``fmt``."""
     low, mid, high = (fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
     return f"{mid} ({low}–{high})"
+
+
+@contextmanager
+def worktree(revision: str, folder: Path) -> Iterator[Path]:
+    """``revision`` checked out at ``folder`` (a detached git worktree of this repository),
+    removed afterwards: the old side of an old-vs-new benchmark."""
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(["git", "worktree", "add", "--detach", str(folder), revision],
+                   cwd=root, check=True, capture_output=True)  # fmt: skip
+    try:
+        yield folder
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder)],
+                       cwd=root, check=False, capture_output=True)  # fmt: skip

@@ -149,33 +149,41 @@ def loop_cpu_s(pid: int) -> float:
 def empty_rest_server() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-c", EMPTY_REST_SERVER, str(port)])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process, url
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise
-            time.sleep(0.1)
+
+    def listening() -> None:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+    started(process, listening, OSError)
+    return process, f"http://127.0.0.1:{port}"
 
 
 def empty_server() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-c", EMPTY_SERVER, str(port)])
     url = f"127.0.0.1:{port}"
+
+    def ready() -> None:
+        with grpc.insecure_channel(url) as channel:
+            grpc.channel_ready_future(channel).result(timeout=1)
+
+    started(process, ready, grpc.FutureTimeoutError)
+    return process, url
+
+
+def started(
+    process: subprocess.Popen[bytes], check: Callable[[], None], not_yet: type[Exception]
+) -> None:
+    """Call ``check`` until it stops raising ``not_yet`` (30 s at most; then kill ``process``)."""
     deadline = time.monotonic() + 30
     while True:
         try:
-            with grpc.insecure_channel(url) as channel:
-                grpc.channel_ready_future(channel).result(timeout=1)
-            return process, url
-        except grpc.FutureTimeoutError:
+            check()
+            return
+        except not_yet:
             if time.monotonic() > deadline:
                 process.kill()
                 raise
+            time.sleep(0.1)  # between two polls of a server that is starting
 
 
 def check_grpc(server: Server, model: str, frame: bytes) -> None:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench.batching import mlp_models
-from bench.common import publish, spread, table
+from bench.common import publish, spread, table, worktree
 from tests.server import REPO_ROOT
 
 SETS = 6
@@ -112,22 +112,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100, help="rounds of 64 per set")
     args = parser.parse_args()
     figures: dict[str, list[float]] = {"old": [], "new": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        old_tree = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.old],
-                       cwd=REPO_ROOT, check=True, capture_output=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
         repository = Path(tmp) / "models"
         repository.mkdir()
         mlp_models(repository)
         trees = {"old": old_tree, "new": REPO_ROOT}
-        try:
-            for run in range(args.runs):
-                for side in ("old", "new") if run % 2 == 0 else ("new", "old"):
-                    figures[side].append(loop_us(trees[side], repository, args.rounds))
-                    print(side, f"{figures[side][-1]:.1f} µs", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)],
-                           cwd=REPO_ROOT, check=False, capture_output=True)  # fmt: skip
+        for run in range(args.runs):
+            for side in ("old", "new") if run % 2 == 0 else ("new", "old"):
+                figures[side].append(loop_us(trees[side], repository, args.rounds))
+                print(side, f"{figures[side][-1]:.1f} µs", flush=True)
     ratios = [n / o for o, n in zip(figures["old"], figures["new"], strict=True)]
     rows = [[spread(figures["old"], "{:.1f}"), spread(figures["new"], "{:.1f}"),
              spread(ratios, "{:.3f}")]]  # fmt: skip

@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 
 from bench.batching import W1_PATH, jpeg_640x480, mlp_models
-from bench.common import publish, spread, table, wait_until_up, wrk
+from bench.common import publish, spread, table, wait_until_up, worktree, wrk
 from tests.server import MODELS, REPO_ROOT, free_port
 
 ENV = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2",
@@ -64,10 +64,7 @@ def main() -> None:
         "W2 c=1": ("/v2/models/mlp/infer", mlp, "application/json", 1),
     }
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        old_tree = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old_tree), args.old],
-                       cwd=REPO_ROOT, check=True, capture_output=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
         repository = Path(tmp) / "models"
         repository.mkdir()
         (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
@@ -90,8 +87,6 @@ def main() -> None:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=60)
-            subprocess.run(["git", "worktree", "remove", "--force", str(old_tree)],
-                           cwd=REPO_ROOT, check=False, capture_output=True)  # fmt: skip
     rows = []
     for name in workloads:
         old, new = results[(name, "old")], results[(name, "new")]
