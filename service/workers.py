@@ -337,12 +337,12 @@ async def probe(dataplane: DataPlane, kind: str) -> tuple[bool, str]:
     siblings = dataplane.siblings
     if siblings is None or not local[0]:
         return local
-    for answer in await siblings.ask(kind):
+    for index, answer in zip(siblings.worker.others, await siblings.ask(kind), strict=True):
         if isinstance(answer, TensorgateError):
             if kind != "live":
                 return False, answer.message
         elif not answer[0]:
-            return False, answer[1]
+            return False, f"worker {index}: {answer[1]}"  # which one, as for no answer
     return local
 
 

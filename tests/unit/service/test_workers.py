@@ -4,6 +4,8 @@ makes of the others' statistics and metrics (the processes themselves: tests/int
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -11,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.resources import memory_limit_bytes
 from service.settings import Settings
-from service.workers import Worker, merge_metrics, merge_statistics
+from service.workers import Worker, merge_metrics, merge_statistics, probe
 
 
 @pytest.mark.parametrize(
@@ -98,3 +100,15 @@ def test_metrics_add_up_and_gauges_merge_by_meaning() -> None:
     assert found[("process_start_time_seconds", ())] == 40  # when it started
     assert found[("tensorgate_model_state", (("state", "READY"),))] == 1
     assert "# TYPE tg_requests_total counter" in text
+
+
+async def test_a_probe_names_the_worker_that_is_not_ready() -> None:
+    """Asked of one worker, readiness is the whole server's: a sibling that is still loading
+    (a replacement, say) makes it false, and the reason says which worker."""
+
+    async def ask(kind: str) -> list[Any]:
+        return [(True, ""), (False, "models are loading")]
+
+    siblings = SimpleNamespace(worker=SimpleNamespace(others=[0, 2]), ask=ask)
+    dataplane = SimpleNamespace(ready=lambda: (True, ""), siblings=siblings)
+    assert await probe(dataplane, "ready") == (False, "worker 2: models are loading")  # type: ignore[arg-type]  # a stand-in with the two things probe reads
