@@ -181,11 +181,7 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
         assert answer.headers["retry-after"] == "1"
         assert "TG_MAX_INFLIGHT_BYTES" in answer.json()["error"]
         with grpc.insecure_channel(server.grpc_url) as channel:
-            infer = channel.unary_unary(
-                "/inference.GRPCInferenceService/ModelInfer",
-                request_serializer=pb.ModelInferRequest.SerializeToString,
-                response_deserializer=pb.ModelInferResponse.FromString,
-            )
+            infer = model_infer(channel)
             with pytest.raises(grpc.RpcError) as refused_call:
                 infer(padded_digit(300_000), timeout=30)
             assert refused_call.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -225,12 +221,17 @@ def test_grpc_connections_are_bounded_and_silent_ones_closed(guarded: Server) ->
         for sock in silent:
             sock.close()
     with grpc.insecure_channel(guarded.grpc_url) as channel:
-        infer = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer",
-            request_serializer=pb.ModelInferRequest.SerializeToString,
-            response_deserializer=pb.ModelInferResponse.FromString,
-        )
+        infer = model_infer(channel)
         assert infer(padded_digit(0), timeout=30).outputs
+
+
+def model_infer(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    """ModelInfer on ``channel``, with the server's own messages."""
+    return channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer",
+        request_serializer=pb.ModelInferRequest.SerializeToString,
+        response_deserializer=pb.ModelInferResponse.FromString,
+    )
 
 
 def padded_digit(size: int) -> pb.ModelInferRequest:
