@@ -1,12 +1,18 @@
-"""First request after ready vs steady state, per shape (issues: dynamic shapes, #18).
+"""First request after ready vs steady state, per shape (issues: dynamic shapes, #18, #23).
 
-    .venv/bin/python -m bench.warmup [--steady 10]
+    .venv/bin/python -m bench.warmup [--steady 10] [--only text|image]
 
 For minilm served from its ONNX, TorchScript and pt2 artifacts, each with the bundled warmup and
 with none: start a fresh server, wait for ready, then per shape send one request of that shape
 (the first) and then ``--steady`` more; report the first latency, the median of the rest, and
 their ratio (target ≤ 1.5 with warmup). The shapes: one text of exactly each bucket's tokens,
 then 2, 4, 8 and 16 such texts of 64 tokens in one request (each a batch of that many rows).
+
+Then a user's own dynamic image model (tests/user_models.py ``Heatmap``: a fully convolutional
+head over any H × W), exported as ``tensorgate export`` does, served from ONNX and pt2 with the
+config export writes (buckets 32, 64, 96; warmed and padded) and with none (no buckets, no
+warmup: every size runs as it comes); the shapes: one image at sizes between and on the buckets,
+then 2, 3 and 4 images of 50 × 60.
 """
 
 from __future__ import annotations
@@ -67,22 +73,100 @@ def measure(backend: str, warm: bool, steady: int) -> list[list[str]]:
     return rows
 
 
+IMAGE_SHAPES = [(1, h, w) for h, w in ((20, 30), (32, 32), (40, 50), (64, 64), (70, 90), (96, 96))]
+IMAGE_SHAPES += [(rows, 50, 60) for rows in (2, 3, 4)]
+"""(images in the request, H, W)"""
+
+
+def export_heatmap(root: Path) -> None:
+    """The Heatmap exported into ``root`` as the CLI would (config.yaml included)."""
+    from service.export import export_model
+    from service.export_cli import golden_input, parse_tensor, write_config
+    from tests.user_models import make_heatmap
+
+    image, heat = parse_tensor("image:FP32:3,-1,-1"), parse_tensor("heat:FP32:1,-1,-1")
+    folder = root / "heatmap"
+    manifest = export_model(
+        make_heatmap(), folder / "1", name="heatmap", inputs=[image], outputs=[heat],
+        golden_inputs={"image": golden_input(image, 4, 0, 24)}, max_batch_size=4,
+        buckets=(32, 64, 96), pt2_cpu="native",
+    )  # fmt: skip
+    write_config(folder / "config.yaml", manifest, "onnx", None)
+
+
+def image_repository(exported: Path, root: Path, backend: str, warm: bool) -> None:
+    folder = root / "heatmap"
+    folder.mkdir(parents=True)
+    (folder / "1").symlink_to(exported / "heatmap" / "1")
+    config = yaml.safe_load((exported / "heatmap" / "config.yaml").read_text())
+    config["backend"] = backend
+    if not warm:
+        config["warmup"] = {"batch_sizes": []}
+        config.pop("buckets")
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def image_latency(client: httpx.Client, rows: int, h: int, w: int) -> float:
+    data = [0.5] * (rows * 3 * h * w)
+    body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [rows, 3, h, w],
+                        "data": data}]}  # fmt: skip
+    started = time.perf_counter()
+    response = client.post("/v2/models/heatmap/infer", json=body)
+    elapsed = time.perf_counter() - started
+    response.raise_for_status()
+    return elapsed * 1000
+
+
+def measure_images(exported: Path, backend: str, warm: bool, steady: int) -> list[list[str]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "models"
+        image_repository(exported, root, backend, warm)
+        server = Server(root, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning",
+                                   "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
+        try:
+            server.wait_until(timeout=300)
+            for images, h, w in IMAGE_SHAPES:
+                first = image_latency(server.client, images, h, w)
+                rest = statistics.median(
+                    image_latency(server.client, images, h, w) for _ in range(steady)
+                )
+                rows.append([backend, "export's" if warm else "none", str(images), f"{h}×{w}",
+                             f"{first:.1f}", f"{rest:.1f}", f"{first / rest:.2f}"])  # fmt: skip
+            stats = server.client.get("/v2/models/heatmap/stats").json()["model_stats"][0]
+            rows[-1][1] += f" (unwarmed: {stats['unwarmed_shape_count']})"
+        finally:
+            server.stop()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steady", type=int, default=10)
+    parser.add_argument("--only", choices=["text", "image"])
     args = parser.parse_args()
-    rows = []
-    for backend in ("onnx", "torchscript", "pt2"):
-        for warm in (True, False):
-            rows += measure(backend, warm, args.steady)
-    text = (
-        "# Warmup benchmark: minilm, first request of each shape vs steady\n\n"
-        + table(
-            rows,
-            ["backend", "warmup", "texts", "tokens", "first ms", "steady p50 ms", "first / steady"],
-        )
-        + "\n"
-    )
+    text = ""
+    if args.only != "image":
+        rows = []
+        for backend in ("onnx", "torchscript", "pt2"):
+            for warm in (True, False):
+                rows += measure(backend, warm, args.steady)
+        header = ["backend", "warmup", "texts", "tokens", "first ms", "steady p50 ms",
+                  "first / steady"]  # fmt: skip
+        text += "# Warmup benchmark: minilm, first request of each shape vs steady\n\n"
+        text += table(rows, header) + "\n"
+    if args.only != "text":
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            exported = Path(tmp)
+            export_heatmap(exported)
+            for backend in ("onnx", "pt2"):
+                for warm in (True, False):
+                    rows += measure_images(exported, backend, warm, args.steady)
+        header = ["backend", "config", "images", "H × W", "first ms", "steady p50 ms",
+                  "first / steady"]  # fmt: skip
+        text += "\n# Warmup benchmark: a dynamic H × W image model, first vs steady\n\n"
+        text += table(rows, header) + "\n"
     publish("warmup", text)
 
 

@@ -71,11 +71,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(default onnx,pt2: portable ONNX and torch.export's compiled package; TorchScript is "
         "deprecated upstream)",
     )  # fmt: skip
-    export.add_argument("--backend", choices=["onnx", "pt2", "torchscript"], default="onnx",
-                        help="the backend a new config.yaml serves")  # fmt: skip
-    export.add_argument("--buckets", default="", metavar="L1,L2,...",
-                        help="lengths of the dynamic (-1) dims, e.g. 16,32,64,128")  # fmt: skip
-    export.add_argument("--preprocessing", type=Path, help="a YAML/JSON file with the spec")
+    export.add_argument(
+        "--backend", choices=["onnx", "pt2", "torchscript"], default=None,
+        help="the backend the written config.yaml serves; export fails if it does not export "
+        "(default: the first of onnx, pt2, torchscript that did)",
+    )  # fmt: skip
+    export.add_argument(
+        "--buckets", default="", metavar="L1,L2,...",
+        help="sizes of the dynamic (-1) dims, e.g. 16,32,64,128 (needed when an input has one): "
+        "the server warms every combination, pads to them where export measured that padding "
+        "leaves the answer unchanged, and refuses larger sizes",
+    )  # fmt: skip
+    export.add_argument(
+        "--preprocessing", type=Path,
+        help="a YAML/JSON file with the image or text spec (a text spec's tokenizer file is "
+        "read beside it and copied into the version folder)",
+    )  # fmt: skip
     export.add_argument("--opset", type=int, default=None)
     export.add_argument(
         "--pt2-cpu", choices=cpu_targets.TARGETS, default=None,

@@ -24,12 +24,12 @@ from service.postprocessing import CLASSIFICATION, classification_tensor
 from service.repository import ModelRepository, ModelState
 from service.scheduler import rows_of
 from service.settings import Settings
+from service.shapes import apply_crop
 from service.validation import (
     check_inputs,
     check_rows,
     encoded_items,
     instance_tensors,
-    pad_to_buckets,
 )
 
 if TYPE_CHECKING:
@@ -134,7 +134,9 @@ class DataPlane:
                     timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
                 else:
                     observation.rows = 1  # made on the instance's thread, which times it
-                outputs = await served.execute(prepared.work, timing, deadline)
+                outputs = apply_crop(
+                    await served.execute(prepared.work, timing, deadline), prepared.crop
+                )
                 encode_started = time.perf_counter_ns()
                 result = InferenceResult(
                     model, str(found.version), request.id,
@@ -188,7 +190,8 @@ class DataPlane:
         if request.rows is not None:
             inputs = instance_tensors(request.rows, model.signature.inputs)
         batch = check_inputs(inputs, model.signature, model.config, model.name)
-        return Prepared(pad_to_buckets(batch, model.signature, model.config, model.name))
+        fitted, crop = model.shapes.fit(batch, model.name)
+        return Prepared(fitted, crop=crop)
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: its own timeout, else OIP ``parameters.timeout``

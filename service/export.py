@@ -18,6 +18,7 @@ import logging
 import platform
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,15 @@ import numpy as np
 import torch
 from torch.export import Dim, ExportedProgram
 
-from preprocessing.spec import ImageSpec, TextSpec, spec_hash
-from service import cpu_targets
+from preprocessing.spec import PreprocessingSpec, TextSpec, spec_hash
+from service import cpu_targets, export_shapes
 from service.errors import ModelLoadError
 from service.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
 from service.model_config import TensorConfig
 from service.protocol.datatypes import TO_NUMPY
 from service.runtimes.base import RuntimeOptions, Signature
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
+from service.shapes import ShapeFacts, guess_axes
 
 log = logging.getLogger("tensorgate.export")
 DEFAULT_OPSET = 18  # the dynamo exporter's own; a lower one goes through onnx's version converter
@@ -52,6 +54,36 @@ class ExportError(RuntimeError):
     """The module cannot be exported faithfully; the message says where it diverged."""
 
 
+@dataclass
+class _Job:
+    """What every format's step needs: the module, the probes and their eager outputs."""
+
+    module: torch.nn.Module
+    out_dir: Path
+    inputs: Sequence[TensorConfig]
+    outputs: Sequence[TensorConfig]
+    max_batch_size: int
+    opset: int
+    tolerance: Tolerance
+    probes: list[Probe]
+    eager: list[dict[str, np.ndarray]]
+    dynamic: tuple[dict[int, Any], ...]
+    program: ExportedProgram | None
+    not_exported: str
+    device: str | None
+    pt2_cpu: str
+
+    def check(self, what: str, run: Runner) -> dict[str, float]:
+        """The worst abs/rel error of ``run`` against eager PyTorch over every probe."""
+        pairs = zip(self.probes, self.eager, strict=True)
+        results = [_compare(what, want, run(probe), self.tolerance) for probe, want in pairs]
+        return {k: max(r[k] for r in results) for k in ("max_abs", "max_rel")}
+
+
+Artifact = tuple[str, dict[str, float], dict[str, str | None]]
+"""A format's file name in the version folder, its parity, and versions for the manifest."""
+
+
 def export_model(
     module: torch.nn.Module,
     out_dir: Path,
@@ -61,21 +93,25 @@ def export_model(
     outputs: Sequence[TensorConfig],
     golden_inputs: Mapping[str, np.ndarray],
     max_batch_size: int,
-    preprocessing: ImageSpec | TextSpec | None = None,
+    preprocessing: PreprocessingSpec | None = None,
     opset: int = DEFAULT_OPSET,
     tolerance: Tolerance | None = None,
     metrics: Mapping[str, float] | None = None,
     formats: Sequence[str] = DEFAULT_FORMATS,
+    required: Sequence[str] = (),
     buckets: Sequence[int] = (),
     device: str | None = None,
     pt2_cpu: str | None = None,
 ) -> Manifest:
     """Export ``module`` into ``out_dir`` (a version folder) and return the manifest written.
 
-    ``buckets`` bound the dynamic (-1) dims (a text spec's buckets when empty); ``device`` is
-    where the ``pt2`` package will run (default: CUDA when torch sees it, else the CPU);
-    ``pt2_cpu`` the CPU it is compiled for (:mod:`service.cpu_targets`; default ``x86-64-v3``
-    on x86-64).
+    A format that fails (``torch.export`` refuses the module, or the artifact disagrees with
+    eager PyTorch) is left out, with why in the log and the manifest's ``skipped``; ExportError
+    when one of ``required`` fails, or every format does. ``buckets`` are the sizes each
+    dynamic (-1) dim is warmed and padded to (a text spec's buckets when empty; needed when an
+    input has a dynamic dim); ``device`` is where the ``pt2`` package will run (default: CUDA
+    when torch sees it, else the CPU); ``pt2_cpu`` the CPU it is compiled for
+    (:mod:`service.cpu_targets`; default ``x86-64-v3`` on x86-64).
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
@@ -93,66 +129,60 @@ def export_model(
         cpu_targets.check_target(pt2_cpu)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
+    if not buckets and isinstance(preprocessing, TextSpec):
+        buckets = preprocessing.buckets
+    buckets = tuple(sorted(set(buckets)))
+    dynamic_inputs = [t.name for t in inputs if -1 in t.shape]
+    if dynamic_inputs and not buckets:
+        raise ExportError(
+            f"inputs {dynamic_inputs} have dynamic (-1) dims: name the sizes to serve them at "
+            "with buckets (--buckets 64,128,256), which the server warms, pads to where padding "
+            "leaves the answer unchanged, and bounds (a larger size is refused)"
+        )
     tolerance = tolerance or Tolerance()
     out_dir.mkdir(parents=True, exist_ok=True)
     module = _prepare(module)
     golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
-    if not buckets and preprocessing is not None and preprocessing.kind == "text":
-        buckets = preprocessing.buckets
     probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
-    with torch.inference_mode():
-        eager = [_as_outputs(module(*_tensors(p, inputs)), outputs) for p in probes]
-
-    def check(what: str, run: Runner) -> dict[str, float]:
-        results = [_compare(what, w, run(p), tolerance) for p, w in zip(probes, eager, strict=True)]
-        return {k: max(r[k] for r in results) for k in ("max_abs", "max_rel")}
-
+    eager_run = partial(_run_module, module, inputs, outputs)
+    eager = [eager_run(p) for p in probes]
+    dynamic = _dynamic_shapes(inputs, max_batch_size, buckets)
+    program, not_exported = _exported_program(module, _tensors(probes[-1], inputs), dynamic)
+    if program is None and _recurrent(module) and dynamic_inputs:
+        not_exported += (
+            " (torch.export unrolls nn.LSTM, nn.GRU and nn.RNN over the time steps, so it cannot "
+            "keep their length dynamic: pytorch/pytorch#115092; the ONNX artifact keeps the "
+            "recurrent op)"
+        )
+    batched = max_batch_size > 0
+    shapes = _shape_facts(
+        program, eager_run, probes, eager, inputs, outputs, batched, buckets, tolerance
+    )
+    inputs = _with_ranges(module, program, probes[0], inputs)
+    job = _Job(
+        module, out_dir, inputs, outputs, max_batch_size, opset, tolerance, probes, eager,
+        dynamic, program, not_exported, device, pt2_cpu,
+    )  # fmt: skip
     versions = _versions()
     artifacts: dict[str, str] = {}
     parity: dict[str, dict[str, float]] = {}
-    program, not_exported = None, "not asked for"
-    if "pt2" in formats or "onnx" in formats:
-        shapes = _dynamic_shapes(inputs, max_batch_size, buckets)
-        program, not_exported = _exported_program(module, _tensors(probes[-1], inputs), shapes)
-    if "pt2" in formats:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device != "cpu" and program is not None:  # compiled where its weights and inputs are
-            example = tuple(t.to(device) for t in _tensors(probes[-1], inputs))
-            program, _ = _exported_program(copy.deepcopy(module).to(device), example, shapes)
-        if program is None:
-            raise ExportError(
-                f"{not_exported}; make the module exportable, or leave pt2 out of the formats"
-            )
-        versions.update(_export_pt2(program, out_dir / PT2_ARTIFACT, pt2_cpu))
-        artifacts["pt2"] = PT2_ARTIFACT
-        signature = Signature(tuple(inputs), tuple(outputs))
-        parity["pt2"] = check("AOTInductor", _pt2_runner(out_dir / PT2_ARTIFACT, device, signature))
-    if "onnx" in formats:
-        onnx_path = out_dir / "model.onnx"
-        fallback = not_exported if program is None else None
+    skipped: dict[str, str] = {}
+    for fmt in formats:
         try:
-            if program is not None:
-                _export_onnx_dynamo(program, onnx_path, inputs, outputs, opset)
-                parity["onnx"] = check("onnxruntime", partial(_run_onnx, onnx_path))
-        except Exception as exc:  # the exporter, onnxruntime and the check raise many types
-            fallback = f"the dynamo exporter failed: {_first_line(exc)}"
-        versions["onnx_exporter"] = "dynamo" if fallback is None else "torchscript"
-        if fallback is not None:
-            log.warning("ONNX: %s; using the TorchScript-based exporter instead", fallback)
-            versions["onnx_exporter_fallback"] = fallback
-            _export_onnx(module, probes[0], onnx_path, inputs, outputs, max_batch_size, opset)
-            parity["onnx"] = check("onnxruntime", partial(_run_onnx, onnx_path))
-        artifacts["onnx"] = "model.onnx"
-        opset = _opset(onnx_path)
-    if "torchscript" in formats:
-        log.warning(
-            "writing TorchScript (model.pt): torch deprecated it in favour of torch.export; "
-            "serve model.pt2 (backend: pt2) or model.onnx instead (docs/models.md)"
-        )
-        artifacts["torchscript"] = "model.pt"
-        scripted = _export_torchscript(module, _tensors(golden, inputs), out_dir / "model.pt")
-        parity["torchscript"] = check(
-            "TorchScript", partial(_run_module, scripted, inputs, outputs)
+            artifact, parity[fmt], made = _STEPS[fmt](job)
+        except Exception as exc:  # each exporter and runtime raises its own types
+            reason = str(exc) if isinstance(exc, ExportError) else _first_line(exc)
+            if fmt in required:
+                raise ExportError(f"{fmt}: {reason}") from exc
+            log.warning("%s left out: %s", fmt, reason)
+            skipped[fmt] = reason
+            parity.pop(fmt, None)
+            continue
+        artifacts[fmt] = artifact
+        versions.update(made)
+    if not artifacts:
+        raise ExportError(
+            "no format could be exported: " + "; ".join(f"{f}: {r}" for f, r in skipped.items())
         )
 
     arrays = {f"input.{k}": v for k, v in golden.items()}
@@ -164,9 +194,11 @@ def export_model(
         inputs=tuple(inputs),
         outputs=tuple(outputs),
         dynamic_axes=_dynamic_axes([*inputs, *outputs], max_batch_size),
-        opset=opset if "onnx" in formats else None,
+        opset=_opset(out_dir / "model.onnx") if "onnx" in artifacts else None,
         versions=versions,
         artifacts=artifacts,
+        skipped=skipped,
+        shapes=shapes,
         preprocessing=preprocessing.model_dump(mode="json") if preprocessing else None,
         preprocessing_hash=spec_hash(preprocessing) if preprocessing else None,
         tolerance=tolerance,
@@ -175,8 +207,143 @@ def export_model(
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     (out_dir / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
-    log.info("exported %s to %s: parity %s", name, out_dir, parity)
+    log.debug("exported %s to %s: parity %s", name, out_dir, parity)
     return manifest
+
+
+def _pt2_step(job: _Job) -> Artifact:
+    program = job.program
+    if program is None:
+        raise ExportError(
+            f"{job.not_exported}; make the module exportable, or leave pt2 out of the formats"
+        )
+    device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu":  # compiled where its weights and inputs are
+        example = tuple(t.to(device) for t in _tensors(job.probes[-1], job.inputs))
+        moved = copy.deepcopy(job.module).to(device)
+        program, not_exported = _exported_program(moved, example, job.dynamic)
+        if program is None:
+            raise ExportError(not_exported)
+    path = job.out_dir / PT2_ARTIFACT
+    versions = _export_pt2(program, path, job.pt2_cpu)
+    signature = Signature(tuple(job.inputs), tuple(job.outputs))
+    return PT2_ARTIFACT, job.check("AOTInductor", _pt2_runner(path, device, signature)), versions
+
+
+def _onnx_step(job: _Job) -> Artifact:
+    path = job.out_dir / "model.onnx"
+    fallback = job.not_exported if job.program is None else None
+    parity: dict[str, float] = {}
+    try:
+        if job.program is not None:
+            _export_onnx_dynamo(job.program, path, job.inputs, job.outputs, job.opset)
+            parity = job.check("onnxruntime", partial(_run_onnx, path))
+    except Exception as exc:  # the exporter, onnxruntime and the check raise many types
+        fallback = f"the dynamo exporter failed: {_first_line(exc)}"
+    versions: dict[str, str | None] = {
+        "onnx_exporter": "dynamo" if fallback is None else "torchscript"
+    }
+    if fallback is not None:
+        log.warning("ONNX: %s; using the TorchScript-based exporter instead", fallback)
+        versions["onnx_exporter_fallback"] = fallback
+        _export_onnx(
+            job.module, job.probes[0], path, job.inputs, job.outputs, job.max_batch_size, job.opset
+        )
+        parity = job.check("onnxruntime", partial(_run_onnx, path))
+    return "model.onnx", parity, versions
+
+
+def _torchscript_step(job: _Job) -> Artifact:
+    log.warning(
+        "writing TorchScript (model.pt): torch deprecated it in favour of torch.export; "
+        "serve model.pt2 (backend: pt2) or model.onnx instead (docs/models.md)"
+    )
+    path = job.out_dir / "model.pt"
+    scripted = _export_torchscript(job.module, _tensors(job.probes[0], job.inputs), path)
+    run = partial(_run_module, scripted, job.inputs, job.outputs)
+    return "model.pt", job.check("TorchScript", run), {}
+
+
+_STEPS: dict[str, Callable[[_Job], Artifact]] = {
+    "onnx": _onnx_step,
+    "pt2": _pt2_step,
+    "torchscript": _torchscript_step,
+}
+
+
+def _recurrent(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.RNNBase) for m in module.modules())
+
+
+def _shape_facts(
+    program: ExportedProgram | None,
+    eager_run: Runner,
+    probes: list[Probe],
+    eager: list[dict[str, np.ndarray]],
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    batched: bool,
+    buckets: tuple[int, ...],
+    tolerance: Tolerance,
+) -> ShapeFacts | None:
+    """The dynamic dims' axes and ranges, the output dims that follow them, and whether
+    padding to the buckets leaves the answer unchanged (:mod:`service.export_shapes`)."""
+    if not any(-1 in t.shape for t in inputs):
+        return None
+    longest = max(buckets)
+    if program is not None:
+        found, batch_symbols = export_shapes.graph_axes(program, inputs, batched, longest)
+        axes = tuple(found.values())
+        follows, why = export_shapes.graph_follows(program, outputs, found, batch_symbols, batched)
+    else:
+        axes = tuple(a.model_copy(update={"max": longest}) for a in guess_axes(inputs, batched))
+        real = probes[0][axes[0].dims[0][0]].shape[axes[0].dims[0][1]]
+        large = (longest, eager[-1]) if len(probes) > 1 else (real, eager[0])
+        follows, why = export_shapes.probed_follows(outputs, axes, (real, eager[0]), large, batched)
+    for axis in axes:
+        if below := [b for b in buckets if b < axis.min]:
+            name, index = axis.dims[0]
+            raise ExportError(
+                f"buckets {below} are below the smallest size input '{name}' dim {index} takes "
+                f"({axis.min}, as torch.export found)"
+            )
+    if not why:
+        why = export_shapes.padding_verdict(eager_run, probes[0], axes, buckets, follows, tolerance)
+    if why:
+        log.warning("padding changes this model's answer (%s): it will be served at exactly "
+                    "the buckets %s", why, list(buckets))  # fmt: skip
+    return ShapeFacts(
+        axes=axes, buckets=buckets, pad=not why, reason=why, follows=follows if not why else {}
+    )
+
+
+def _with_ranges(
+    module: torch.nn.Module,
+    program: ExportedProgram | None,
+    golden: Probe,
+    inputs: Sequence[TensorConfig],
+) -> list[TensorConfig]:
+    """The inputs with the value ranges the graph proves (an input's own range is kept). A
+    module torch.export cannot keep dynamic is read at the golden inputs' static shapes."""
+    if program is None:
+        torch_log = logging.getLogger("torch")
+        level = torch_log.level
+        torch_log.setLevel(logging.CRITICAL)  # its second refusal, at length, says nothing new
+        try:
+            program, _ = _exported_program(module, _tensors(golden, inputs), None)
+        finally:
+            torch_log.setLevel(level)
+    if program is None:
+        return list(inputs)
+    found = export_shapes.index_ranges(program, inputs)
+    typed = [t for t in inputs if t.name in found and TO_NUMPY[t.datatype].kind in "iu"]
+    ranged = {t.name: found[t.name] for t in typed if t.range is None}
+    for name, (low, high) in ranged.items():
+        log.info("input '%s' indexes a table of %d rows: values outside [%d, %d] are refused",
+                 name, high + 1, low, high)  # fmt: skip
+    return [
+        t.model_copy(update={"range": ranged[t.name]}) if t.name in ranged else t for t in inputs
+    ]
 
 
 def _prepare(module: torch.nn.Module) -> torch.nn.Module:
@@ -242,7 +409,9 @@ def _dynamic_shapes(
 
 
 def _exported_program(
-    module: torch.nn.Module, example: tuple[torch.Tensor, ...], shapes: tuple[dict[int, Any], ...]
+    module: torch.nn.Module,
+    example: tuple[torch.Tensor, ...],
+    shapes: tuple[dict[int, Any], ...] | None,
 ) -> tuple[ExportedProgram | None, str]:
     """The module through ``torch.export``, or None and the first line of why it could not."""
     try:

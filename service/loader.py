@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,11 +24,13 @@ import numpy as np
 
 from service.errors import ModelLoadError
 from service.manifest import (
+    Golden,
     Manifest,
     Tolerance,
-    check_golden,
     check_preprocessing,
     check_versions,
+    compare_golden,
+    read_golden,
     read_manifest,
 )
 from service.model_config import ModelConfig, TensorConfig
@@ -45,8 +47,10 @@ from service.runtimes import (
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from service.scheduler import BatchShape, batch_shape
 from service.settings import Settings
+from service.shapes import ShapePolicy
 
 log = logging.getLogger("tensorgate.loader")
+Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 SKIPPED_WITHOUT_MANIFEST = (
     "version gate skipped: no manifest.json",
@@ -77,6 +81,24 @@ class LoadedVersion:
     warmup_timings: Mapping[str, float]
     warmed: frozenset[BatchShape]
     """The batch shapes warmup ran; a batch of any other shape counts as unwarmed."""
+    shapes: ShapePolicy
+    """How requests' dynamic dims are bounded, padded to the warmed buckets, and cropped back."""
+    golden: Golden | None
+    """The exported golden pairs, replayed after a request fails alone to tell whose fault it
+    was (None without a manifest)."""
+    tolerance: Tolerance
+
+    def replay_golden(self, runtime_run: Runner) -> str | None:
+        """None when ``runtime_run`` still answers the golden inputs as exported, else why not."""
+        if self.golden is None:
+            return None
+        try:
+            compare_golden(self.golden, runtime_run(self.golden.inputs), self.tolerance)
+        except ModelLoadError as exc:
+            return str(exc)
+        except Exception as exc:  # the runtime's own failure on inputs that ran at export
+            return f"golden replay failed: {type(exc).__name__}: {exc}"
+        return None
 
     @property
     def device(self) -> str:
@@ -125,7 +147,8 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     warnings = _check_pins(name, config, manifest)
     runtimes, signature, devices = _open_runtimes(name, path, config, manifest, settings, warnings)
     loaded_at = time.perf_counter()
-    _check_artifact(path, config, manifest, runtimes, warnings)
+    golden, tolerance = _check_artifact(path, config, manifest, runtimes, warnings)
+    shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
     pipeline = pipeline_for(config, signature, path, name)
     if pipeline is not None:
         signature = pipeline.signature(signature)
@@ -136,9 +159,9 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
         else None
     )
     gated_at = time.perf_counter()
-    warmup_timings, warmed = _warm_up(runtimes[0], signature, config)
+    warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes)
     for runtime in runtimes[1:]:  # each device compiles (and captures) its own shapes
-        _warm_up(runtime, signature, config)
+        _warm_up(runtime, signature, config, shapes)
     done = time.perf_counter()
     timings = {
         "load_s": loaded_at - started,
@@ -150,7 +173,7 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
              _fmt(timings))  # fmt: skip
     return LoadedVersion(
         name, config, tuple(runtimes), signature, tuple(devices), pipeline, classifier, manifest,
-        tuple(warnings), timings, warmup_timings, frozenset(warmed),
+        tuple(warnings), timings, warmup_timings, frozenset(warmed), shapes, golden, tolerance,
     )  # fmt: skip
 
 
@@ -208,18 +231,20 @@ def _check_artifact(
     manifest: Manifest | None,
     runtimes: list[Runtime],
     warnings: list[str],
-) -> None:
+) -> tuple[Golden | None, Tolerance]:
     """Step 3: the served preprocessing is the exported one, and every device answers the
     golden inputs as the exporter's eager PyTorch did."""
     if manifest is None:
-        return
+        return None, Tolerance()
     check_preprocessing(config, manifest)
     tolerance = manifest.tolerance
     if config.tolerance_override is not None:
         tolerance = Tolerance(atol=config.tolerance_override, rtol=tolerance.rtol)
         warnings.append(f"golden tolerance widened by config to atol={tolerance.atol:g}")
+    golden = read_golden(path)
     for runtime in runtimes:
-        check_golden(path, runtime.run, tolerance)
+        compare_golden(golden, runtime.run(golden.inputs), tolerance)
+    return golden, tolerance
 
 
 def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:
@@ -231,36 +256,43 @@ def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | Non
 
 
 def _warm_up(
-    runtime: Runtime, signature: Signature, config: ModelConfig
+    runtime: Runtime, signature: Signature, config: ModelConfig, shapes: ShapePolicy
 ) -> tuple[dict[str, float], set[BatchShape]]:
-    """Step 5: run every batch size × bucket; return the timings and the shapes now warm."""
+    """Step 5: run every batch size × combination of the axes' buckets; return the timings
+    and the shapes now warm."""
     batched = config.max_batch_size > 0
     sizes = config.warmup_batch_sizes() if batched else (0,)
-    dynamic = any(-1 in t.shape for t in signature.inputs)
-    buckets: tuple[int | None, ...] = config.shape_buckets() if dynamic else ()
+    offset = 1 if batched else 0
     timings: dict[str, float] = {}
     warmed: set[BatchShape] = set()
     for size in sizes:
-        for bucket in buckets or (None,):
+        for dims in shapes.warm_sizes():
             batch = {
-                t.name: _zeros(
-                    ((size,) if size else ())
-                    + tuple(bucket or 1 if d == -1 else d for d in t.shape),
-                    t,
-                )
-                for t in signature.inputs
+                t.name: _zeros(_warm_shape(t, size, dims, offset), t) for t in signature.inputs
             }
+            lengths = [dims[a.dims[0]] for a in shapes.axes if a.dims[0] in dims]
             started = time.perf_counter()
             try:
                 runtime.warmup(batch)
             except Exception as exc:
-                where = f"batch size {size}" + (f", length {bucket}" if bucket else "")
+                where = f"batch size {size}" + (f", dims {lengths}" if lengths else "")
                 raise ModelLoadError(f"warmup at {where} failed: {exc}") from exc
-            label = f"batch_{size}" + (f"_len_{bucket}" if bucket else "")
+            label = f"batch_{size}" + "".join(f"_len_{n}" for n in lengths)
             timings[label] = time.perf_counter() - started
             warmed.add(batch_shape(batch))
             log.debug("warmed %s in %.1f ms", label, timings[label] * 1000)
     return timings, warmed
+
+
+def _warm_shape(
+    tensor: TensorConfig, size: int, dims: Mapping[tuple[str, int], int], offset: int
+) -> tuple[int, ...]:
+    """The full shape of one warmup input: ``size`` rows (none when 0), each dynamic dim at
+    its axis's size (1 for a dim no bucket bounds)."""
+    inner = (
+        dims.get((tensor.name, i + offset), 1) if d == -1 else d for i, d in enumerate(tensor.shape)
+    )
+    return ((size,) if size else ()) + tuple(inner)
 
 
 def _zeros(shape: tuple[int, ...], tensor: TensorConfig) -> np.ndarray:

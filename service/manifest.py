@@ -9,6 +9,7 @@ Each refusal is a :class:`~service.errors.ModelLoadError` whose message names th
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from preprocessing.spec import spec_hash
 from service import cpu_targets
 from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig, describe_validation_error
+from service.shapes import ShapeFacts
 
 MANIFEST_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -61,6 +63,11 @@ class Manifest(BaseModel):
     read the manifest)."""
     artifacts: dict[str, str]
     """backend → file name in the version folder (``onnx``/``torchscript``/``pt2``)."""
+    skipped: dict[str, str] = {}
+    """Formats export tried and left out, each with why (e.g. what ``torch.export`` said)."""
+    shapes: ShapeFacts | None = None
+    """The dynamic dims' axes, ranges and buckets, and whether padding is safe (measured at
+    export; :mod:`service.shapes`)."""
     preprocessing: dict[str, Any] | None = None
     preprocessing_hash: str | None = None
     tolerance: Tolerance = Tolerance()
@@ -215,6 +222,19 @@ def check_golden(
     tolerance: Tolerance,
 ) -> dict[str, float]:
     """Gate 3: replay golden inputs; refuse when an output differs beyond the tolerance."""
+    golden = read_golden(version_dir)
+    return compare_golden(golden, run(golden.inputs), tolerance)
+
+
+@dataclass(frozen=True)
+class Golden:
+    """``golden.npz``: fixed inputs and the eager PyTorch outputs for them."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+
+
+def read_golden(version_dir: Path) -> Golden:
     path = version_dir / GOLDEN
     if not path.exists():
         raise ModelLoadError(f"{GOLDEN} is missing beside the manifest; export again")
@@ -225,7 +245,14 @@ def check_golden(
         expected = {
             k.removeprefix("output."): golden[k] for k in golden.files if k.startswith("output.")
         }
-    served = run(inputs)
+    return Golden(inputs, expected)
+
+
+def compare_golden(
+    golden: Golden, served: Mapping[str, np.ndarray], tolerance: Tolerance
+) -> dict[str, float]:
+    """The worst abs error per output; ModelLoadError when one is beyond the tolerance."""
+    expected = golden.outputs
     worst: dict[str, float] = {}
     for name, want in expected.items():
         got = served.get(name)

@@ -29,6 +29,7 @@ from service.model_config import ModelConfig, TensorConfig
 from service.protocol.datatypes import TO_NUMPY
 from service.runtimes.base import Signature, shape_fits
 from service.scheduler import Work
+from service.shapes import Crop
 
 TEXT_INPUTS = ("input_ids", "attention_mask")
 """What a text pipeline feeds: the model must take exactly these, INT64 [-1, -1]."""
@@ -41,6 +42,8 @@ class Prepared:
 
     work: Work
     parameters: dict[str, Any] = field(default_factory=dict)
+    crop: Crop = field(default_factory=dict)
+    """The region of each output that answers the caller's own input (where dims were padded)."""
 
 
 class Pipeline(abc.ABC):

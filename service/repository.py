@@ -14,6 +14,7 @@ import logging
 import re
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,12 @@ class ModelRepository:
             )
         return folders[0]
 
+    @staticmethod
+    def _broken(version: ModelVersion, reason: str) -> None:
+        """A served version that no longer answers its golden inputs takes no more requests."""
+        version.state, version.reason = ModelState.UNAVAILABLE, reason
+        log.error("model %s version %d is unavailable: %s", version.name, version.version, reason)
+
     def load_all(self) -> None:
         """Load every discovered version, one after another (called off the event loop)."""
         try:
@@ -135,7 +142,7 @@ class ModelRepository:
             version.reason = f"unexpected error while loading: {type(exc).__name__}: {exc}"
             log.exception("model %s version %d failed to load", version.name, version.version)
             return
-        version.served = ServedVersion(loaded)
+        version.served = ServedVersion(loaded, partial(self._broken, version))
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -244,6 +245,12 @@ class Scheduler:
     stats: ModelStats
     warmed: set[BatchShape] | None = None
     """Shapes run at warmup; a batch of another shape is counted in stats.unwarmed."""
+    replay: Callable[[Callable[[Batch], dict[str, np.ndarray]]], str | None] | None = None
+    """Replays the golden pairs through an instance's run: None when it still answers them as
+    exported, else why not. The evidence that tells, after a request fails alone, the
+    client's fault (400) from the model's (500); None without golden pairs (always 500)."""
+    on_broken: Callable[[str], None] | None = None
+    """Called with the reason when the replay shows the model itself broken."""
     queue: deque[Pending] = field(default_factory=deque)
     instances: list[Instance] = field(default_factory=list)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -402,8 +409,7 @@ class Scheduler:
             if len(items) > 1:
                 await self._isolate(instance, items, exc)
                 return
-            log.exception("model %s failed on a batch of %d rows", self.model, len(items))
-            _fail(items, ModelExecutionError(f"model '{self.model}' failed: {exc}"))
+            _fail(items, await self._judge(instance, exc))
             return
         self.stats.record_execution(rows, infer_ns)
         for p, part in zip(items, parts, strict=True):
@@ -434,8 +440,8 @@ class Scheduler:
 
     async def _isolate(self, instance: Instance, items: list[Pending], error: Exception) -> None:
         """One bad input must not fail the other requests of its batch: run each request
-        alone. One that still fails while another of the batch ran gets 400 with the model's
-        error (its own input is the cause); when every one fails, the model is: 500 for all."""
+        alone. One that still fails while another of the batch ran gets 400 (its own input is the
+        cause); when every one fails, the golden replay decides (:meth:`_judge`)."""
         self.stats.record_isolated()
         log.warning("model %s failed on a batch of %d requests (%s); running each alone",
                     self.model, len(items), error)  # fmt: skip
@@ -447,16 +453,42 @@ class Scheduler:
             p.future.done() and not p.future.cancelled() and p.future.exception() is None
             for p in items
         )
+        if failures and not ran:  # every one failed alone: the model, or every input?
+            verdict = await self._judge(instance, failures[0][1])
+            if isinstance(verdict, ModelExecutionError):
+                _fail([p for p, _ in failures], verdict)
+                return
+            evidence = "it still answers its golden inputs as exported"
+        else:
+            evidence = "the other requests of its batch ran"
         for p, exc in failures:
-            if ran:
-                _fail([p], InvalidInput(
-                    f"model '{self.model}' failed on this request's input, while the other "
-                    f"requests of its batch ran: {exc}"
-                ))  # fmt: skip
-            else:
-                log.error("model %s failed on every request of a batch, each alone: %s",
-                          self.model, exc, exc_info=exc)  # fmt: skip
-                _fail([p], ModelExecutionError(f"model '{self.model}' failed: {exc}"))
+            _fail([p], self._bad_input(exc, evidence))
+
+    async def _judge(self, instance: Instance, exc: Exception) -> TensorgateError:
+        """A request failed alone: the client's fault (400) if the instance still answers the
+        golden inputs as exported, the model's (500, and the version reported broken) if not
+        or if there is no evidence either way."""
+        reason: str | None = "no golden pairs to tell the input's fault from the model's"
+        if self.replay is not None:
+            replay = self.replay
+            loop = asyncio.get_running_loop()
+            reason = await loop.run_in_executor(instance.executor, replay, instance.run)
+            if reason is None:
+                return self._bad_input(exc, "it still answers its golden inputs as exported")
+            log.error("model %s is broken: it failed on a request alone and then on its "
+                      "golden inputs (%s)", self.model, reason, exc_info=exc)  # fmt: skip
+            if self.on_broken is not None:
+                self.on_broken(f"failed its golden replay after a request failed: {reason}")
+        else:
+            log.error("model %s failed on a request alone (%s)", self.model, reason, exc_info=exc)
+        return ModelExecutionError(f"model '{self.model}' failed: {runtime_message(exc)}")
+
+    def _bad_input(self, exc: Exception, evidence: str) -> InvalidInput:
+        log.info("model %s failed on one request's input (%s): %s", self.model, evidence, exc)
+        return InvalidInput(
+            f"model '{self.model}' failed on this request's input ({runtime_message(exc)}); "
+            f"{evidence}, so the input is at fault"
+        )
 
     async def _after_oom(self, instance: Instance, items: list[Pending]) -> None:
         """Out of device memory is a per-request error, never a dead server: run the batch again
@@ -503,6 +535,25 @@ class _PreparationFailed(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+_RUNTIME_NOISE = (
+    re.compile(r"^.*Status Message:\s*", re.S),  # onnxruntime: the node that failed, its name
+    re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*"),
+    re.compile(r"(?:/[\w.+-]+)+/?"),  # absolute paths of the runtime's or the model's files
+)
+
+
+def runtime_message(exc: BaseException) -> str:
+    """What a runtime's error says about the input, without its internals: onnxruntime's node
+    names and status codes, TorchScript's source excerpts, file paths. One line, bounded."""
+    text = str(exc)
+    for pattern in _RUNTIME_NOISE[:2]:
+        text = pattern.sub("", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    text = _RUNTIME_NOISE[2].sub("…", text)
+    return text if len(text) <= 240 else text[:239] + "…"
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

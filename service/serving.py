@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 import numpy as np
@@ -21,8 +22,12 @@ class ServedVersion:
     serves requests (:meth:`start`, once it is ready); :meth:`close` is called from a worker
     thread and waits for the requests in flight."""
 
-    def __init__(self, loaded: LoadedVersion) -> None:
+    def __init__(
+        self, loaded: LoadedVersion, on_broken: Callable[[str], None] | None = None
+    ) -> None:
         self.loaded = loaded
+        self.on_broken = on_broken
+        """Told why, when a golden replay after a lone failure shows the model broken."""
         self.stats = ModelStats()
         self.scheduler: Scheduler | None = None
         self.closed = False
@@ -48,6 +53,8 @@ class ServedVersion:
                 self.loaded.name, scheduler_config(config),
                 [runtimes[i % len(runtimes)].run for i in range(config.instances)],
                 self.stats, warmed=set(self.loaded.warmed),
+                replay=self.loaded.replay_golden if self.loaded.golden else None,
+                on_broken=self.on_broken,
             )  # fmt: skip
             self.scheduler.start()
         return self.scheduler

@@ -123,31 +123,3 @@ def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
             f"got {tensor.datatype} {list(tensor.shape)}"
         )
     return [bytes(item) for item in tensor.data.reshape(-1)]
-
-
-def pad_to_buckets(
-    batch: dict[str, np.ndarray], signature: Signature, config: ModelConfig, name: str
-) -> dict[str, np.ndarray]:
-    """Pad every dynamic non-batch dim up to the smallest configured bucket that holds it."""
-    buckets = config.shape_buckets()
-    if not buckets:
-        return batch
-    offset = 1 if config.max_batch_size > 0 else 0
-    padded = dict(batch)
-    for spec in signature.inputs:
-        array = batch[spec.name]
-        widths = [(0, 0)] * array.ndim
-        for index, dim in enumerate(spec.shape):
-            if dim != -1:
-                continue
-            length = array.shape[index + offset]
-            bucket = next((b for b in buckets if b >= length), None)
-            if bucket is None:
-                raise InvalidInput(
-                    f"input '{spec.name}': dim {index + offset} is {length}, above model "
-                    f"'{name}''s largest bucket {buckets[-1]}"
-                )
-            widths[index + offset] = (0, bucket - length)
-        if any(after for _, after in widths):
-            padded[spec.name] = np.pad(array, widths)
-    return padded

@@ -143,6 +143,6 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
         export_model(
             module, spec.version, name=name, inputs=spec.inputs, outputs=spec.outputs,
             golden_inputs=golden, max_batch_size=spec.max_batch_size, formats=FORMATS,
-            buckets=spec.buckets,
+            required=FORMATS, buckets=spec.buckets,
         )  # fmt: skip
     return {name: spec for name, (_, _, spec) in models.items()}

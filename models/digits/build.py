@@ -22,7 +22,7 @@ from torch import nn
 
 from preprocessing import ImageSpec
 from preprocessing.torch import ImageDataset
-from service.export import export_model
+from service.export import FORMATS, export_model
 from service.model_config import TensorConfig
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +96,8 @@ def main() -> None:
         golden_inputs={"image": held_out[:8].numpy()},
         max_batch_size=config["max_batch_size"],
         preprocessing=spec,
-        formats=("onnx", "pt2", "torchscript"),
+        formats=FORMATS,
+        required=FORMATS,  # a bundled model serves from each (test_bundled_formats)
         metrics={
             "heldout_accuracy": accuracy,
             "heldout_correct": round(accuracy * len(test_y)),

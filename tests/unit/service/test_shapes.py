@@ -1,0 +1,121 @@
+"""ShapePolicy: requests' dynamic dims bounded, padded to warmed buckets, outputs cropped back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.errors import InvalidInput, ModelLoadError
+from service.model_config import ModelConfig, TensorConfig
+from service.scheduler import runtime_message
+from service.shapes import Axis, Follow, ShapeFacts, ShapePolicy, apply_crop
+
+pytestmark = pytest.mark.unit
+
+IMAGE = TensorConfig(name="image", datatype="FP32", shape=(3, -1, -1))
+CONFIG = ModelConfig(backend="onnx", max_batch_size=4, buckets=(32, 64))
+HEAT = {"heat": {2: Follow(input="image", dim=2, sizes=tuple((n - 5) // 2 + 1 for n in
+                                                            range(1, 65))),
+                 3: Follow(input="image", dim=3)}}  # fmt: skip
+
+
+def facts(pad: bool = True) -> ShapeFacts:
+    axes = (Axis(dims=(("image", 2),), min=5, max=64), Axis(dims=(("image", 3),), min=5, max=64))
+    return ShapeFacts(axes=axes, buckets=(32, 64), pad=pad, reason="" if pad else "it pools",
+                      follows=HEAT if pad else {})  # fmt: skip
+
+
+def test_each_dim_is_padded_to_its_bucket_and_outputs_cropped_to_the_callers_size() -> None:
+    policy = ShapePolicy.of(CONFIG, [IMAGE], facts())
+    image = np.ones((2, 3, 20, 40), np.float32)
+    fitted, crop = policy.fit({"image": image}, "m")
+    assert fitted["image"].shape == (2, 3, 32, 64)
+    assert fitted["image"][:, :, 20:].sum() == 0 and fitted["image"][:, :, :, 40:].sum() == 0
+    outputs = {"heat": np.zeros((2, 1, (32 - 5) // 2 + 1, 64)), "other": np.zeros((2, 7))}
+    cropped = apply_crop(outputs, crop)
+    assert cropped["heat"].shape == (2, 1, (20 - 5) // 2 + 1, 40)
+    assert cropped["other"].shape == (2, 7)
+
+
+def test_a_size_on_a_bucket_is_neither_padded_nor_cropped() -> None:
+    fitted, crop = ShapePolicy.of(CONFIG, [IMAGE], facts()).fit(
+        {"image": np.ones((1, 3, 32, 64), np.float32)}, "m"
+    )
+    assert fitted["image"].shape == (1, 3, 32, 64) and crop == {}
+
+
+@pytest.mark.parametrize(
+    ("h", "message"),
+    [(65, "dim 2 is 65, above model 'm''s largest bucket 64; model 'm' takes 5 to 64 there"),
+     (4, "input 'image': dim 2 is 4; model 'm' takes 5 to 64 there")],
+)  # fmt: skip
+def test_sizes_outside_the_exported_range_are_refused_naming_input_dim_and_range(
+    h: int, message: str
+) -> None:
+    policy = ShapePolicy.of(CONFIG, [IMAGE], facts())
+    with pytest.raises(InvalidInput, match=message):
+        policy.fit({"image": np.ones((1, 3, h, 32), np.float32)}, "m")
+
+
+def test_without_safe_padding_only_the_buckets_are_taken() -> None:
+    policy = ShapePolicy.of(CONFIG, [IMAGE], facts(pad=False))
+    with pytest.raises(InvalidInput, match=r"takes only \[32, 64\] there, since padding changes"):
+        policy.fit({"image": np.ones((1, 3, 40, 32), np.float32)}, "m")
+    fitted, crop = policy.fit({"image": np.ones((1, 3, 64, 32), np.float32)}, "m")
+    assert fitted["image"].shape == (1, 3, 64, 32) and crop == {}
+
+
+def test_warmup_runs_every_combination_of_the_axes_buckets() -> None:
+    sizes = ShapePolicy.of(CONFIG, [IMAGE], facts()).warm_sizes()
+    assert sorted((s["image", 2], s["image", 3]) for s in sizes) == [
+        (32, 32), (32, 64), (64, 32), (64, 64)
+    ]  # fmt: skip
+
+
+def test_inputs_of_one_axis_must_agree() -> None:
+    ids = TensorConfig(name="ids", datatype="INT64", shape=(-1,))
+    mask = TensorConfig(name="mask", datatype="INT64", shape=(-1,))
+    axis = Axis(dims=(("ids", 1), ("mask", 1)), min=1, max=16)
+    shapes = ShapeFacts(axes=(axis,), buckets=(8, 16), pad=True)
+    config = ModelConfig(backend="onnx", max_batch_size=4, buckets=(8, 16))
+    policy = ShapePolicy.of(config, [ids, mask], shapes)
+    with pytest.raises(InvalidInput, match="must have the same size"):
+        policy.fit({"ids": np.ones((1, 5), np.int64), "mask": np.ones((1, 6), np.int64)}, "m")
+    fitted, _ = policy.fit(
+        {"ids": np.ones((1, 5), np.int64), "mask": np.ones((1, 5), np.int64)}, "m"
+    )
+    assert fitted["ids"].shape == fitted["mask"].shape == (1, 8)
+    assert [s[("ids", 1)] for s in policy.warm_sizes()] == [8, 16]
+
+
+def test_buckets_beyond_what_was_exported_are_a_load_refusal() -> None:
+    config = ModelConfig(backend="onnx", max_batch_size=4, buckets=(32, 128))
+    with pytest.raises(ModelLoadError, match=r"buckets \[128\] lie outside .* \(5 to 64\)"):
+        ShapePolicy.of(config, [IMAGE], facts())
+
+
+def test_without_export_facts_every_dynamic_dim_pads_and_nothing_is_cropped() -> None:
+    policy = ShapePolicy.of(CONFIG, [IMAGE], None)
+    fitted, crop = policy.fit({"image": np.ones((1, 3, 3, 40), np.float32)}, "m")
+    assert fitted["image"].shape == (1, 3, 32, 64) and crop == {}
+    unbounded = ShapePolicy.of(ModelConfig(backend="onnx", max_batch_size=4), [IMAGE], None)
+    fitted, _ = unbounded.fit({"image": np.ones((1, 3, 300, 7), np.float32)}, "m")
+    assert fitted["image"].shape == (1, 3, 300, 7)
+
+
+def test_runtime_messages_lose_node_names_status_codes_and_paths() -> None:
+    ort = RuntimeError(
+        "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while running "
+        "Gather node. Name:'node_embedding' Status Message: indices element out of data bounds, "
+        "idx=1000 must be within the inclusive range [-1000,999]"
+    )
+    assert runtime_message(ort) == (
+        "indices element out of data bounds, idx=1000 must be within the inclusive range "
+        "[-1000,999]"
+    )
+    torchscript = RuntimeError(
+        "The following operation failed in the TorchScript interpreter.\n"
+        'File "/root/models/x/code/__torch__.py", line 12\n    return x[i]\n'
+        "RuntimeError: index 9 is out of bounds for /tmp/model.pt"
+    )
+    assert runtime_message(torchscript) == "RuntimeError: index 9 is out of bounds for …"
