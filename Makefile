@@ -43,7 +43,8 @@ venv: $(STAMP)
 
 # A model's artifacts (model.pt2 compiles for a minute) are rebuilt only when its build script,
 # config or the export code changes.
-models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py service/runtimes/pt2.py \
+models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py service/export_shapes.py \
+		service/shapes.py service/runtimes/pt2.py \
 		service/cpu_targets.py preprocessing/image.py preprocessing/text.py preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1
 

@@ -14,8 +14,10 @@ from service.export import ExportError, export_model
 from service.manifest import Tolerance
 from service.model_config import TensorConfig
 from service.runtimes.pt2 import CPU_FLAGS_KEY, TORCH_KEY
+from service.shapes import Follow
 from tests.conftest import Exported
 from tests.models import Mlp, TrainModeNet
+from tests.user_models import Tagger
 
 X = TensorConfig(name="x", datatype="FP32", shape=(64,))
 Y = TensorConfig(name="y", datatype="FP32", shape=(10,))
@@ -145,3 +147,36 @@ def test_unknown_formats_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"unknown formats \['tflite'\]"):
         export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y],
                      golden_inputs=golden(), max_batch_size=16, formats=("tflite",))  # fmt: skip
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_export_measures_whether_padding_changes_a_taggers_answer(
+    tmp_path: Path, bidirectional: bool
+) -> None:
+    ids = TensorConfig(name="ids", datatype="INT64", shape=(-1,))
+    tags = TensorConfig(name="tags", datatype="FP32", shape=(-1, 5))
+    golden = {"ids": np.random.default_rng(0).integers(0, 50, (2, 6))}
+    manifest = export_model(
+        Tagger(bidirectional), tmp_path, name="t", inputs=[ids], outputs=[tags],
+        golden_inputs=golden, max_batch_size=4, formats=("onnx",), buckets=(8, 16),
+    )  # fmt: skip
+    shapes = manifest.shapes
+    assert shapes is not None
+    # One-way, a token sees only those before it: padding after the end changes nothing. Both
+    # ways, the backward pass starts in the padding.
+    assert shapes.pad is not bidirectional
+    if bidirectional:
+        assert "padding the golden rows from 6 to 8 changes output 'tags'" in shapes.reason
+    else:
+        assert shapes.follows["tags"][1] == Follow(input="ids", dim=1)
+    assert manifest.inputs[0].range == (0, 49)  # it indexes nn.Embedding(50, 16)
+
+
+def test_dynamic_dims_without_buckets_are_refused_saying_what_to_pass(tmp_path: Path) -> None:
+    ids = TensorConfig(name="ids", datatype="INT64", shape=(-1,))
+    tags = TensorConfig(name="tags", datatype="FP32", shape=(-1, 5))
+    with pytest.raises(
+        ExportError, match=r"inputs \[.ids.\] have dynamic \(-1\) dims: .* \(--buckets"
+    ):
+        export_model(Tagger(), tmp_path, name="t", inputs=[ids], outputs=[tags],
+                     golden_inputs={"ids": np.zeros((2, 6), np.int64)}, max_batch_size=4)  # fmt: skip
