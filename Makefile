@@ -43,9 +43,10 @@ venv: $(STAMP)
 
 # A model's artifacts (model.pt2 compiles for a minute) are rebuilt only when its build script,
 # config or the export code changes.
-models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export.py service/export_shapes.py \
-		service/shapes.py service/runtimes/pt2.py \
-		service/cpu_targets.py preprocessing/image.py preprocessing/text.py preprocessing/spec.py | $(STAMP)
+models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export/exporter.py \
+		service/export/shapes.py service/artifacts/shapes.py service/runtimes/pt2.py \
+		service/artifacts/cpu_targets.py preprocessing/image.py preprocessing/text.py \
+		preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1
 
 models: $(ARTIFACTS)

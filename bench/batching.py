@@ -39,9 +39,9 @@ from PIL import Image
 
 from bench.common import WrkResult, publish, table, wait_until_up, wrk
 from preprocessing import ImagePipeline, ImageSpec
-from service.export import export_model
+from service.export.exporter import export_model
 from service.model_config import TensorConfig, load_model_config
-from service.postprocessing import Classifier
+from service.pipelines.classification import Classifier
 from service.runtimes import create_runtime
 from service.runtimes.base import Runtime, RuntimeOptions
 from tests.models import Mlp

@@ -32,7 +32,7 @@ from bench.common import publish, table
 from preprocessing.image import ImagePipeline
 from preprocessing.spec import ImageSpec, TextSpec
 from preprocessing.text import TextPipeline
-from service.manifest import read_manifest
+from service.artifacts.manifest import read_manifest
 from service.runtimes import create_runtime
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from tests.conftest import encode

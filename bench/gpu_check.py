@@ -27,7 +27,7 @@ import yaml
 from bench.batching import jpeg_640x480
 from bench.common import table, wrk
 from preprocessing import ImagePipeline, ImageSpec
-from service.manifest import read_manifest
+from service.artifacts.manifest import read_manifest
 from service.model_config import GpuConfig
 from service.runtimes import create_runtime, resolve_device
 from service.runtimes.base import RuntimeOptions, Signature

@@ -37,7 +37,7 @@ from service.protocol.v2 import decode_request, encode_result
 from tests.server import free_port
 
 # "guarded" is tensorgate's own: uvicorn's httptools protocol with the connection bounds of
-# service/connections.py (what `tensorgate serve` runs). It runs first and last.
+# service/limits/connections.py (what `tensorgate serve` runs). It runs first and last.
 PAIRS = [("uvloop", "guarded"), ("uvloop", "httptools"), ("asyncio", "httptools"),
          ("uvloop", "h11"), ("asyncio", "h11"), ("uvloop", "guarded")]  # fmt: skip
 
@@ -46,10 +46,10 @@ def serve(repository: Path, port: int, loop: str, http: str) -> None:
     """The child process: tensorgate's app as ``tensorgate serve`` builds it, on one pair."""
     import uvicorn
 
-    from service import logs
     from service.app import create_app, serving_app
-    from service.connections import ConnectionLimits, guarded_protocol
+    from service.limits.connections import ConnectionLimits, guarded_protocol
     from service.settings import Settings
+    from service.telemetry import logs
 
     settings = Settings(model_repository=repository, port=port, access_log=False,
                         log_level="warning", intra_op_threads=2)  # fmt: skip

@@ -84,8 +84,8 @@ IMAGE_SHAPES += [(rows, 200, 240) for rows in (2, 3, 4)]
 
 def export_heatmap(root: Path) -> None:
     """The Heatmap exported into ``root`` as the CLI would (config.yaml included)."""
-    from service.export import export_model
-    from service.export_cli import golden_input, parse_tensor, write_config
+    from service.export.cli import golden_input, parse_tensor, write_config
+    from service.export.exporter import export_model
     from tests.user_models import make_heatmap
 
     image, heat = parse_tensor("image:FP32:3,-1,-1"), parse_tensor("heat:FP32:1,-1,-1")

@@ -22,20 +22,20 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import PROCESS_STARTED, __version__
-from service.api import routers
-from service.api.admission import BodyBudget
-from service.api.fast import InferFastPath
-from service.api.grpc_server import start_grpc
-from service.api.http import CLIENT_GONE, Answer, ClientGone, error_answer, error_body
-from service.dataplane import DataPlane
+from service.artifacts.pins import check_pinned
+from service.cluster.workers import Cluster, ControlServer, Siblings, Worker
+from service.core.dataplane import DataPlane
 from service.errors import TensorgateError
-from service.logs import REQUEST_ID, request_id_for
-from service.metrics import Metrics
-from service.observation import Drain, Observer
-from service.pins import check_pinned
-from service.repository import ModelRepository
+from service.grpc.server import start_grpc
+from service.http import routers
+from service.http.answer import CLIENT_GONE, Answer, ClientGone, error_answer
+from service.http.fast import InferFastPath
+from service.limits.admission import BodyBudget, error_body
+from service.repository.models import ModelRepository
 from service.settings import Settings
-from service.workers import ControlServer, Siblings, Worker
+from service.telemetry.logs import REQUEST_ID, request_id_for
+from service.telemetry.metrics import Metrics
+from service.telemetry.observation import Drain, Observer
 
 log = logging.getLogger("tensorgate.app")
 
@@ -52,6 +52,7 @@ def create_app(settings: Settings) -> FastAPI:
         drain = Drain()
         observer = Observer(repository, Metrics(repository), drain, settings.access_log)
         app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
+        app.state.cluster = Cluster(app.state.dataplane)
         loading = asyncio.create_task(asyncio.to_thread(_load, repository))
         loading.add_done_callback(lambda _: start_schedulers(repository))
         polling = None
@@ -59,13 +60,13 @@ def create_app(settings: Settings) -> FastAPI:
             polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
         # In this event loop, beside uvicorn's: one DataPlane, one Drain, shared schedulers.
         budget = getattr(app.state, "body_budget", None)  # set by serving_app
-        grpc_server = await start_grpc(app.state.dataplane, budget) if settings.grpc_port else None
+        grpc_server = await start_grpc(app.state.cluster, budget) if settings.grpc_port else None
         control = None
         worker = Worker.from_environment()
         if worker is not None:  # one of several processes: answer the others, ask them
             control = ControlServer(app.state.dataplane, worker)
             await control.start()
-            app.state.dataplane.siblings = Siblings(worker)
+            app.state.cluster.siblings = Siblings(worker)
             if worker.replacement:  # uvicorn listens once this returns: not before it serves
                 await asyncio.shield(loading)
         try:
@@ -105,7 +106,7 @@ def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
     """What uvicorn runs: the app, its inference routes answered on plain ASGI, under the
     server-wide budget for request bodies."""
     budget = BodyBudget(InferFastPath(app), settings.max_inflight_bytes, settings.max_body_bytes)
-    app.state.body_budget = budget  # gRPC's messages count in it too (service.api.grpc)
+    app.state.body_budget = budget  # gRPC's messages count in it too (service.grpc.servicer)
     return budget
 
 

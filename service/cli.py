@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service import __version__, cpu_targets
+from service import __version__
+from service.artifacts import cpu_targets
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -102,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "health":
         return _health(args.probe)
     if args.command == "export":
-        from service.export_cli import run_export
+        from service.export.cli import run_export
 
         return run_export(args)
     from service.model_config import ModelConfig
@@ -115,13 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
-    from service import logs
     from service.app import create_app, serving_app
-    from service.connections import ConnectionLimits, guarded_protocol
+    from service.cluster.workers import Supervisor, Worker, die_with_supervisor, listening_socket
+    from service.http.server import DrainingServer
+    from service.limits.connections import ConnectionLimits, guarded_protocol
     from service.resources import raise_open_file_limit
-    from service.server import DrainingServer
     from service.settings import unknown_variables
-    from service.workers import Supervisor, Worker, die_with_supervisor, listening_socket
+    from service.telemetry import logs
 
     overrides: dict[str, Any] = {
         key: value

@@ -3,12 +3,14 @@ into, and encodes its answer from. No protocol's wire format appears here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from service.postprocessing import Classifier
+Postprocess = Callable[[Mapping[str, np.ndarray]], Any]
+"""One row of the model's outputs → the answer for it (a classifier's top-k labels)."""
 
 
 @dataclass(slots=True)
@@ -67,7 +69,7 @@ class OutputTensor:
 @dataclass(slots=True)
 class InferenceResult:
     """What the model answered: the outputs asked for, and the model's own outputs whole (for
-    protocols that postprocess them themselves, with ``classifier``)."""
+    protocols that postprocess them themselves, with ``classifier``: v1 predict)."""
 
     model: str
     version: str
@@ -75,6 +77,6 @@ class InferenceResult:
     outputs: list[OutputTensor]
     raw: dict[str, np.ndarray]
     parameters: dict[str, Any]
-    classifier: Classifier | None
+    classifier: Postprocess | None
     batched: bool
     """Whether the outputs have a batch dimension (rows) first."""

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from starlette.types import ASGIApp, Message
 
 from service.app import create_app, serving_app
-from service.dataplane import DataPlane
+from service.core.dataplane import DataPlane
 from service.settings import Settings
 
 T = TypeVar("T")

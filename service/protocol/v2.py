@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from service.datatypes import TO_NUMPY, as_values, from_values
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest as CoreRequest
 from service.inference import InferenceResult, InputTensor, RequestedOutput
-from service.protocol.datatypes import TO_NUMPY, as_values, from_values
 
 HEADER_LENGTH = "inference-header-content-length"
 MAX_BYTES_ELEMENTS = 65_536

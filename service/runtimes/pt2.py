@@ -1,13 +1,13 @@
 """AOTInductor packages (``model.pt2``, from ``torch.export``) on libtorch.
 
 The package is machine code compiled ahead of time for one torch release, one kind of device and
-one CPU target (:mod:`service.cpu_targets`): what it needs is read from the package itself before
-it is loaded, and a package this process cannot run is refused with both sides named, not left to
-fail in a kernel. Loading needs no compiler. Inputs, outputs, streams and inference mode are as for
-TorchScript (:class:`~service.runtimes.torchscript.TorchScriptRuntime`); there is no module to put
-in eval mode: ``tensorgate export`` exported it in eval mode, and a compiled graph has no
-``training`` flag left to flip.
-"""
+one CPU target (:mod:`service.artifacts.cpu_targets`): what it needs is read from the package
+itself before it is loaded, and a package this process cannot run is refused with both sides
+named, not left to fail in a kernel. Loading needs no compiler. Inputs, outputs, streams and
+inference mode are as for TorchScript
+(:class:`~service.runtimes.torchscript.TorchScriptRuntime`); there is no module to put in eval
+mode: ``tensorgate export`` exported it in eval mode, and a compiled graph has no ``training``
+flag left to flip."""
 
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ import numpy as np
 import torch
 from torch._inductor.package import load_package  # type: ignore[attr-defined]  # not re-exported in its stubs
 
+from service.artifacts.manifest import check_pt2
 from service.errors import ModelLoadError
-from service.manifest import check_pt2
 from service.runtimes.base import Signature
 from service.runtimes.torchscript import TorchScriptRuntime
 
 TORCH_KEY = "tensorgate.torch"
 """The package metadata key ``tensorgate export`` writes the compiling torch's version under."""
 CPU_KEY = "tensorgate.cpu"
-"""… the CPU target it compiled for (:mod:`service.cpu_targets`) under."""
+"""… the CPU target it compiled for (:mod:`service.artifacts.cpu_targets`) under."""
 CPU_FLAGS_KEY = "tensorgate.cpu_flags"
 """… and the /proc/cpuinfo flags that target needs, space-separated."""
 _METADATA_SUFFIX = "wrapper_metadata.json"

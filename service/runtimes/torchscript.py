@@ -192,7 +192,7 @@ class TorchScriptRuntime(Runtime):
         if not array.flags.writeable:
             array = array.copy()
         tensor = torch.from_numpy(array)
-        if bf16:  # tensorgate holds BF16 as its bit patterns (service/protocol/datatypes.py)
+        if bf16:  # tensorgate holds BF16 as its bit patterns (service/datatypes.py)
             tensor = tensor.view(torch.bfloat16)
         if self._cuda:
             # Pinned host memory lets the copy run asynchronously on the instance's stream.

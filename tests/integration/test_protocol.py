@@ -14,7 +14,7 @@ import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
-from service.protocol.datatypes import TO_NUMPY
+from service.datatypes import TO_NUMPY
 from tests.identity import ONNX_TYPES, write_identity_model
 from tests.server import MODELS, Server
 

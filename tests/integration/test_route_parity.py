@@ -17,7 +17,7 @@ import orjson
 import pytest
 from PIL import Image
 
-from service.dataplane import DataPlane
+from service.core.dataplane import DataPlane
 from service.settings import Settings
 from tests.asgi import InProcess, Reply
 from tests.server import MODELS

@@ -31,7 +31,7 @@ FIRST_PARTY = ("service", "preprocessing")
 
 # The export command's own files: what only they (and modules only they import) use may come
 # from the `export` extra (and the dev lock, which `make models` exports with) instead.
-EXPORT_ENTRY = {"service/export.py", "service/export_cli.py"}
+EXPORT_ENTRY = {"service/export/exporter.py", "service/export/cli.py"}
 # GPU only: the gpu extra and gpu.in/gpu.txt, never the CPU image.
 GPU_ONLY = {"nvidia-ml-py"}
 # The GPU image's build of a distribution the CPU image uses (same import name).

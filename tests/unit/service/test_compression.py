@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
-from service.api import compression
 from service.errors import InvalidInput, PayloadTooLarge, ServerBusy, UnsupportedMediaType
+from service.limits import compression
 
 pytestmark = pytest.mark.unit
 BODY = b'{"inputs": []}' * 100

@@ -2,8 +2,8 @@ import platform
 
 import pytest
 
-from service import cpu_targets
-from service.cpu_targets import LEVELS, NATIVE, PORTABLE
+from service.artifacts import cpu_targets
+from service.artifacts.cpu_targets import LEVELS, NATIVE, PORTABLE
 
 
 def test_each_level_needs_the_one_below_it() -> None:

@@ -11,11 +11,11 @@ import numpy as np
 import orjson
 import pytest
 
-from service.api.http import Route, answer_inference
 from service.errors import InvalidInput, ModelNotFound, ServerBusy, UnsupportedMediaType
+from service.http.answer import Route, answer_inference
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
-from service.loader import LoadedVersion, load_version
 from service.model_config import load_model_config
+from service.repository.loader import LoadedVersion, load_version
 from service.settings import Settings
 from tests.asgi import InProcess
 from tests.identity import write_identity_model
@@ -43,7 +43,7 @@ def fp32(rows: int) -> InputTensor:
 
 def all_inputs(rows: int) -> list[InputTensor]:
     """Every input of the identity model (it takes one of each datatype)."""
-    from service.protocol.datatypes import TO_NUMPY
+    from service.datatypes import TO_NUMPY
     from tests.identity import ONNX_TYPES
 
     tensors = []

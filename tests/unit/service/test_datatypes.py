@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.protocol.datatypes import as_values, bf16_bits, bf16_floats, cast, from_values
+from service.datatypes import as_values, bf16_bits, bf16_floats, cast, from_values
 
 pytestmark = pytest.mark.unit
 

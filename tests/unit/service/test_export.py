@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from preprocessing.spec import ImageSpec, spec_hash
-from service import cpu_targets
-from service.cpu_targets import PORTABLE
-from service.export import ExportError, export_model
-from service.manifest import Tolerance
+from service.artifacts import cpu_targets
+from service.artifacts.cpu_targets import PORTABLE
+from service.artifacts.manifest import Tolerance
+from service.artifacts.shapes import Follow
+from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
 from service.runtimes.pt2 import CPU_FLAGS_KEY, TORCH_KEY
-from service.shapes import Follow
 from tests.conftest import Exported
 from tests.models import Mlp, TrainModeNet
 from tests.user_models import Tagger

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from service.api.http import until_disconnect
+from service.http.answer import until_disconnect
 
 
 class Messages:

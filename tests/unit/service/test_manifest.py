@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from preprocessing.spec import ImageSpec, spec_hash
-from service.errors import ModelLoadError
-from service.manifest import (
+from service.artifacts.manifest import (
     Manifest,
     Tolerance,
     check_golden,
@@ -13,6 +12,7 @@ from service.manifest import (
     check_versions,
     max_opset,
 )
+from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
 
 SPEC = ImageSpec(resize=8, crop=8)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from service.metrics import LATENCY_BUCKETS, DurationHistogram, _GpuCollector
+from service.telemetry.metrics import LATENCY_BUCKETS, DurationHistogram, _GpuCollector
 
 
 def test_duration_histograms_expose_exactly_what_prometheus_client_would() -> None:

@@ -4,7 +4,7 @@ import pytest
 
 from service.errors import ModelLoadError
 from service.model_config import VersionPolicy, load_model_config
-from service.repository import select_versions
+from service.repository.models import select_versions
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from service import pins
+from service.artifacts import pins
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import pytest
 
 from service.errors import ModelLoadError
 from service.model_config import ClassificationConfig, TensorConfig
-from service.postprocessing import Classifier
+from service.pipelines.classification import Classifier
 
 OUT = (TensorConfig(name="logits", datatype="FP32", shape=(4,)),)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from service.artifacts.manifest import check_pt2
 from service.errors import ModelLoadError
-from service.manifest import check_pt2
 from service.model_config import TensorConfig
 from service.runtimes import create_runtime, resolve_device
 from service.runtimes.base import RuntimeOptions, Signature
@@ -189,8 +189,8 @@ def test_torchscript_bf16_tensors_go_in_and_come_out_as_bit_patterns(tmp_path: P
 def test_half_precision_needs_the_golden_tolerance_widened_explicitly(tmp_path: Path) -> None:
     import shutil
 
-    from service.loader import load_version
     from service.model_config import load_model_config
+    from service.repository.loader import load_version
     from service.settings import Settings
     from tests.server import MODELS
 
@@ -269,8 +269,8 @@ def test_cuda_graphs_are_for_torchscript_and_ignored_with_a_warning_on_the_cpu(
 
     from pydantic import ValidationError
 
-    from service.loader import load_version
     from service.model_config import ModelConfig, load_model_config
+    from service.repository.loader import load_version
     from service.settings import Settings
     from tests.server import MODELS
 

@@ -12,6 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from service.batching.scheduler import (
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    collate,
+    plan,
+    shape_key,
+    split,
+)
+from service.batching.stats import ModelStats
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -19,8 +29,6 @@ from service.errors import (
     PayloadTooLarge,
     ServerBusy,
 )
-from service.scheduler import Plan, Scheduler, SchedulerConfig, collate, plan, shape_key, split
-from service.stats import ModelStats
 
 A = (("x", "<f4", (3,)),)
 B = (("x", "<f4", (5,)),)
@@ -363,7 +371,7 @@ async def test_out_of_memory_splits_the_batch_until_requests_fit() -> None:
 
 
 def test_only_out_of_memory_errors_are_retried() -> None:
-    from service.scheduler import is_out_of_memory
+    from service.batching.scheduler import is_out_of_memory
 
     assert is_out_of_memory(OutOfMemoryError("x"))
     assert is_out_of_memory(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.artifacts.shapes import Axis, Follow, ShapeFacts, ShapePolicy, apply_crop
+from service.batching.scheduler import runtime_message
 from service.errors import InvalidInput, ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
-from service.scheduler import runtime_message
-from service.shapes import Axis, Follow, ShapeFacts, ShapePolicy, apply_crop
 
 pytestmark = pytest.mark.unit
 

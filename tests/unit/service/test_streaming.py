@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from service.api.streaming import completion_order
+from service.grpc.streaming import completion_order
 
 pytestmark = pytest.mark.unit
 

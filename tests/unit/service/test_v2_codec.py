@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.http._utils import _get_inference_request
 
+from service.datatypes import TO_NUMPY, bf16_bits
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
-from service.protocol.datatypes import TO_NUMPY, bf16_bits
 from service.protocol.v2 import (
     MAX_BYTES_ELEMENTS,
     decode_request,

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.cluster.workers import Cluster, Worker, merge_metrics, merge_statistics
 from service.resources import memory_limit_bytes
 from service.settings import Settings
-from service.workers import Worker, merge_metrics, merge_statistics, probe
 
 
 @pytest.mark.parametrize(
@@ -110,5 +110,6 @@ async def test_a_probe_names_the_worker_that_is_not_ready() -> None:
         return [(True, ""), (False, "models are loading")]
 
     siblings = SimpleNamespace(worker=SimpleNamespace(others=[0, 2]), ask=ask)
-    dataplane = SimpleNamespace(ready=lambda: (True, ""), siblings=siblings)
-    assert await probe(dataplane, "ready") == (False, "worker 2: models are loading")  # type: ignore[arg-type]  # a stand-in with the two things probe reads
+    dataplane = SimpleNamespace(ready=lambda: (True, ""))
+    cluster = Cluster(dataplane, siblings)  # type: ignore[arg-type]  # stand-ins with what probe reads
+    assert await cluster.probe("ready") == (False, "worker 2: models are loading")

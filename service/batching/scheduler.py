@@ -1,0 +1,582 @@
+"""Dynamic batching: one scheduler per model version, a bounded queue, N instance workers.
+
+Batch formation is pure (:func:`plan`, :func:`collate`, :func:`split`), so tests can drive it
+exhaustively with plain lists; :class:`Scheduler` only adds the asyncio plumbing around it.
+
+Rules, after Triton's dynamic batcher:
+- a batch holds requests whose non-batch shapes and dtypes match the oldest request's, and at
+  most ``max_batch_size`` rows (the sum of the requests' batch dims);
+- it runs at once when it is full, or has reached a preferred size; otherwise it waits up to
+  ``max_queue_delay`` after its oldest request arrived, then runs with what it has;
+- a request past its deadline is answered 504 before it runs; a cancelled one is dropped;
+- a request with more rows than ``max_batch_size`` is split into chunks and reassembled;
+- a batch of several requests that fails (other than out of memory) runs again one request at
+  a time, so that one bad input fails only its own request (:meth:`Scheduler._isolate`).
+
+A request may come unprepared: ``work`` is then a function that makes its inputs, and the
+instance's own thread calls it before running the model. The caller does this only for a request
+alone in flight for its version, which nothing could batch with: it runs at once, alone, and
+crosses threads once instead of three times (loop → preprocessing pool → loop → instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.batching.stats import ModelStats, RequestTiming
+from service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelExecutionError,
+    PayloadTooLarge,
+    ServerBusy,
+    TensorgateError,
+)
+
+log = logging.getLogger("tensorgate.scheduler")
+
+Batch = dict[str, np.ndarray]
+Work = Batch | Callable[[], Batch]
+"""A request's inputs, or a function that makes them on the instance's thread."""
+ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+ALONE: ShapeKey = (("", "unprepared", ()),)
+"""The key of an unprepared request: no other request shares it, so it is batched alone."""
+
+
+BatchShape = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def batch_shape(batch: Mapping[str, np.ndarray]) -> BatchShape:
+    """The full shapes of a batch's inputs: what a runtime may compile for."""
+    return tuple(sorted((name, tuple(array.shape)) for name, array in batch.items()))
+
+
+def pad_rows(batch: Batch, rows: int, sizes: Sequence[int]) -> Batch:
+    """Pad ``rows`` up to the smallest of ``sizes`` that holds them (repeating the last row)."""
+    target = min((s for s in sizes if s >= rows), default=rows)
+    if target == rows:
+        return batch
+    return {
+        name: np.concatenate([array, np.repeat(array[-1:], target - rows, axis=0)])
+        for name, array in batch.items()
+    }
+
+
+def shape_key(inputs: Mapping[str, np.ndarray], batched: bool) -> ShapeKey:
+    """What must match for two requests to share a batch: names, dtypes, non-batch shapes."""
+    return tuple(
+        (name, array.dtype.str, array.shape[1:] if batched else array.shape)
+        for name, array in sorted(inputs.items())
+    )
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request (or one chunk of an oversize request) waiting in the queue."""
+
+    work: Work
+    rows: int
+    key: ShapeKey
+    enqueued: float
+    deadline: float | None
+    future: asyncio.Future[Batch]
+    timing: RequestTiming | None = None
+
+    @property
+    def dropped(self) -> bool:
+        return self.future.done()  # cancelled (client gone) or already answered
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Run the first ``take`` queued requests of the head's group now, or wait ``wait_s``."""
+
+    take: tuple[int, ...] = ()
+    wait_s: float | None = None
+
+
+def plan(
+    queue: Sequence[tuple[int, ShapeKey, float]],
+    max_rows: int,
+    preferred: Sequence[int],
+    max_delay_s: float,
+    now: float,
+) -> Plan:
+    """Decide the next batch from ``(rows, key, enqueued)`` entries, oldest first.
+
+    Returns the indices to take (all sharing the oldest entry's key, FIFO within it), or how
+    long to wait for more. ``max_rows`` 0 means the model takes no batch: one at a time.
+    With preferred sizes, as in Triton, a batch grows to the largest preferred size at most
+    (a larger one is slower per row, or there would be no reason to prefer it); a request
+    larger than that still runs, alone.
+    """
+    if not queue:
+        return Plan(wait_s=None)
+    _, head_key, head_enqueued = queue[0]
+    if max_rows == 0 or head_key == ALONE:
+        return Plan(take=(0,))
+    cap = min(max(preferred), max_rows) if preferred else max_rows
+    if queue[0][0] > cap:
+        return Plan(take=(0,))
+    group: list[int] = []
+    rows = 0
+    for index, (count, key, _) in enumerate(queue):
+        if key != head_key:
+            continue
+        if rows + count > cap:
+            break
+        group.append(index)
+        rows += count
+    if rows >= cap:
+        return Plan(take=tuple(group))
+    target = _preferred_cut(group, queue, preferred)
+    if target is not None:
+        return Plan(take=target)
+    waited = now - head_enqueued
+    if waited >= max_delay_s:
+        return Plan(take=tuple(group))
+    return Plan(wait_s=max_delay_s - waited)
+
+
+def _preferred_cut(
+    group: list[int], queue: Sequence[tuple[int, ShapeKey, float]], preferred: Sequence[int]
+) -> tuple[int, ...] | None:
+    """The longest prefix of ``group`` whose rows are a preferred size: Triton runs it at once."""
+    if not preferred:
+        return None
+    rows = 0
+    best: tuple[int, ...] | None = None
+    for position, index in enumerate(group):
+        rows += queue[index][0]
+        if rows in preferred:
+            best = tuple(group[: position + 1])
+    return best
+
+
+def collate(items: Sequence[Pending]) -> Batch:
+    """Concatenate requests' inputs along the batch dim (an unprepared one, always alone, makes
+    its own here: on the instance's thread)."""
+    if len(items) == 1:
+        work = items[0].work
+        return work() if callable(work) else work
+    inputs: list[Batch] = []
+    for p in items:
+        assert isinstance(p.work, dict), "unprepared requests are batched alone"
+        inputs.append(p.work)
+    return {name: np.concatenate([i[name] for i in inputs]) for name in inputs[0]}
+
+
+def split(outputs: Mapping[str, np.ndarray], rows: Sequence[int], model: str) -> list[Batch]:
+    """Cut a batch's outputs back into one dict per request; every output must have the rows."""
+    total = sum(rows)
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != total:
+            got = array.shape[0] if array.ndim else 0
+            raise ModelExecutionError(
+                f"model '{model}' returned {got} rows of output '{name}' for a batch of {total} "
+                "(batch size mismatch)"
+            )
+    if len(rows) == 1:
+        return [dict(outputs)]
+    parts = []
+    offset = 0
+    for count in rows:
+        parts.append({name: array[offset : offset + count] for name, array in outputs.items()})
+        offset += count
+    return parts
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_s: float = 0.0
+    max_queue_size: int = 256
+    instances: int = 1
+    pad_to: tuple[int, ...] = ()
+    """Warmed batch sizes to pad each batch's rows up to (empty: no padding)."""
+
+
+class Instance:
+    """One model instance: its own thread, its runtime's ``run``, and since when it has been
+    running a batch (liveness and the metrics ask, through :meth:`busy_for`)."""
+
+    def __init__(self, model: str, index: int, run: Callable[[Batch], dict[str, np.ndarray]]):
+        self.index = index
+        self.run = run
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"{model}-instance-{index}")
+        self._busy_since: float | None = None
+
+    def busy_for(self, now: float) -> float | None:
+        """Seconds the current batch has run, or None when idle."""
+        since = self._busy_since
+        return None if since is None else now - since
+
+    def infer(self, batch: Batch) -> tuple[dict[str, np.ndarray], float, int]:
+        """Run one batch on the calling thread (the instance's): outputs, when it started
+        (monotonic) and how long it took (ns)."""
+        started = time.monotonic()
+        self._busy_since = started
+        clock = time.perf_counter_ns()
+        try:
+            return self.run(batch), started, time.perf_counter_ns() - clock
+        finally:
+            self._busy_since = None
+
+
+@dataclass(eq=False)
+class Scheduler:
+    """The queue and instance workers of one model version."""
+
+    model: str
+    config: SchedulerConfig
+    runs: Sequence[Callable[[Batch], dict[str, np.ndarray]]]
+    """One callable per instance (its runtime's ``run``: its own device and stream on CUDA)."""
+    stats: ModelStats
+    warmed: set[BatchShape] | None = None
+    """Shapes run at warmup; a batch of another shape is counted in stats.unwarmed."""
+    replay: Callable[[Callable[[Batch], dict[str, np.ndarray]]], str | None] | None = None
+    """Replays the golden pairs through an instance's run: None when it still answers them as
+    exported, else why not. The evidence that tells, after a request fails alone, the
+    client's fault (400) from the model's (500); None without golden pairs (always 500)."""
+    on_broken: Callable[[str], None] | None = None
+    """Called with the reason when the replay shows the model itself broken."""
+    queue: deque[Pending] = field(default_factory=deque)
+    instances: list[Instance] = field(default_factory=list)
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    _workers: list[asyncio.Task[None]] = field(default_factory=list)
+    _warned: set[BatchShape] = field(default_factory=set)
+
+    def start(self) -> None:
+        for index in range(self.config.instances):
+            instance = Instance(self.model, index, self.runs[index])
+            self.instances.append(instance)
+            self._workers.append(asyncio.create_task(self._worker(instance)))
+
+    @property
+    def pending(self) -> int:
+        """Requests queued, not yet running."""
+        return len(self.queue)
+
+    def busy_instances(self) -> int:
+        """Instances running a batch now."""
+        now = time.monotonic()
+        return sum(i.busy_for(now) is not None for i in self.instances)
+
+    def longest_running(self) -> tuple[int, float] | None:
+        """The instance whose current batch has run longest, and for how many seconds."""
+        now = time.monotonic()
+        running = [(i.index, t) for i in self.instances if (t := i.busy_for(now)) is not None]
+        return max(running, key=lambda pair: pair[1], default=None)
+
+    async def submit(
+        self, work: Work, timing: RequestTiming | None, deadline: float | None
+    ) -> dict[str, np.ndarray]:
+        """Queue one request (its inputs, or a function that makes one row of them); its
+        outputs once the batch it joined has run."""
+        batched = self.config.max_batch_size > 0
+        if callable(work):
+            chunks: list[Work] = [work]
+            rows, key = 1, ALONE
+        else:
+            rows, key = rows_of(work, batched), shape_key(work, batched)
+            limit = self.config.max_batch_size
+            chunks = [work] if not batched or rows <= limit else [*_chunks(work, rows, limit)]
+        if len(self.queue) + len(chunks) > self.config.max_queue_size:
+            raise ServerBusy(
+                f"model '{self.model}' has {len(self.queue)} requests queued (limit "
+                f"{self.config.max_queue_size}); retry shortly"
+            )
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        pending = [
+            Pending(chunk, rows if callable(chunk) else rows_of(chunk, batched), key, now, deadline,
+                    loop.create_future(), timing)
+            for chunk in chunks
+        ]  # fmt: skip
+        self.queue.extend(pending)
+        self._arrived.set()
+        try:
+            results = [await p.future for p in pending]
+        except asyncio.CancelledError:
+            for p in pending:
+                p.future.cancel()  # the client went away: drop what has not run
+            raise
+        if len(results) == 1:
+            return results[0]
+        return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+    async def _worker(self, instance: Instance) -> None:
+        while True:
+            await self._execute(instance, await self._next_batch())
+
+    async def _next_batch(self) -> list[Pending]:
+        while True:
+            self._expire(time.monotonic())
+            entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
+            decision = plan(
+                entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
+                self.config.max_queue_delay_s, time.monotonic(),
+            )  # fmt: skip
+            if decision.take:
+                chosen = [self.queue[i] for i in decision.take]
+                for index in sorted(decision.take, reverse=True):
+                    del self.queue[index]
+                return chosen
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), decision.wait_s)
+
+    def _expire(self, now: float) -> None:
+        """Drop cancelled requests; answer 504 to those past their deadline."""
+        if not any(p.dropped or (p.deadline is not None and now > p.deadline) for p in self.queue):
+            return
+        kept: deque[Pending] = deque()
+        for p in self.queue:
+            if p.dropped:
+                continue
+            if p.deadline is not None and now > p.deadline:
+                waited = now - p.enqueued
+                p.future.set_exception(
+                    DeadlineExceeded(
+                        f"model '{self.model}': the request waited {waited * 1000:.0f} ms in the "
+                        "queue, past its deadline, and was not run"
+                    )
+                )
+                continue
+            kept.append(p)
+        self.queue = kept
+
+    async def _execute(
+        self,
+        instance: Instance,
+        items: list[Pending],
+        failures: list[tuple[Pending, Exception]] | None = None,
+    ) -> None:
+        """Run ``items`` as one batch on ``instance`` and answer each. With ``failures``, a
+        model error is recorded there instead of answered."""
+        rows = sum(p.rows for p in items)
+        padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
+
+        def work() -> tuple[dict[str, np.ndarray], float, int, int]:
+            try:
+                batch = collate(items)
+            except TensorgateError:
+                raise
+            except Exception as exc:  # an unprepared request's own failure, never the model's
+                raise _PreparationFailed(exc) from exc
+            prepared_ns = time.perf_counter_ns()
+            if padded:
+                batch = pad_rows(batch, rows, self.config.pad_to)
+            self._check_warmed(batch, len(items))
+            outputs, started, infer_ns = instance.infer(batch)
+            return outputs, started, infer_ns, prepared_ns
+
+        loop = asyncio.get_running_loop()
+        try:
+            outputs, started, infer_ns, prepared_ns = await loop.run_in_executor(
+                instance.executor, work
+            )
+            if padded:
+                outputs = {name: array[:rows] for name, array in outputs.items()}
+            if self.config.max_batch_size == 0:  # no batch dimension: one request, whole
+                parts = [dict(outputs)]
+            else:
+                parts = split(outputs, [p.rows for p in items], self.model)
+        except _PreparationFailed as failed:
+            _fail(items, failed.error)
+            return
+        except TensorgateError as exc:
+            _fail(items, exc)
+            return
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                await self._after_oom(instance, items)
+                return
+            if failures is not None:
+                failures.extend((p, exc) for p in items)
+                return
+            if len(items) > 1:
+                await self._isolate(instance, items, exc)
+                return
+            _fail(items, await self._judge(instance, exc))
+            return
+        self.stats.record_execution(rows, infer_ns)
+        for p, part in zip(items, parts, strict=True):
+            if p.future.done():
+                continue
+            if p.timing is not None:
+                if callable(p.work):  # made on the instance: no queue, no hand-off
+                    p.timing.compute_input_ns = prepared_ns - p.timing.started_ns
+                else:
+                    p.timing.queue_ns += int((started - p.enqueued) * 1e9)
+                p.timing.compute_infer_ns += infer_ns
+            p.future.set_result(part)
+
+    def _check_warmed(self, batch: Batch, requests: int) -> None:
+        """Count the requests of a batch whose shape warmup did not run (on the instance)."""
+        if self.warmed is None:
+            return
+        shape = batch_shape(batch)
+        if shape in self.warmed:
+            return
+        self.stats.record_unwarmed(requests)
+        # once per shape (a log line per batch is a cost), for the first 1,000 shapes
+        if shape not in self._warned and len(self._warned) < 1000:
+            self._warned.add(shape)
+            log.warning("model %s met an unwarmed shape %s (logged once per shape; "
+                        "tensorgate_unwarmed_shape_requests counts every request)",
+                        self.model, shape)  # fmt: skip
+
+    async def _isolate(self, instance: Instance, items: list[Pending], error: Exception) -> None:
+        """One bad input must not fail the other requests of its batch: run each request
+        alone. One that still fails while another of the batch ran gets 400 (its own input is the
+        cause); when every one fails, the golden replay decides (:meth:`_judge`)."""
+        self.stats.record_isolated()
+        log.warning("model %s failed on a batch of %d requests (%s); running each alone",
+                    self.model, len(items), error)  # fmt: skip
+        failures: list[tuple[Pending, Exception]] = []
+        for p in items:
+            if not p.future.done():  # a client that left while its batch ran
+                await self._execute(instance, [p], failures=failures)
+        ran = any(
+            p.future.done() and not p.future.cancelled() and p.future.exception() is None
+            for p in items
+        )
+        if failures and not ran:  # every one failed alone: the model, or every input?
+            verdict = await self._judge(instance, failures[0][1])
+            if isinstance(verdict, ModelExecutionError):
+                _fail([p for p, _ in failures], verdict)
+                return
+            evidence = "it still answers its golden inputs as exported"
+        else:
+            evidence = "the other requests of its batch ran"
+        for p, exc in failures:
+            _fail([p], self._bad_input(exc, evidence))
+
+    async def _judge(self, instance: Instance, exc: Exception) -> TensorgateError:
+        """A request failed alone: the client's fault (400) if the instance still answers the
+        golden inputs as exported, the model's (500, and the version reported broken) if not
+        or if there is no evidence either way."""
+        reason: str | None = "no golden pairs to tell the input's fault from the model's"
+        if self.replay is not None:
+            replay = self.replay
+            loop = asyncio.get_running_loop()
+            reason = await loop.run_in_executor(instance.executor, replay, instance.run)
+            if reason is None:
+                return self._bad_input(exc, "it still answers its golden inputs as exported")
+            log.error("model %s is broken: it failed on a request alone and then on its "
+                      "golden inputs (%s)", self.model, reason, exc_info=exc)  # fmt: skip
+            if self.on_broken is not None:
+                self.on_broken(f"failed its golden replay after a request failed: {reason}")
+        else:
+            log.error("model %s failed on a request alone (%s)", self.model, reason, exc_info=exc)
+        return ModelExecutionError(f"model '{self.model}' failed: {runtime_message(exc)}")
+
+    def _bad_input(self, exc: Exception, evidence: str) -> InvalidInput:
+        log.info("model %s failed on one request's input (%s): %s", self.model, evidence, exc)
+        return InvalidInput(
+            f"model '{self.model}' failed on this request's input ({runtime_message(exc)}); "
+            f"{evidence}, so the input is at fault"
+        )
+
+    async def _after_oom(self, instance: Instance, items: list[Pending]) -> None:
+        """Out of device memory is a per-request error, never a dead server: run the batch again
+        in halves, down to single requests; a request that fails alone gets 503 (413 when it
+        failed with the device otherwise idle: it can never fit)."""
+        self.stats.record_out_of_memory()
+        if len(items) > 1:
+            half = len(items) // 2
+            log.warning("model %s: out of memory on %d requests; retrying in halves",
+                        self.model, len(items))  # fmt: skip
+            await self._execute(instance, items[:half])
+            await self._execute(instance, items[half:])
+            return
+        now = time.monotonic()
+        others_busy = any(i.busy_for(now) is not None for i in self.instances if i is not instance)
+        if others_busy:
+            _fail(items, ServerBusy(
+                f"model '{self.model}': out of device memory for this request while other "
+                "batches ran; retry", retry_after_s=1,
+            ))  # fmt: skip
+        else:
+            _fail(items, PayloadTooLarge(
+                f"model '{self.model}': this request ({items[0].rows} rows) does not fit in "
+                "device memory even alone; send fewer rows or smaller inputs"
+            ))  # fmt: skip
+
+    async def stop(self) -> None:
+        """Answer what is still queued with 503, stop the workers, release the threads."""
+        for p in self.queue:
+            if not p.future.done():
+                p.future.set_exception(ServerBusy(f"model '{self.model}' is shutting down"))
+        self.queue.clear()
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        for instance in self.instances:
+            instance.executor.shutdown(wait=True)
+
+
+class _PreparationFailed(Exception):
+    """An unprepared request's inputs could not be made: its error goes to it as it is (the
+    generic 500 for a bug), never taken for the model's (or for out of memory)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+_RUNTIME_NOISE = (
+    re.compile(r"^.*Status Message:\s*", re.S),  # onnxruntime: the node that failed, its name
+    re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*"),
+    re.compile(r"(?:/[\w.+-]+)+/?"),  # absolute paths of the runtime's or the model's files
+)
+
+
+def runtime_message(exc: BaseException) -> str:
+    """What a runtime's error says about the input, without its internals: onnxruntime's node
+    names and status codes, TorchScript's source excerpts, file paths. One line, bounded."""
+    text = str(exc)
+    for pattern in _RUNTIME_NOISE[:2]:
+        text = pattern.sub("", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    text = _RUNTIME_NOISE[2].sub("…", text)
+    return text if len(text) <= 240 else text[:239] + "…"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA out of memory from torch (``OutOfMemoryError``) or onnxruntime (its message)."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "failed to allocate memory" in text
+
+
+def _fail(items: Sequence[Pending], exc: BaseException) -> None:
+    for p in items:
+        if not p.future.done():
+            p.future.set_exception(exc)
+
+
+def rows_of(inputs: Batch, batched: bool) -> int:
+    """Rows of a batch (1 for a model without a batch dimension)."""
+    return int(next(iter(inputs.values())).shape[0]) if batched else 1
+
+
+def _chunks(inputs: Batch, rows: int, limit: int) -> list[Batch]:
+    return [
+        {name: array[start : start + limit] for name, array in inputs.items()}
+        for start in range(0, rows, limit)
+    ]

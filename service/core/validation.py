@@ -1,0 +1,125 @@
+"""Requests against a model's signature: pure checks that run before anything is queued.
+
+A request that fails here never reaches a model, so it can never fail a batch it would have
+joined. Every error names the input and says what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from service.datatypes import as_values, cast, from_values
+from service.errors import InvalidInput, PayloadTooLarge
+from service.inference import InputTensor
+from service.model_config import ModelConfig, TensorConfig
+from service.runtimes.base import Signature, shape_fits
+
+
+def check_inputs(
+    inputs: list[InputTensor], signature: Signature, config: ModelConfig, name: str
+) -> dict[str, np.ndarray]:
+    """Inputs that fit the signature → the batch to run (cast only where the config opts in)."""
+    declared = {t.name: t for t in signature.inputs}
+    given = {t.name: t for t in inputs}
+    if unknown := sorted(set(given) - set(declared)):
+        raise InvalidInput(
+            f"model '{name}' has no input {unknown}; its inputs are {sorted(declared)}"
+        )
+    if missing := sorted(set(declared) - set(given)):
+        raise InvalidInput(f"missing input {missing}; model '{name}' takes {sorted(declared)}")
+    batched = config.max_batch_size > 0
+    rows: set[int] = set()
+    batch = {}
+    for spec in signature.inputs:
+        tensor = given[spec.name]
+        want = ((-1,) if batched else ()) + spec.shape
+        data = tensor.data
+        if tensor.datatype != spec.datatype and _castable(config, tensor.datatype, spec.datatype):
+            data = cast(data, tensor.datatype, spec.datatype)
+        elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
+            raise InvalidInput(
+                f"input '{spec.name}': expected {spec.datatype} {list(want)}, "
+                f"got {tensor.datatype} {list(tensor.shape)}"
+            )
+        if not shape_fits(want, tensor.shape):
+            raise InvalidInput(
+                f"input '{spec.name}': expected shape {list(want)}, got {list(tensor.shape)}"
+            )
+        if spec.range is not None:
+            check_range(spec.name, as_values(data, spec.datatype), spec.range)
+        if batched:
+            rows.add(tensor.shape[0])
+        batch[spec.name] = data
+    if len(rows) > 1:
+        raise InvalidInput(f"inputs have different batch sizes {sorted(rows)}")
+    if rows:
+        check_rows(rows.pop(), config, name)
+    return batch
+
+
+def check_range(name: str, data: np.ndarray, bounds: tuple[float, float]) -> None:
+    """Every value within ``bounds`` (inclusive): an out-of-range id would fail the batch."""
+    if data.size == 0:
+        return
+    low, high = data.min(), data.max()
+    if low < bounds[0] or high > bounds[1] or np.isnan(low) or np.isnan(high):
+        raise InvalidInput(
+            f"input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; got values "
+            f"from {low:g} to {high:g}"
+        )
+
+
+def _castable(config: ModelConfig, given: str, wanted: str) -> bool:
+    return config.cast_inputs and "BYTES" not in (given, wanted)
+
+
+def check_rows(rows: int, config: ModelConfig, name: str) -> None:
+    """At least one row, and no more than one request may carry (the scheduler splits a
+    request above max_batch_size across batches; this bounds the work one request asks for)."""
+    if rows < 1:
+        raise InvalidInput(f"model '{name}': a request needs at least 1 row (got 0)")
+    if rows > config.max_request_rows:
+        raise PayloadTooLarge(
+            f"model '{name}': {rows} rows is above the {config.max_request_rows} one request may "
+            "carry (max_request_rows)"
+        )
+
+
+def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
+    """v1 rows → one tensor per input: plain rows feed the only input, objects name their inputs."""
+    if all(isinstance(item, dict) for item in instances):
+        columns = {t.name: [item.get(t.name) for item in instances] for t in specs}
+    elif len(specs) == 1:
+        columns = {specs[0].name: instances}
+    else:
+        raise InvalidInput(
+            f"the model takes {len(specs)} inputs; send each instance as an object naming them "
+            f"({[t.name for t in specs]})"
+        )
+    tensors = []
+    for spec in specs:
+        try:
+            array = from_values(columns[spec.name], spec.datatype)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise InvalidInput(
+                f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "
+                f"{list(spec.shape)}: {exc}"
+            ) from None
+        tensors.append(InputTensor(spec.name, spec.datatype, array.shape, array))
+    return tensors
+
+
+def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
+    """The encoded images of a BYTES input: one element per row ([N] or [N, 1])."""
+    if (
+        tensor.datatype != "BYTES"
+        or len(tensor.shape) not in (1, 2)
+        or (len(tensor.shape) == 2 and tensor.shape[1] != 1)
+    ):
+        raise InvalidInput(
+            f"input '{tensor.name}': expected BYTES [-1] or [-1, 1] (one encoded image a row), "
+            f"got {tensor.datatype} {list(tensor.shape)}"
+        )
+    return [bytes(item) for item in tensor.data.reshape(-1)]

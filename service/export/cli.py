@@ -1,0 +1,192 @@
+"""``tensorgate export``: a module factory and a few flags → a versioned artifact folder and
+the ``config.yaml`` that serves it as export checked it."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pydantic
+import torch
+import yaml
+
+from preprocessing.spec import PreprocessingSpec, TextSpec
+from preprocessing.text import TextPipeline
+from service.artifacts.manifest import Manifest
+from service.datatypes import TO_NUMPY
+from service.export.exporter import DEFAULT_OPSET, FORMATS, ExportError, export_model
+from service.model_config import TensorConfig, describe_validation_error
+
+log = logging.getLogger("tensorgate.export")
+GOLDEN_ROWS = 4
+GOLDEN_TEXTS = (
+    "a short sentence",
+    "The quick brown fox jumps over the lazy dog, and then it does so again.",
+    "tokens",
+    "Serving a model is easy; serving it as it was trained is the hard part.",
+)
+WRITTEN_BY = "# Written by `tensorgate export`"
+"""The last line of a config.yaml that export wrote: a later export may replace it; a config
+without it is the user's and is kept."""
+SPEC = pydantic.TypeAdapter(PreprocessingSpec)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = load_module(args.factory)
+    inputs = [parse_tensor(text) for text in args.input]
+    outputs = [parse_tensor(text) for text in args.output]
+    model_dir = args.repository / args.name
+    out_dir = model_dir / str(args.model_version)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if args.backend is not None and args.backend not in formats:
+        log.error("--backend %s is not among --formats %s", args.backend, ",".join(formats))
+        return 2
+    try:
+        preprocessing = read_spec(args.preprocessing, out_dir) if args.preprocessing else None
+    except ValueError as exc:
+        log.error("export failed: %s", exc)
+        return 2
+    buckets = [int(b) for b in args.buckets.split(",") if b.strip()]
+    rows = min(GOLDEN_ROWS, args.max_batch_size) if args.max_batch_size > 0 else 0
+    if isinstance(preprocessing, TextSpec):
+        tokens = TextPipeline(preprocessing, out_dir)(list(GOLDEN_TEXTS[: max(rows, 1)]))
+        golden = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+    else:
+        # Dynamic dims below the smallest bucket, so that export can see what padding does.
+        length = max(1, 3 * min(buckets) // 4) if buckets else 8
+        golden = {t.name: golden_input(t, rows, i, length) for i, t in enumerate(inputs)}
+    try:
+        manifest = export_model(
+            module, out_dir, name=args.name, inputs=inputs, outputs=outputs,
+            golden_inputs=golden, max_batch_size=args.max_batch_size,
+            preprocessing=preprocessing, opset=args.opset or DEFAULT_OPSET, formats=formats,
+            required=[args.backend] if args.backend else [], buckets=buckets,
+            pt2_cpu=args.pt2_cpu,
+        )  # fmt: skip
+    except ExportError as exc:
+        log.error("export failed: %s", exc)
+        return 1
+    backend = args.backend or next(f for f in FORMATS if f in manifest.artifacts)
+    config = model_dir / "config.yaml"
+    written = write_config(config, manifest, backend, preprocessing)
+    log.info("%s", summary(manifest, out_dir, config, backend, written))
+    return 0
+
+
+def read_spec(path: Path, out_dir: Path) -> PreprocessingSpec:
+    """The image or text spec in ``path``; a text spec's tokenizer is copied from beside it
+    into the version folder, where the server reads it (its sha256 checked first)."""
+    try:
+        spec = SPEC.validate_python(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from None
+    except pydantic.ValidationError as exc:
+        raise ValueError(f"{path}: {describe_validation_error(exc)}") from None
+    if isinstance(spec, TextSpec):
+        source = path.parent / spec.tokenizer
+        if not source.is_file():
+            raise ValueError(f"{path}: the tokenizer {source} is not there")
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+        if digest != spec.tokenizer_sha256:
+            raise ValueError(
+                f"{path}: {source} has sha256 {digest}, the spec says {spec.tokenizer_sha256}"
+            )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, out_dir / spec.tokenizer)
+    return spec
+
+
+def served_config(
+    manifest: Manifest, backend: str, preprocessing: PreprocessingSpec | None
+) -> dict[str, Any]:
+    """The config that serves the artifact as export checked it: its tensors with their value
+    ranges, the buckets of its dynamic dims, a warmup that leaves no shape the server can run
+    cold, and the preprocessing it was exported with."""
+    content: dict[str, Any] = {"backend": backend, "max_batch_size": manifest.max_batch_size}
+    content["inputs"] = [t.model_dump(mode="json") for t in manifest.inputs]
+    content["outputs"] = [t.model_dump(mode="json") for t in manifest.outputs]
+    shapes = manifest.shapes
+    if shapes is not None and not isinstance(preprocessing, TextSpec):
+        content["buckets"] = list(shapes.buckets)
+    if manifest.max_batch_size > 0:
+        content["warmup"] = warmup(manifest.max_batch_size, dynamic=shapes is not None)
+    if preprocessing is not None:
+        content["preprocessing"] = preprocessing.model_dump(mode="json")
+    return content
+
+
+def warmup(max_batch_size: int, dynamic: bool) -> dict[str, Any]:
+    """Every batch size, where that is one shape each; with dynamic dims, whose buckets
+    multiply the count, powers of two and every batch padded up to one (docs/models.md)."""
+    if not dynamic:
+        return {"batch_sizes": "all"}
+    sizes = sorted({min(2**k, max_batch_size) for k in range(max_batch_size.bit_length() + 1)})
+    return {"batch_sizes": sizes, "pad_batches": True}
+
+
+def write_config(
+    path: Path, manifest: Manifest, backend: str, preprocessing: PreprocessingSpec | None
+) -> bool:
+    """Write config.yaml unless the user's own is there (one export wrote is replaced)."""
+    if path.exists() and WRITTEN_BY not in path.read_text():
+        log.warning("kept %s, which export did not write: compare it with %s", path,
+                    served_config(manifest, backend, preprocessing))  # fmt: skip
+        return False
+    footer = f"{WRITTEN_BY} from what it checked; delete this line to keep your edits."
+    body = yaml.safe_dump(served_config(manifest, backend, preprocessing), sort_keys=False)
+    path.write_text(f"{body}{footer}\n")
+    return True
+
+
+def summary(manifest: Manifest, out_dir: Path, config: Path, backend: str, written: bool) -> str:
+    parity = ", ".join(
+        f"{fmt} (max abs error {p['max_abs']:.2g})" for fmt, p in manifest.parity.items()
+    )
+    line = f"exported {manifest.name} to {out_dir}: {parity}"
+    if manifest.skipped:
+        line += f"; left out {', '.join(manifest.skipped)} (see above)"
+    if manifest.shapes is not None:
+        how = "padded to" if manifest.shapes.pad else "served at exactly"
+        line += f"; dynamic dims {how} {list(manifest.shapes.buckets)}"
+    return line + (f"; {config} serves {backend}" if written else f"; kept {config}")
+
+
+def load_module(spec: str) -> torch.nn.Module:
+    """``package.module:attr`` → a module: attr is a Module, or a callable that returns one."""
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise SystemExit(f"factory must be module:callable, got {spec!r}")
+    target = getattr(importlib.import_module(module_name), attribute)
+    module = target if isinstance(target, torch.nn.Module) else target()
+    if not isinstance(module, torch.nn.Module):
+        raise SystemExit(f"{spec} gave {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def parse_tensor(text: str) -> TensorConfig:
+    """``name:DTYPE:d1,d2`` → TensorConfig (shape without batch dim)."""
+    try:
+        name, datatype, dims = text.split(":")
+        shape = tuple(int(d) for d in dims.split(",") if d)
+        return TensorConfig.model_validate({"name": name, "datatype": datatype, "shape": shape})
+    except ValueError as exc:
+        raise SystemExit(f"tensor must be NAME:DTYPE:D1,D2,... (got {text!r}): {exc}") from None
+
+
+def golden_input(spec: TensorConfig, rows: int, seed: int, length: int = 8) -> np.ndarray:
+    """Fixed pseudo-random inputs for parity checks (dynamic dims take ``length``)."""
+    rng = np.random.default_rng(seed)
+    shape = ((rows,) if rows else ()) + tuple(length if d == -1 else d for d in spec.shape)
+    dtype = TO_NUMPY[spec.datatype]
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(dtype)
+    return rng.integers(0, 10, shape).astype(dtype)

@@ -1,0 +1,650 @@
+"""PyTorch module → the model repository's artifacts, with proof that they agree.
+
+:func:`export_model` writes any of ``model.onnx`` (ONNX, through ``torch.export`` and the dynamo
+exporter), ``model.pt2`` (an AOTInductor package compiled from ``torch.export``, for the device it
+is exported on and a portable CPU target) and ``model.pt`` (TorchScript, deprecated upstream)
+into a version folder. It replays fixed golden inputs, and the same rows at the smallest and
+largest batch and length, through eager PyTorch and each artifact, and refuses (``ExportError``,
+naming the max abs/rel error) when they disagree beyond tolerance. It then writes ``golden.npz``
+and ``manifest.json``, which the server's load gates check. Imported only by ``tensorgate
+export`` and build scripts: the server never needs it.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import platform
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.export import Dim, ExportedProgram
+
+from preprocessing.spec import PreprocessingSpec, TextSpec, spec_hash
+from service.artifacts import cpu_targets
+from service.artifacts.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
+from service.artifacts.shapes import ShapeFacts, guess_axes
+from service.datatypes import TO_NUMPY
+from service.errors import ModelLoadError
+from service.export import shapes as export_shapes
+from service.model_config import TensorConfig
+from service.runtimes.base import RuntimeOptions, Signature
+from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
+
+log = logging.getLogger("tensorgate.export")
+DEFAULT_OPSET = 18  # the dynamo exporter's own; a lower one goes through onnx's version converter
+FORMATS = ("onnx", "pt2", "torchscript")
+DEFAULT_FORMATS = ("onnx", "pt2")
+"""What ``tensorgate export`` writes unless told otherwise: the portable graph (no torch at serve
+time, any onnxruntime device) and torch's own compiled package. TorchScript only when asked:
+upstream deprecated it in favour of ``torch.export``."""
+PT2_ARTIFACT = "model.pt2"
+
+Probe = dict[str, np.ndarray]
+Runner = Callable[[Probe], dict[str, np.ndarray]]
+
+
+class ExportError(RuntimeError):
+    """The module cannot be exported faithfully; the message says where it diverged."""
+
+
+@dataclass
+class _Job:
+    """What every format's step needs: the module, the probes and their eager outputs."""
+
+    module: torch.nn.Module
+    out_dir: Path
+    inputs: Sequence[TensorConfig]
+    outputs: Sequence[TensorConfig]
+    max_batch_size: int
+    opset: int
+    tolerance: Tolerance
+    probes: list[Probe]
+    eager: list[dict[str, np.ndarray]]
+    dynamic: tuple[dict[int, Any], ...]
+    program: ExportedProgram | None
+    not_exported: str
+    device: str | None
+    pt2_cpu: str
+
+    def check(self, what: str, run: Runner) -> dict[str, float]:
+        """The worst abs/rel error of ``run`` against eager PyTorch over every probe."""
+        pairs = zip(self.probes, self.eager, strict=True)
+        results = [_compare(what, want, run(probe), self.tolerance) for probe, want in pairs]
+        return {k: max(r[k] for r in results) for k in ("max_abs", "max_rel")}
+
+
+Artifact = tuple[str, dict[str, float], dict[str, str | None]]
+"""A format's file name in the version folder, its parity, and versions for the manifest."""
+
+
+def export_model(
+    module: torch.nn.Module,
+    out_dir: Path,
+    *,
+    name: str,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    golden_inputs: Mapping[str, np.ndarray],
+    max_batch_size: int,
+    preprocessing: PreprocessingSpec | None = None,
+    opset: int = DEFAULT_OPSET,
+    tolerance: Tolerance | None = None,
+    metrics: Mapping[str, float] | None = None,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    required: Sequence[str] = (),
+    buckets: Sequence[int] = (),
+    device: str | None = None,
+    pt2_cpu: str | None = None,
+) -> Manifest:
+    """Export ``module`` into ``out_dir`` (a version folder) and return the manifest written.
+
+    A format that fails (``torch.export`` refuses the module, or the artifact disagrees with
+    eager PyTorch) is left out, with why in the log and the manifest's ``skipped``; ExportError
+    when one of ``required`` fails, or every format does. ``buckets`` are the sizes each
+    dynamic (-1) dim is warmed and padded to (a text spec's buckets when empty; needed when an
+    input has a dynamic dim); ``device`` is where the ``pt2`` package will run (default: CUDA
+    when torch sees it, else the CPU); ``pt2_cpu`` the CPU it is compiled for
+    (:mod:`service.artifacts.cpu_targets`; default ``x86-64-v3`` on x86-64).
+    """
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ExportError(f"unknown formats {unknown}: choose from {', '.join(FORMATS)}")
+    if bf16 := [t.name for t in (*inputs, *outputs) if t.datatype == "BF16"]:
+        # The parity checks compare in numpy, which has no bfloat16 (the server holds BF16 as
+        # bit patterns, service/datatypes.py).
+        raise ExportError(
+            f"tensors {bf16} are BF16, which the server serves but `export` does not check: "
+            "export with FP32 tensors (and cast inside the module), or serve a BF16 ONNX model "
+            "from its own folder"
+        )
+    pt2_cpu = pt2_cpu or cpu_targets.default_target()
+    try:
+        cpu_targets.check_target(pt2_cpu)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if not buckets and isinstance(preprocessing, TextSpec):
+        buckets = preprocessing.buckets
+    buckets = tuple(sorted(set(buckets)))
+    dynamic_inputs = [t.name for t in inputs if -1 in t.shape]
+    if dynamic_inputs and not buckets:
+        raise ExportError(
+            f"inputs {dynamic_inputs} have dynamic (-1) dims: name the sizes to serve them at "
+            "with buckets (--buckets 64,128,256), which the server warms, pads to where padding "
+            "leaves the answer unchanged, and bounds (a larger size is refused)"
+        )
+    tolerance = tolerance or Tolerance()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    module = _prepare(module)
+    golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
+    probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
+    eager_run = partial(_run_module, module, inputs, outputs)
+    eager = [eager_run(p) for p in probes]
+    dynamic = _dynamic_shapes(inputs, max_batch_size, buckets)
+    program, not_exported = _exported_program(module, _tensors(probes[-1], inputs), dynamic)
+    if program is None and _recurrent(module) and dynamic_inputs:
+        not_exported += (
+            " (torch.export unrolls nn.LSTM, nn.GRU and nn.RNN over the time steps, so it cannot "
+            "keep their length dynamic: pytorch/pytorch#115092; the ONNX artifact keeps the "
+            "recurrent op)"
+        )
+    batched = max_batch_size > 0
+    shapes = _shape_facts(
+        program, eager_run, probes, eager, inputs, outputs, batched, buckets, tolerance
+    )
+    inputs = _with_ranges(module, program, probes[0], inputs)
+    job = _Job(
+        module, out_dir, inputs, outputs, max_batch_size, opset, tolerance, probes, eager,
+        dynamic, program, not_exported, device, pt2_cpu,
+    )  # fmt: skip
+    versions = _versions()
+    artifacts: dict[str, str] = {}
+    parity: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    for fmt in formats:
+        try:
+            artifact, parity[fmt], made = _STEPS[fmt](job)
+        except Exception as exc:  # each exporter and runtime raises its own types
+            reason = str(exc) if isinstance(exc, ExportError) else _first_line(exc)
+            if fmt in required:
+                raise ExportError(f"{fmt}: {reason}") from exc
+            log.warning("%s left out: %s", fmt, reason)
+            skipped[fmt] = reason
+            parity.pop(fmt, None)
+            continue
+        artifacts[fmt] = artifact
+        versions.update(made)
+    if not artifacts:
+        raise ExportError(
+            "no format could be exported: " + "; ".join(f"{f}: {r}" for f, r in skipped.items())
+        )
+
+    arrays = {f"input.{k}": v for k, v in golden.items()}
+    arrays.update({f"output.{k}": v for k, v in eager[0].items()})
+    np.savez(out_dir / GOLDEN, allow_pickle=False, **arrays)
+    manifest = Manifest(
+        name=name,
+        max_batch_size=max_batch_size,
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+        dynamic_axes=_dynamic_axes([*inputs, *outputs], max_batch_size),
+        opset=_opset(out_dir / "model.onnx") if "onnx" in artifacts else None,
+        versions=versions,
+        artifacts=artifacts,
+        skipped=skipped,
+        shapes=shapes,
+        preprocessing=preprocessing.model_dump(mode="json") if preprocessing else None,
+        preprocessing_hash=spec_hash(preprocessing) if preprocessing else None,
+        tolerance=tolerance,
+        parity=parity,
+        metrics=dict(metrics or {}),
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    (out_dir / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
+    log.debug("exported %s to %s: parity %s", name, out_dir, parity)
+    return manifest
+
+
+def _pt2_step(job: _Job) -> Artifact:
+    program = job.program
+    if program is None:
+        raise ExportError(
+            f"{job.not_exported}; make the module exportable, or leave pt2 out of the formats"
+        )
+    device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu":  # compiled where its weights and inputs are
+        example = tuple(t.to(device) for t in _tensors(job.probes[-1], job.inputs))
+        moved = copy.deepcopy(job.module).to(device)
+        program, not_exported = _exported_program(moved, example, job.dynamic)
+        if program is None:
+            raise ExportError(not_exported)
+    path = job.out_dir / PT2_ARTIFACT
+    versions = _export_pt2(program, path, job.pt2_cpu)
+    signature = Signature(tuple(job.inputs), tuple(job.outputs))
+    return PT2_ARTIFACT, job.check("AOTInductor", _pt2_runner(path, device, signature)), versions
+
+
+def _onnx_step(job: _Job) -> Artifact:
+    path = job.out_dir / "model.onnx"
+    fallback = job.not_exported if job.program is None else None
+    parity: dict[str, float] = {}
+    try:
+        if job.program is not None:
+            _export_onnx_dynamo(job.program, path, job.inputs, job.outputs, job.opset)
+            parity = job.check("onnxruntime", partial(_run_onnx, path))
+    except Exception as exc:  # the exporter, onnxruntime and the check raise many types
+        fallback = f"the dynamo exporter failed: {_first_line(exc)}"
+    versions: dict[str, str | None] = {
+        "onnx_exporter": "dynamo" if fallback is None else "torchscript"
+    }
+    if fallback is not None:
+        log.warning("ONNX: %s; using the TorchScript-based exporter instead", fallback)
+        versions["onnx_exporter_fallback"] = fallback
+        _export_onnx(
+            job.module, job.probes[0], path, job.inputs, job.outputs, job.max_batch_size, job.opset
+        )
+        parity = job.check("onnxruntime", partial(_run_onnx, path))
+    return "model.onnx", parity, versions
+
+
+def _torchscript_step(job: _Job) -> Artifact:
+    log.warning(
+        "writing TorchScript (model.pt): torch deprecated it in favour of torch.export; "
+        "serve model.pt2 (backend: pt2) or model.onnx instead (docs/models.md)"
+    )
+    path = job.out_dir / "model.pt"
+    scripted = _export_torchscript(job.module, _tensors(job.probes[0], job.inputs), path)
+    run = partial(_run_module, scripted, job.inputs, job.outputs)
+    return "model.pt", job.check("TorchScript", run), {}
+
+
+_STEPS: dict[str, Callable[[_Job], Artifact]] = {
+    "onnx": _onnx_step,
+    "pt2": _pt2_step,
+    "torchscript": _torchscript_step,
+}
+
+
+def _recurrent(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.RNNBase) for m in module.modules())
+
+
+def _shape_facts(
+    program: ExportedProgram | None,
+    eager_run: Runner,
+    probes: list[Probe],
+    eager: list[dict[str, np.ndarray]],
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    batched: bool,
+    buckets: tuple[int, ...],
+    tolerance: Tolerance,
+) -> ShapeFacts | None:
+    """The dynamic dims' axes and ranges, the output dims that follow them, and whether
+    padding to the buckets leaves the answer unchanged (:mod:`service.export.shapes`)."""
+    if not any(-1 in t.shape for t in inputs):
+        return None
+    longest = max(buckets)
+    if program is not None:
+        found, batch_symbols = export_shapes.graph_axes(program, inputs, batched, longest)
+        axes = tuple(found.values())
+        follows, why = export_shapes.graph_follows(program, outputs, found, batch_symbols, batched)
+    else:
+        axes = tuple(a.model_copy(update={"max": longest}) for a in guess_axes(inputs, batched))
+        real = probes[0][axes[0].dims[0][0]].shape[axes[0].dims[0][1]]
+        large = (longest, eager[-1]) if len(probes) > 1 else (real, eager[0])
+        follows, why = export_shapes.probed_follows(outputs, axes, (real, eager[0]), large, batched)
+    for axis in axes:
+        if below := [b for b in buckets if b < axis.min]:
+            name, index = axis.dims[0]
+            raise ExportError(
+                f"buckets {below} are below the smallest size input '{name}' dim {index} takes "
+                f"({axis.min}, as torch.export found)"
+            )
+    if not why:
+        why = export_shapes.padding_verdict(eager_run, probes[0], axes, buckets, follows, tolerance)
+    if why:
+        log.warning("padding changes this model's answer (%s): it will be served at exactly "
+                    "the buckets %s", why, list(buckets))  # fmt: skip
+    return ShapeFacts(
+        axes=axes, buckets=buckets, pad=not why, reason=why, follows=follows if not why else {}
+    )
+
+
+def _with_ranges(
+    module: torch.nn.Module,
+    program: ExportedProgram | None,
+    golden: Probe,
+    inputs: Sequence[TensorConfig],
+) -> list[TensorConfig]:
+    """The inputs with the value ranges the graph proves (an input's own range is kept). A
+    module torch.export cannot keep dynamic is read at the golden inputs' static shapes."""
+    if program is None:
+        torch_log = logging.getLogger("torch")
+        level = torch_log.level
+        torch_log.setLevel(logging.CRITICAL)  # its second refusal, at length, says nothing new
+        try:
+            program, _ = _exported_program(module, _tensors(golden, inputs), None)
+        finally:
+            torch_log.setLevel(level)
+    if program is None:
+        return list(inputs)
+    found = export_shapes.index_ranges(program, inputs)
+    typed = [t for t in inputs if t.name in found and TO_NUMPY[t.datatype].kind in "iu"]
+    ranged = {t.name: found[t.name] for t in typed if t.range is None}
+    for name, (low, high) in ranged.items():
+        log.info("input '%s' indexes a table of %d rows: values outside [%d, %d] are refused",
+                 name, high + 1, low, high)  # fmt: skip
+    return [
+        t.model_copy(update={"range": ranged[t.name]}) if t.name in ranged else t for t in inputs
+    ]
+
+
+def _prepare(module: torch.nn.Module) -> torch.nn.Module:
+    training = [n or "(root)" for n, m in module.named_modules() if m.training]
+    if training:
+        warnings.warn(
+            f"module was in training mode ({len(training)} submodules, e.g. {training[:3]}); "
+            "exporting it in eval mode",
+            stacklevel=3,
+        )
+    module.eval()
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    return module
+
+
+def _tensors(arrays: Probe, inputs: Sequence[TensorConfig]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.from_numpy(arrays[t.name].copy()) for t in inputs)
+
+
+def _shape_probes(
+    golden: Probe, inputs: Sequence[TensorConfig], max_batch_size: int, buckets: Sequence[int]
+) -> list[Probe]:
+    """The golden rows at one row, and at ``max_batch_size`` rows padded (with zeros, as the
+    server pads) to the longest bucket: every artifact must answer at both ends of its range.
+    The last probe is the largest, the one that ``torch.export`` traces (a dim of size 1 would
+    be taken for a constant)."""
+    if max_batch_size < 2:
+        return []
+    longest = max(buckets, default=0)
+    smallest: Probe = {}
+    largest: Probe = {}
+    for tensor in inputs:
+        array = golden[tensor.name]
+        smallest[tensor.name] = array[:1]
+        rows = np.take(array, np.arange(max_batch_size) % len(array), axis=0)
+        pad = [(0, 0)] + [
+            (0, max(longest - n, 0)) if d == -1 else (0, 0)
+            for d, n in zip(tensor.shape, array.shape[1:], strict=True)
+        ]
+        largest[tensor.name] = np.pad(rows, pad)
+    return [smallest, largest]
+
+
+def _dynamic_shapes(
+    inputs: Sequence[TensorConfig], max_batch_size: int, buckets: Sequence[int]
+) -> tuple[dict[int, Any], ...]:
+    """torch.export's dims: the batch over 1..max_batch_size and each -1 dim up to the longest
+    bucket. DYNAMIC (not AUTO): a module that pins a dim to its example's size is refused, not
+    exported for that size alone; dims that must be equal (ids and mask) are found by torch."""
+    longest = max(buckets, default=None)
+    shapes = []
+    for tensor in inputs:
+        dims: dict[int, Any] = {}
+        if max_batch_size > 1:
+            dims[0] = Dim.DYNAMIC(min=1, max=max_batch_size)
+        offset = 1 if max_batch_size > 0 else 0
+        for i, dim in enumerate(tensor.shape):
+            if dim == -1:
+                dims[i + offset] = Dim.DYNAMIC(min=1, max=longest)
+        shapes.append(dims)
+    return tuple(shapes)
+
+
+def _exported_program(
+    module: torch.nn.Module,
+    example: tuple[torch.Tensor, ...],
+    shapes: tuple[dict[int, Any], ...] | None,
+) -> tuple[ExportedProgram | None, str]:
+    """The module through ``torch.export``, or None and the first line of why it could not."""
+    try:
+        return torch.export.export(module, example, dynamic_shapes=shapes), ""
+    except Exception as exc:  # torch.export raises many unrelated types for untraceable code
+        return None, f"torch.export failed: {_first_line(exc)}"
+
+
+def _export_pt2(program: ExportedProgram, path: Path, cpu: str) -> dict[str, str | None]:
+    """Compile the AOTInductor package for ``cpu``; return what it needs to load, for the
+    manifest."""
+    from torch._inductor import aoti_compile_and_package
+
+    metadata = {TORCH_KEY: torch.__version__, CPU_KEY: cpu,
+                CPU_FLAGS_KEY: " ".join(sorted(cpu_targets.needed_flags(cpu)))}  # fmt: skip
+    # Freezing folds the weights into the graph as constants and lays out the matrix products'
+    # weights once, at compile time, for oneDNN; unfrozen, every call to MKL's sgemm packs the
+    # weight matrix again, which costs more than the product for short inputs
+    # (docs/performance.md#artifacts). Inductor freezes only where autograd is off.
+    options = {"aot_inductor.metadata": metadata, "freezing": True}
+    with torch.no_grad():
+        aoti_compile_and_package(
+            program,
+            package_path=str(path),
+            inductor_configs={**options, **cpu_targets.inductor_options(cpu)},
+        )
+    needs = package_needs(path)
+    return {
+        "pt2_device": needs.get("AOTI_DEVICE_KEY"),
+        "pt2_cpu": cpu,
+        "pt2_cpu_flags": needs.get(CPU_FLAGS_KEY),
+        "pt2_cpu_isa": needs.get("AOTI_CPU_ISA") or None,
+        "pt2_compute_capability": needs.get("AOTI_COMPUTE_CAPABILITY") or None,
+    }
+
+
+def _pt2_runner(path: Path, device: str, signature: Signature) -> Runner:
+    """The package loaded as the server loads it (its refusals included)."""
+    runtime = Pt2Runtime(RuntimeOptions(device, torch.get_num_threads()))
+    try:
+        runtime.load(path, signature, max_batch_size=0)
+    except ModelLoadError as exc:
+        raise ExportError(f"the AOTInductor package does not load: {exc}") from None
+    return runtime.run
+
+
+def _export_torchscript(
+    module: torch.nn.Module, example: tuple[torch.Tensor, ...], path: Path
+) -> torch.jit.ScriptModule:
+    try:
+        scripted = torch.jit.script(module)
+    except Exception as exc:  # torch.jit raises many unrelated types for unscriptable code
+        warnings.warn(
+            f"torch.jit.script failed ({_first_line(exc)}); falling back to torch.jit.trace, "
+            "which records one path through data-dependent control flow",
+            stacklevel=3,
+        )
+        with torch.no_grad():
+            scripted = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]  # torch.jit is untyped
+    scripted.save(str(path))  # type: ignore[no-untyped-call]  # torch.jit is untyped
+    loaded: torch.jit.ScriptModule = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]  # torch.jit is untyped
+    return loaded
+
+
+def _run_module(
+    module: torch.nn.Module,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    arrays: Probe,
+) -> dict[str, np.ndarray]:
+    with torch.inference_mode():
+        return _as_outputs(module(*_tensors(arrays, inputs)), outputs)
+
+
+def _export_onnx_dynamo(
+    program: ExportedProgram,
+    path: Path,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    opset: int,
+) -> None:
+    # A warning for each torchvision operator it cannot register, and each optimiser pass at
+    # INFO: nothing a user acts on.
+    for name in ("torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.onnx.export(
+        program,
+        (),
+        str(path),
+        input_names=[t.name for t in inputs],
+        opset_version=opset,
+        dynamo=True,
+        external_data=False,  # one self-contained file, as the version folder's layout expects
+        verbose=False,
+    )
+    _name_outputs(path, [t.name for t in outputs])
+
+
+def _name_outputs(path: Path, names: Sequence[str]) -> None:
+    """Give the graph's outputs their declared names. The exporter's own output_names renames
+    without looking, and an output called after an operator (``embedding``) then clashes with
+    the value that operator's node already carries: that value is renamed first."""
+    import onnx
+
+    model = onnx.load(str(path))
+    graph = model.graph
+    renames = {o.name: new for o, new in zip(graph.output, names, strict=True) if o.name != new}
+    taken = {n for node in graph.node for n in (*node.input, *node.output)}
+    renames.update({new: f"{new}_inner" for new in renames.values() if new in taken})
+    for node in graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
+    for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer):
+        value.name = renames.get(value.name, value.name)
+    onnx.save(model, str(path))
+
+
+def _export_onnx(
+    module: torch.nn.Module,
+    golden: Probe,
+    path: Path,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    max_batch_size: int,
+    opset: int,
+) -> None:
+    """The TorchScript-based exporter, the fallback for what the dynamo exporter cannot do."""
+    axes = _dynamic_axes([*inputs, *outputs], max_batch_size)
+    with warnings.catch_warnings(), torch.no_grad():
+        # Its deprecation warnings are why this is the fallback; the caller logged the reason.
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            _tensors(golden, inputs),
+            str(path),
+            input_names=[t.name for t in inputs],
+            output_names=[t.name for t in outputs],
+            dynamic_axes={k: dict(v) for k, v in axes.items()},
+            opset_version=opset,
+            dynamo=False,
+        )
+
+
+def _opset(path: Path) -> int:
+    """The ai.onnx opset the file was written with."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return int(next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _run_onnx(path: Path, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, dict(inputs)), strict=True))
+
+
+def _as_outputs(result: object, outputs: Sequence[TensorConfig]) -> dict[str, np.ndarray]:
+    if isinstance(result, torch.Tensor):
+        result = (result,)
+    if isinstance(result, dict):
+        result = tuple(result[t.name] for t in outputs)
+    if not isinstance(result, (tuple, list)) or len(result) != len(outputs):
+        raise ExportError(f"forward() must return {len(outputs)} tensor(s), got {type(result)}")
+    arrays = {}
+    for spec, tensor in zip(outputs, result, strict=True):
+        array = tensor.detach().cpu().numpy()
+        if array.dtype != TO_NUMPY[spec.datatype]:
+            raise ExportError(
+                f"output '{spec.name}' is declared {spec.datatype}, "
+                f"the module returns {array.dtype}"
+            )
+        arrays[spec.name] = array
+    return arrays
+
+
+def _compare(
+    what: str,
+    eager: Mapping[str, np.ndarray],
+    served: Mapping[str, np.ndarray],
+    tolerance: Tolerance,
+) -> dict[str, float]:
+    worst_abs = worst_rel = 0.0
+    for name, want in eager.items():
+        got = served[name]
+        if got.shape != want.shape:
+            raise ExportError(f"{what}: output '{name}' has shape {got.shape}, eager {want.shape}")
+        error = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        scale = np.abs(want.astype(np.float64))
+        max_abs = float(error.max(initial=0.0))
+        max_rel = float((error / np.maximum(scale, 1e-12)).max(initial=0.0))
+        worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
+        if not np.all(error <= tolerance.atol + tolerance.rtol * scale):
+            raise ExportError(
+                f"{what} disagrees with eager PyTorch on output '{name}': max abs error "
+                f"{max_abs:.3g}, max rel error {max_rel:.3g} (tolerance atol={tolerance.atol:g}, "
+                f"rtol={tolerance.rtol:g})"
+            )
+    return {"max_abs": worst_abs, "max_rel": worst_rel}
+
+
+def _dynamic_axes(
+    tensors: Sequence[TensorConfig], max_batch_size: int
+) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    offset = 1 if max_batch_size > 0 else 0
+    for tensor in tensors:
+        dims = {0: "batch"} if offset else {}
+        for i, dim in enumerate(tensor.shape):
+            if dim == -1:
+                dims[i + offset] = f"{tensor.name}_{i + offset}"
+        if dims:
+            axes[tensor.name] = dims
+    return axes
+
+
+def _versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    for package in ("onnx", "onnxruntime"):
+        try:
+            versions[package] = __import__(package).__version__
+        except ImportError:
+            versions[package] = None
+    return versions

@@ -1,0 +1,247 @@
+"""What ``tensorgate export`` proves about a module's inputs before the server relies on it.
+
+- **Axes and ranges of the dynamic dims** (:func:`graph_axes`): ``torch.export`` names each
+  dynamic size with a symbol; input dims that share one are an axis (they must agree), and its
+  range constraint is the smallest and largest size the program takes.
+- **Which output dims follow which input dim** (:func:`graph_follows`): an output dim's
+  symbolic size, as a function of one input symbol, evaluated for every size up to the longest
+  bucket, so the server can crop a padded output back to the caller's size exactly (a strided
+  convolution's ``(h - 5) // 2 + 1`` as well as a tagger's ``n``). Without a program
+  (:func:`probed_follows`), only an output dim equal to its input dim at two sizes is known.
+- **Whether padding changes the answer** (:func:`padding_verdict`): the golden rows run in
+  eager PyTorch unpadded and padded (with zeros, as the server pads) to each bucket; the
+  outputs over the real region must agree within the manifest's tolerance.
+- **Value ranges** (:func:`index_ranges`): an integer input that indexes an ``nn.Embedding``
+  (or ``F.embedding``, or a parameter by ``[]``), itself or through views of it (a column, a
+  reshape), takes ``[0, rows - 1]`` (``[-rows, rows - 1]`` for ``[]``, which counts from the
+  end as eager PyTorch does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.export import ExportedProgram
+
+from service.artifacts.manifest import Tolerance
+from service.artifacts.shapes import Axis, Dim, Follow
+from service.model_config import TensorConfig
+
+Probe = dict[str, np.ndarray]
+EagerRun = Callable[[Probe], dict[str, np.ndarray]]
+
+
+def _user_nodes(program: ExportedProgram, names: Sequence[str]) -> dict[str, Any]:
+    nodes = {n.name: n for n in program.graph.nodes}
+    return {name: nodes[name] for name in names if name in nodes}
+
+
+def _symbol(size: object) -> Any:
+    """The sympy symbol of a dynamic size (None for a static one or an expression)."""
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        return expr if expr.is_Symbol else None
+    return None
+
+
+def graph_axes(
+    program: ExportedProgram, inputs: Sequence[TensorConfig], batched: bool, longest: int
+) -> tuple[dict[Any, Axis], set[Any]]:
+    """Each dynamic non-batch size's axis, keyed by its symbol, and the batch symbols."""
+    placeholders = _user_nodes(program, program.graph_signature.user_inputs)
+    dims: dict[Any, list[Dim]] = {}
+    batch_symbols: set[Any] = set()
+    for tensor, name in zip(inputs, program.graph_signature.user_inputs, strict=True):
+        shape = placeholders[name].meta["val"].shape
+        for index, size in enumerate(shape):
+            symbol = _symbol(size)
+            if symbol is None:
+                continue
+            if batched and index == 0:
+                batch_symbols.add(symbol)
+            else:
+                dims.setdefault(symbol, []).append((tensor.name, index))
+    axes = {}
+    for symbol, members in dims.items():
+        bounds = program.range_constraints.get(symbol)
+        low = int(bounds.lower) if bounds is not None else 1
+        high = longest if bounds is None or not bounds.upper.is_finite else int(bounds.upper)
+        # torch.export takes sizes 0 and 1 for constants, so every dynamic size it reports
+        # starts at 2 at least: 1 is taken (the server pads it, or runs it as exported).
+        axes[symbol] = Axis(dims=tuple(members), min=1 if low <= 2 else low, max=min(high, longest))
+    return axes, batch_symbols
+
+
+def graph_follows(
+    program: ExportedProgram,
+    outputs: Sequence[TensorConfig],
+    axes: Mapping[Any, Axis],
+    batch_symbols: set[Any],
+    batched: bool,
+) -> tuple[dict[str, dict[int, Follow]], str]:
+    """Output dims whose size follows one input dim, and why padding cannot be cropped back
+    ("" when every output dim can)."""
+    import sympy  # type: ignore[import-untyped]  # torch's dependency, untyped
+
+    nodes = _user_nodes(program, program.graph_signature.user_outputs)
+    follows: dict[str, dict[int, Follow]] = {}
+    for tensor, name in zip(outputs, program.graph_signature.user_outputs, strict=True):
+        value = nodes[name].meta.get("val") if name in nodes else None
+        if value is None:
+            return {}, f"torch.export gives no shape for output '{tensor.name}'"
+        for index, size in enumerate(value.shape):
+            if not isinstance(size, torch.SymInt) or (batched and index == 0):
+                continue
+            expr = size.node.expr
+            free = expr.free_symbols - batch_symbols
+            if expr.free_symbols & batch_symbols or len(free) != 1 or next(iter(free)) not in axes:
+                return {}, (
+                    f"output '{tensor.name}' dim {index} has size {expr}, which depends on "
+                    "the batch or on several padded dims, so it cannot be cropped back"
+                )
+            symbol = next(iter(free))
+            axis = axes[symbol]
+            source, dim = axis.dims[0]
+            sizes = None
+            if expr != symbol:
+                sizes = tuple(
+                    max(int(expr.xreplace({symbol: sympy.Integer(n)})), 0)
+                    for n in range(1, axis.max + 1)
+                )
+            follows.setdefault(tensor.name, {})[index] = Follow(input=source, dim=dim, sizes=sizes)
+    return follows, ""
+
+
+def probed_follows(
+    outputs: Sequence[TensorConfig],
+    axes: Sequence[Axis],
+    small: tuple[int, Mapping[str, np.ndarray]],
+    large: tuple[int, Mapping[str, np.ndarray]],
+    batched: bool,
+) -> tuple[dict[str, dict[int, Follow]], str]:
+    """Without a program: the eager outputs with every axis at ``small[0]`` and at
+    ``large[0]``. An output dim equal to the axes' size both times follows the output's k-th
+    dynamic axis; one that changes otherwise cannot be cropped back without torch.export."""
+    offset = 1 if batched else 0
+    follows: dict[str, dict[int, Follow]] = {}
+    for tensor in outputs:
+        dynamic = [i + offset for i, d in enumerate(tensor.shape) if d == -1]
+        for k, index in enumerate(dynamic):
+            a, b = small[1][tensor.name].shape[index], large[1][tensor.name].shape[index]
+            if a == b:
+                continue
+            if (a, b) == (small[0], large[0]) and axes:
+                source, dim = axes[min(k, len(axes) - 1)].dims[0]
+                follows.setdefault(tensor.name, {})[index] = Follow(input=source, dim=dim)
+                continue
+            return {}, (
+                f"output '{tensor.name}' dim {index} changes with the input's size ({a} at "
+                f"{small[0]}, {b} at {large[0]}), and without torch.export's symbolic shapes "
+                "export cannot tell how, to crop it back"
+            )
+    return follows, ""
+
+
+def crop_to(
+    outputs: Mapping[str, np.ndarray], follows: Mapping[str, Mapping[int, Follow]], real: int
+) -> dict[str, np.ndarray]:
+    """Outputs of a padded run cut to the region an input of ``real`` size gives."""
+    cut = {}
+    for name, array in outputs.items():
+        region = [slice(None)] * array.ndim
+        for index, follow in follows.get(name, {}).items():
+            region[index] = slice(0, follow.size(real))
+        cut[name] = array[tuple(region)]
+    return cut
+
+
+def padding_verdict(
+    run: EagerRun,
+    golden: Probe,
+    axes: Sequence[Axis],
+    buckets: Sequence[int],
+    follows: Mapping[str, Mapping[int, Follow]],
+    tolerance: Tolerance,
+) -> str:
+    """ "" when padding the golden rows to each bucket leaves their outputs over the real
+    region unchanged (in eager PyTorch), else what changed."""
+    sizes = {golden[name].shape[index] for axis in axes for name, index in axis.dims}
+    if len(sizes) != 1:
+        return f"the golden inputs' dynamic dims differ in size ({sorted(sizes)})"
+    real = sizes.pop()
+    reference = run(golden)
+    for bucket in (b for b in buckets if b > real):
+        padded = dict(golden)
+        for axis in axes:
+            for name, index in axis.dims:
+                widths = [(0, 0)] * padded[name].ndim
+                widths[index] = (0, bucket - real)
+                padded[name] = np.pad(padded[name], widths)
+        try:
+            got = crop_to(run(padded), follows, real)
+        except Exception as exc:  # the module itself refusing the padded input
+            return f"the module fails on the golden rows padded to {bucket}: {exc}"
+        for name, want in reference.items():
+            have = got[name]
+            if have.shape != want.shape:
+                return (
+                    f"output '{name}' is {list(have.shape)} when padded to {bucket} and cut "
+                    f"back, {list(want.shape)} unpadded"
+                )
+            error = np.abs(have.astype(np.float64) - want.astype(np.float64))
+            limit = tolerance.atol + tolerance.rtol * np.abs(want.astype(np.float64))
+            if not np.all(error <= limit):
+                return (
+                    f"padding the golden rows from {real} to {bucket} changes output '{name}' "
+                    f"over the real region by up to {float(error.max()):.3g}"
+                )
+    return ""
+
+
+def _through_views(node: Any) -> Any:
+    """The tensor a chain of views (select, slice, reshape...) reads its values from: the
+    values are the input's own, only fewer or rearranged."""
+    ops = torch.ops.aten
+    views = {
+        ops.select.int, ops.slice.Tensor, ops.squeeze.dim, ops.squeeze.dims, ops.squeeze.default,
+        ops.unsqueeze.default, ops.view.default, ops.reshape.default, ops.flatten.using_ints,
+        ops.alias.default, ops.clone.default, ops.permute.default, ops.t.default,
+        ops.expand.default, ops.contiguous.default,
+    }  # fmt: skip
+    while getattr(node, "op", None) == "call_function" and node.target in views:
+        node = node.args[0]
+    return node
+
+
+def index_ranges(
+    program: ExportedProgram, inputs: Sequence[TensorConfig]
+) -> dict[str, tuple[int, int]]:
+    """Integer inputs that index a weight directly, and the values that index it."""
+    names = dict(zip(program.graph_signature.user_inputs, (t.name for t in inputs), strict=True))
+    ops = torch.ops.aten
+    ranges: dict[str, tuple[int, int]] = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is ops.embedding.default:
+            weight, index = node.args[0], node.args[1]
+            negative = False
+        elif node.target is ops.index.Tensor and len(node.args[1]) >= 1:
+            weight, index = node.args[0], node.args[1][0]
+            negative = True
+        else:
+            continue
+        index = _through_views(index)
+        if getattr(index, "op", None) != "placeholder" or index.name not in names:
+            continue
+        if getattr(weight, "op", None) != "placeholder" or weight.name in names:
+            continue  # indexes another input, whose size the request decides
+        rows = int(weight.meta["val"].shape[0])
+        bounds = (-rows if negative else 0, rows - 1)
+        name = names[index.name]
+        old = ranges.get(name, bounds)
+        ranges[name] = (max(old[0], bounds[0]), min(old[1], bounds[1]))
+    return ranges

@@ -1,0 +1,115 @@
+"""The gRPC server in uvicorn's event loop: Triton's ``inference.GRPCInferenceService``
+(:mod:`service.grpc.servicer`) and the standard ``grpc.health.v1.Health``, started and stopped by
+the app's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from service.cluster.workers import Cluster
+from service.grpc.servicer import SERVICE, InferenceServicer
+from service.limits.admission import BodyBudget
+from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.pb import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("tensorgate.grpc")
+
+_COMPRESSION_LEVEL_LOW = 1
+"""grpc_compression_level GRPC_COMPRESS_LEVEL_LOW: gzip when the client accepts it, else
+deflate, else none (grpc.Compression names algorithms only)."""
+_HealthStatus = health_pb2.HealthCheckResponse.ServingStatus
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health`` for Kubernetes ``grpc:`` probes: SERVING when the server is
+    ready (the service ``""`` or ``inference.GRPCInferenceService``). Open, whatever the token
+    settings: a kubelet's probe sends no metadata, and the answer is one word."""
+
+    WATCH_INTERVAL_S = 1.0
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    async def _status(self, service: str) -> Any:
+        if service not in ("", SERVICE):
+            return None
+        ready = (await self.cluster.probe("ready"))[0]
+        return _HealthStatus.SERVING if ready else _HealthStatus.NOT_SERVING
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: Any
+    ) -> health_pb2.HealthCheckResponse:
+        status = await self._status(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: Any
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        last = None
+        while True:
+            status = await self._status(request.service)
+            status = _HealthStatus.SERVICE_UNKNOWN if status is None else status
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(self.WATCH_INTERVAL_S)
+
+
+class GrpcServer:
+    """The started gRPC server, as the app's lifespan holds it."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: InferenceServicer) -> None:
+        self.server = server
+        self.servicer = servicer
+
+    async def stop(self, grace_s: float) -> None:
+        """End open streams once their requests in flight are answered (an idle stream would
+        otherwise hold the server for the whole grace), and stop within ``grace_s``."""
+        self.servicer.closing.set()
+        await self.server.stop(grace_s)
+
+
+async def start_grpc(cluster: Cluster, budget: BodyBudget | None = None) -> GrpcServer:
+    """A started gRPC server on ``TG_HOST:TG_GRPC_PORT`` in the running event loop; its
+    inference requests hold their size in ``budget``, REST's budget for bodies in flight."""
+    settings = cluster.dataplane.settings
+    server = grpc.aio.server(
+        options=[
+            # Triton's meaning: a larger message is RESOURCE_EXHAUSTED, checked by gRPC itself
+            # after decompression, before any of it reaches Python.
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_send_message_length", -1),
+            # Answers compressed as the client accepts: a compression *level* makes gRPC pick,
+            # call by call, an encoding (gzip first) from the client's grpc-accept-encoding, and
+            # none when it lists none. Python never sees that header (nor a request's
+            # grpc-encoding), and an algorithm set per call is sent whatever the client accepts
+            # (a client without it fails), so the level is the way. Small answers are left as
+            # they are (_compress_if_worth_it); gRPC itself sends any that would not shrink.
+            ("grpc.default_compression_level", _COMPRESSION_LEVEL_LOW),
+            # The bounds HTTP connections have (service/limits/connections.py): at most
+            # TG_MAX_CONNECTIONS open (one more is closed before gRPC reads from it), and
+            # TG_HEADER_TIMEOUT_S for a new connection's HTTP/2 preface and settings to arrive
+            # (a silent socket is closed then).
+            ("grpc.max_allowed_incoming_connections", settings.max_connections),
+            ("grpc.server_handshake_timeout_ms", max(1, round(settings.header_timeout_s * 1000))),
+        ],
+    )
+    servicer = InferenceServicer(cluster, budget)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
+        servicer, server
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
+        HealthServicer(cluster), server
+    )
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    port = server.add_insecure_port(f"{host}:{settings.grpc_port}")
+    await server.start()
+    log.info("gRPC listening on %s:%d", settings.host, port)
+    return GrpcServer(server, servicer)

@@ -1,0 +1,329 @@
+"""gRPC for every RPC, in one place, as :mod:`service.http.answer` is for HTTP: Triton's
+``inference.GRPCInferenceService``, served by a ``grpc.aio`` server in the event loop uvicorn
+runs (:mod:`service.grpc.server`: started and stopped by the app's lifespan).
+
+These take care of the gRPC-specific things (metadata, deadlines, status codes) and delegate
+to the same :class:`~service.core.dataplane.DataPlane` the REST routes call: gRPC and REST requests
+share each model's scheduler, and so batch together. :func:`grpc_status` is the one mapping of
+errors to gRPC status codes, Triton's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+
+from service.cluster.workers import Cluster
+from service.errors import ModelNotFound, ServerBusy, TensorgateError
+from service.grpc.streaming import completion_order
+from service.limits.admission import BodyBudget
+from service.limits.auth import check_authorization
+from service.limits.compression import MIN_COMPRESS_BYTES
+from service.protocol import grpc as codec
+from service.protocol.pb import grpc_service_pb2 as pb
+from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from service.repository import metadata
+from service.telemetry.logs import REQUEST_ID, request_id_for
+
+log = logging.getLogger("tensorgate.grpc")
+
+T = TypeVar("T")
+
+SERVICE = "inference.GRPCInferenceService"
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    499: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+SHARED_MEMORY = (
+    "shared memory is not supported by tensorgate: send tensors in raw_input_contents "
+    "(the server may run on another machine than its clients)"
+)
+ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (TG_ADMIN_TOKEN)"
+STREAM_IN_FLIGHT = 64
+"""Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
+done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
+
+
+def _compress_if_worth_it(
+    context: grpc.aio.ServicerContext[Any, Any], response: pb.ModelInferResponse
+) -> None:
+    """Leave a small answer uncompressed; a larger one is compressed with an encoding the client
+    accepts (``grpc-accept-encoding``; see :func:`start_grpc`)."""
+    if response.ByteSize() < MIN_COMPRESS_BYTES:
+        context.disable_next_message_compression()
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Any error → its gRPC status and message, as Triton maps HTTP's: a client's error keeps
+    its message; anything else is our bug, logged, INTERNAL."""
+    if isinstance(exc, TensorgateError):
+        if exc.status == 500:
+            log.error("gRPC call failed: %s", exc.message, exc_info=exc.__cause__)
+        return _CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
+    log.error("gRPC call: internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, (
+        f"internal server error (request {REQUEST_ID.get() or ''}); see the server log"
+    )
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """``inference.GRPCInferenceService`` over the DataPlane. Every RPC but the health ones asks
+    for the API token (``authorization: Bearer …`` metadata) when one is set."""
+
+    def __init__(self, cluster: Cluster, budget: BodyBudget | None = None) -> None:
+        self.cluster = cluster
+        self.dataplane = cluster.dataplane
+        """Inference, and the repository's read-only views; the whole server is ``cluster``'s."""
+        self.settings = self.dataplane.settings
+        self.budget = budget
+        """The server's budget for request bodies in flight (:mod:`service.limits.admission`):
+        an inference request's message holds its size in it until answered."""
+        self.closing = asyncio.Event()
+        """Set when the server stops: open streams stop reading and end."""
+
+    async def _answer(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        work: Callable[[], Awaitable[T]],
+        token: str | None = "api",
+    ) -> T:
+        """Check the token, run ``work``, and turn its error into the call's status."""
+        headers = dict(context.invocation_metadata() or ())
+        REQUEST_ID.set(request_id_for(str(headers.get("x-request-id", ""))))
+        if token == "admin" and self.settings.admin_token is None:
+            # as REST, where the routes exist only with the token
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, ADMIN_OFF)
+        try:
+            if token is not None:
+                expected = (
+                    self.settings.admin_token if token == "admin" else self.settings.api_token
+                )
+                check_authorization(str(headers.get("authorization", "")), expected, token)
+            return await work()
+        except Exception as exc:
+            code, message = grpc_status(exc)
+        await context.abort(code, message)
+        raise AssertionError("abort() returns only by raising")  # pragma: no cover
+
+    def _health_token(self) -> str | None:
+        return "api" if self.settings.protect_health_and_metrics else None
+
+    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+        async def live() -> pb.ServerLiveResponse:
+            return pb.ServerLiveResponse(live=(await self.cluster.probe("live"))[0])
+
+        return await self._answer(context, live, self._health_token())
+
+    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+        async def ready() -> pb.ServerReadyResponse:
+            return pb.ServerReadyResponse(ready=(await self.cluster.probe("ready"))[0])
+
+        return await self._answer(context, ready, self._health_token())
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Any
+    ) -> pb.ModelReadyResponse:
+        async def ready() -> pb.ModelReadyResponse:
+            try:
+                ok = await self.cluster.model_ready(request.name, request.version or None)
+            except TensorgateError as exc:  # REST answers 503 for these: not ready, not an error
+                if isinstance(exc, ModelNotFound):
+                    raise
+                ok = False
+            return pb.ModelReadyResponse(ready=ok)
+
+        return await self._answer(context, ready, self._health_token())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        async def server() -> pb.ServerMetadataResponse:
+            return pb.ServerMetadataResponse(**metadata.server(self.settings))
+
+        return await self._answer(context, server)
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Any
+    ) -> pb.ModelMetadataResponse:
+        async def model() -> pb.ModelMetadataResponse:
+            found = metadata.model(self.dataplane.repository, request.name, request.version or None)
+            tensor = pb.ModelMetadataResponse.TensorMetadata
+            return pb.ModelMetadataResponse(
+                name=found["name"], versions=found["versions"], platform=found["platform"],
+                inputs=[tensor(**t) for t in found["inputs"]],
+                outputs=[tensor(**t) for t in found["outputs"]],
+            )  # fmt: skip
+
+        return await self._answer(context, model)
+
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ModelInferResponse:
+        async def infer() -> pb.ModelInferResponse:
+            response = await self._infer(request, context.time_remaining())
+            _compress_if_worth_it(context, response)
+            return response
+
+        return await self._answer(context, infer)
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        budget = self.budget
+        if budget is None:
+            return await self._answer_infer(request, timeout_s)
+        size = request.ByteSize()
+        budget.take(size)  # past the budget: UNAVAILABLE now, and the message is let go
+        try:
+            return await self._answer_infer(request, timeout_s)
+        finally:
+            budget.release(size)
+
+    async def _answer_infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> pb.ModelInferResponse:
+        dataplane = self.dataplane
+
+        async def decode() -> Any:
+            return codec.decode_request(request, timeout_s, dataplane.settings.max_tensor_elements)
+
+        raw = bool(request.raw_input_contents)
+        return await dataplane.infer(
+            request.model_name, request.model_version or None, "grpc", decode,
+            lambda result: codec.encode_result(result, raw),
+        )  # fmt: skip
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Each request of the stream answered as ModelInfer answers it, concurrently (they
+        batch together, and with everyone else's), in the order they complete: clients match
+        answers by request id. A request that fails gets ``error_message`` (and its id) and the
+        stream goes on. The token is the stream's, checked once; a stream opened while the
+        server drains is UNAVAILABLE, and one still open when it stops ends UNAVAILABLE after
+        its requests in flight are answered."""
+        headers = dict(context.invocation_metadata() or ())
+        stream_id = str(headers.get("x-request-id", ""))
+        try:
+            check_authorization(
+                str(headers.get("authorization", "")), self.settings.api_token, "api"
+            )
+            if self.dataplane.drain.refusing:
+                raise ServerBusy("the server is shutting down; send this request elsewhere")
+        except Exception as exc:
+            await context.abort(*grpc_status(exc))
+
+        async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+            REQUEST_ID.set(request_id_for(request.id or stream_id))  # this request's task
+            try:
+                response = await self._infer(request, context.time_remaining())
+            except Exception as exc:
+                _, message = grpc_status(exc)
+                failed = pb.ModelInferResponse(
+                    model_name=request.model_name, model_version=request.model_version,
+                    id=request.id,
+                )  # fmt: skip
+                return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+            return pb.ModelStreamInferResponse(infer_response=response)
+
+        answers = completion_order(request_iterator, answer, STREAM_IN_FLIGHT, self.closing)
+        async for response in answers:
+            _compress_if_worth_it(context, response.infer_response)
+            yield response
+        if self.closing.is_set():
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down: open a new stream (to another replica)",
+            )
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Any
+    ) -> pb.ModelConfigResponse:
+        async def config() -> pb.ModelConfigResponse:
+            body = metadata.config(self.dataplane.repository, request.name, request.version or None)
+            response = pb.ModelConfigResponse()
+            json_format.ParseDict(body, response.config, ignore_unknown_fields=True)
+            return response
+
+        return await self._answer(context, config)
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        async def statistics() -> pb.ModelStatisticsResponse:
+            name, version = request.name or None, request.version or None
+            stats = await self.cluster.statistics(name, version)
+            response = pb.ModelStatisticsResponse()
+            json_format.ParseDict(stats, response, ignore_unknown_fields=True)
+            return response
+
+        return await self._answer(context, statistics)
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any
+    ) -> pb.RepositoryIndexResponse:
+        async def index() -> pb.RepositoryIndexResponse:
+            rows = self.dataplane.repository.index()
+            if request.ready:
+                rows = [row for row in rows if row["state"] == "READY"]
+            entry = pb.RepositoryIndexResponse.ModelIndex
+            return pb.RepositoryIndexResponse(
+                models=[entry(**{k: v or "" for k, v in row.items()}) for row in rows]
+            )
+
+        return await self._answer(context, index, "admin")
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        async def load() -> pb.RepositoryModelLoadResponse:
+            await self.cluster.load_model(request.model_name)
+            return pb.RepositoryModelLoadResponse()
+
+        return await self._answer(context, load, "admin")
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        async def unload() -> pb.RepositoryModelUnloadResponse:
+            await self.cluster.unload_model(request.model_name)
+            return pb.RepositoryModelUnloadResponse()
+
+        return await self._answer(context, unload, "admin")
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
+
+    async def TraceSetting(self, request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "tracing is not supported")
+
+    async def LogSettings(self, request: Any, context: Any) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "log settings are set at start (TG_LOG_LEVEL)"
+        )

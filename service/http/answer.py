@@ -1,0 +1,280 @@
+"""HTTP for every route, in one place: the one function that answers an inference request
+(:func:`answer_inference`, given its route, headers and ASGI ``receive``), the one that turns
+any error into a status, headers and body (:func:`error_answer`), and the small helpers the
+other routes share. The plain-ASGI inference routes (:mod:`service.http.fast`) and the FastAPI
+ones (:mod:`service.http.infer`, which also document the API) both call them."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import orjson
+from fastapi import Request, Response
+from starlette.types import Receive
+
+from service.cluster.workers import Cluster
+from service.core.dataplane import DataPlane
+from service.errors import InvalidInput, PayloadTooLarge, TensorgateError
+from service.inference import InferenceRequest
+from service.limits import compression
+from service.limits.admission import error_body
+from service.limits.auth import check_authorization
+from service.protocol import v1, v2
+from service.telemetry.logs import REQUEST_ID
+
+log = logging.getLogger("tensorgate.app")
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was read: nobody is there to answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Which inference route a request came to."""
+
+    kind: Literal["infer", "predict", "preprocess"]
+    model: str
+    version: str | None = None
+
+
+@dataclass(slots=True)
+class Answer:
+    """What to send: status, headers (lower-case names) and body."""
+
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+CLIENT_GONE = 499
+"""nginx's status for a client that left before its answer: nobody reads it."""
+
+
+async def answer_inference(
+    dataplane: DataPlane,
+    route: Route,
+    headers: Mapping[str, str],
+    receive: Receive,
+    reserve: Callable[[int], None] | None = None,
+) -> Answer:
+    """Answer one inference request: token, body (within its limit), decode, the core, encode;
+    499 when the client leaves first, and any error as :func:`error_answer` maps it.
+    ``headers`` are the request's, names in lower case (the first of repeated ones);
+    ``reserve``: the server's budget for bodies in flight, told what a compressed body inflates
+    to (:mod:`service.limits.admission`)."""
+    settings = dataplane.settings
+    try:
+        check_authorization(headers.get("authorization", ""), settings.api_token, "api")
+        body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
+        encoding = headers.get("content-encoding")
+        if encoding is not None:
+            body = await dataplane.offload(
+                len(body) * 4, compression.decompress, body, encoding, settings.max_body_bytes,
+                reserve,
+            )  # fmt: skip
+        timeout_s = parse_timeout(headers.get("x-request-timeout"))
+        if route.kind == "infer":
+            header_length = v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(body))
+            work: Awaitable[Answer] = _infer(dataplane, route, body, header_length, timeout_s)
+        else:
+            work = _predict(dataplane, route, body, headers.get("content-type", ""), timeout_s)
+        answer = await until_disconnect(receive, work)
+    except ClientGone:
+        answer = None
+    except Exception as exc:
+        return error_answer(exc, f"POST {route.kind} {route.model}")
+    if answer is None:
+        return Answer(CLIENT_GONE, b"")
+    wanted = compression.choose(headers.get("accept-encoding", ""))
+    if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
+        body = await dataplane.offload(len(answer.body), compression.compress, answer.body, wanted)
+        encoded = {"content-encoding": wanted, "vary": "accept-encoding"}
+        answer = Answer(answer.status, body, {**answer.headers, **encoded})
+    return answer
+
+
+async def _infer(
+    dataplane: DataPlane,
+    route: Route,
+    body: bytes,
+    header_length: int | None,
+    timeout_s: float | None,
+) -> Answer:
+    binary_output = False
+
+    async def decode() -> InferenceRequest:
+        nonlocal binary_output
+        decoded = await dataplane.offload(
+            len(body),
+            v2.decode_request,
+            body,
+            header_length,
+            dataplane.settings.max_tensor_elements,
+        )
+        binary_output = decoded.binary_output
+        return decoded.to_core(route.model, route.version, timeout_s)
+
+    content, headers = await dataplane.infer(
+        route.model, route.version, "v2", decode,
+        lambda result: v2.encode_result(result, binary_output),
+    )  # fmt: skip
+    return Answer(200, content, headers)
+
+
+async def _predict(
+    dataplane: DataPlane, route: Route, body: bytes, content_type: str, timeout_s: float | None
+) -> Answer:
+    async def decode() -> InferenceRequest:
+        return await dataplane.offload(
+            len(body), v1.decode_predict, route.model, body, content_type, timeout_s
+        )
+
+    if route.kind == "preprocess":
+        tensors = await dataplane.preprocess(route.model, decode)
+        archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
+        return Answer(200, archive, {"content-type": "application/x-npz"})
+    content = await dataplane.infer(route.model, None, "v1", decode, v1.encode_predictions)
+    return Answer(200, content, {"content-type": "application/json"})
+
+
+def error_answer(exc: BaseException, what: str) -> Answer:
+    """Any error → its answer: a client's error with its status and ``{"error", "request_id"}``;
+    anything else is our bug: 500, logged with its traceback, its body naming the request id."""
+    if isinstance(exc, TensorgateError):
+        if exc.status == 500:
+            log.error("%s failed: %s", what, exc.message, exc_info=exc.__cause__)
+        return Answer(
+            exc.status,
+            error_body(exc.message),
+            {"content-type": "application/json", **_lower(exc.headers)},
+        )
+    log.error("%s: internal error", what, exc_info=exc)
+    request_id = REQUEST_ID.get() or ""
+    body = error_body(f"internal server error (request {request_id}); see the server log")
+    return Answer(500, body, {"content-type": "application/json"})
+
+
+def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def _npz(tensors: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **tensors)
+    return buffer.getvalue()
+
+
+def dataplane_of(request: Request) -> DataPlane:
+    """The app's DataPlane.
+
+    Read straight from app state rather than injected with ``Depends``: FastAPI's dependency
+    resolution cost more than half of a small request's server time (docs/performance.md).
+    """
+    dataplane: DataPlane = request.app.state.dataplane
+    return dataplane
+
+
+def cluster_of(request: Request) -> Cluster:
+    """The app's :class:`~service.cluster.workers.Cluster`: the whole server, for the routes
+    that answer for it (health, statistics, metrics, repository), read as the DataPlane is."""
+    cluster: Cluster = request.app.state.cluster
+    return cluster
+
+
+def json_response(
+    content: Any, status_code: int = 200, headers: Mapping[str, str] | None = None
+) -> Response:
+    """orjson-encoded JSON; no pydantic on the way out."""
+    return Response(
+        orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY),
+        status_code=status_code,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    return await receive_body(request.receive, request.headers.get("content-length"), limit)
+
+
+async def receive_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The body from ASGI ``receive``; 413 once it is known to exceed ``limit`` bytes."""
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("the client disconnected before it sent the whole body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_timeout(raw: str | None) -> float | None:
+    """An ``X-Request-Timeout`` value: seconds, > 0; None when absent."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 86_400:
+        raise InvalidInput(f"X-Request-Timeout must be seconds > 0 (got {raw!r})")
+    return value
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
+    """Await ``work`` in this task; if the client disconnects first, cancel it and return None.
+
+    ``receive`` is the request's ASGI receive, its body already read. Cancelling drops the
+    request from its model's queue, so a batch never runs for a client that is gone. The work
+    runs in the request's own task (a second task and ``asyncio.wait`` cost a request more than
+    the watcher does), so cancelling the request, as at shutdown, cancels its work too.
+    """
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        # The body has been read, so the next message the server sends is the disconnect.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not gone or current.cancelling() > 1:
+            raise  # cancelled from elsewhere too (shutdown): that cancellation goes on
+        current.uncancel()
+        return None
+    except Exception:
+        if not gone:
+            raise
+        current.uncancel()  # the work turned the cancellation into an error on its way out
+        return None
+    finally:
+        watcher.cancel()
+    if gone:  # the work swallowed the cancellation; nobody is there for its result
+        current.uncancel()
+        return None
+    return result

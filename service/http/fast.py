@@ -1,0 +1,61 @@
+"""The inference routes on plain ASGI: ``POST /v2/models/{name}[/versions/{v}]/infer`` and
+``POST /v1/models/{name}:predict``.
+
+FastAPI would route the request through Starlette's middleware and router, build a Request,
+validate the path parameters with pydantic and wrap the endpoint: per request, more than the
+server spends on a small model's whole protocol work (bench/protocol.py measures both in one
+run). This wrapper sits outside all of that: it matches the two hot paths itself and answers
+them with :func:`service.http.answer.answer_inference`, the function the FastAPI routes in
+:mod:`service.http.infer` call too (those stay, for the OpenAPI document and in-process use).
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
+
+from service.core.dataplane import DataPlane
+from service.http.answer import Route, answer_inference
+from service.limits.admission import reserve_of
+from service.telemetry.logs import REQUEST_ID, request_id_for
+
+_INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
+_PREDICT = re.compile(r"^/v1/models/([^/]+):predict$")
+
+
+class InferFastPath:
+    """Wraps the FastAPI app: the inference routes are answered here, everything else (and the
+    lifespan) goes to the app. Outermost, so that none of Starlette's or FastAPI's own
+    middleware (server errors, telemetry, body limit) runs for the hot routes."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = _route(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        dataplane: DataPlane | None = getattr(self.app.state, "dataplane", None)
+        if route is None or dataplane is None:  # None only before the lifespan has started
+            await self.app(scope, receive, send)
+            return
+        headers: dict[str, str] = {}
+        for key, value in scope["headers"]:  # the first of repeated headers wins, as in Starlette
+            headers.setdefault(key.decode("latin-1"), value.decode("latin-1"))
+        request_id = request_id_for(headers.get("x-request-id", ""))
+        REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
+        answer = await answer_inference(dataplane, route, headers, receive, reserve_of(scope))
+        raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
+        raw.append((b"content-length", str(len(answer.body)).encode()))
+        raw.append((b"x-request-id", request_id.encode()))
+        await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+        await send({"type": "http.response.body", "body": answer.body})
+
+
+def _route(scope: Scope) -> Route | None:
+    path = scope["path"]
+    if (infer := _INFER.match(path)) is not None:
+        return Route("infer", infer[1], infer[2])
+    if (predict := _PREDICT.match(path)) is not None:
+        return Route("predict", predict[1])
+    return None

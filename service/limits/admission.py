@@ -1,0 +1,132 @@
+"""The server-wide budget for request bodies: memory follows what the server holds, not what
+clients send.
+
+Each request's body limit (``max_body_bytes``) bounds one request; this bounds them all
+together. A request whose declared ``Content-Length`` would take the bytes held past
+``max_inflight_bytes`` is answered 503 with ``Retry-After`` before any of its body is read; the
+body is then discarded as it arrives (closing at once would reset the connection under a client
+that is still sending, before it could read the answer). A body without a declared length is counted
+as it arrives and refused the same way once it would pass the budget. A compressed body holds
+what it inflates to as well, counted as it inflates (:data:`RESERVE`): past the budget, 503
+before it is inflated further. Bytes stay counted until the request's answer has been sent,
+since decoding and inference hold them until then. gRPC inference requests hold their message's
+size in the same budget while they are answered (:mod:`service.grpc.servicer`): gRPC has received
+the message by then, so past the budget it is answered UNAVAILABLE at once and let go, instead
+of held through decoding and the queue.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.errors import ServerBusy
+from service.telemetry.counters import REFUSED, register_budget
+from service.telemetry.logs import REQUEST_ID, request_id_for
+
+RESERVE = "tensorgate.reserve"
+"""The ASGI scope key of a request's ``reserve(size)``: hold ``size`` more bytes for this request
+(its body inflating), or raise :class:`ServerBusy`. Callable from any thread."""
+
+
+def error_body(message: str) -> bytes:
+    """``{"error": ...}`` as the protocol says, plus the request id to find it in the logs."""
+    return orjson.dumps({"error": message, "request_id": REQUEST_ID.get()})
+
+
+def reserve_of(scope: Scope) -> Callable[[int], None] | None:
+    """The request's ``reserve`` (None outside a budget, as in process)."""
+    reserve: Callable[[int], None] | None = scope.get(RESERVE)
+    return reserve
+
+
+class BodyBudget:
+    """ASGI middleware holding request body bytes in flight under ``limit``."""
+
+    def __init__(self, app: ASGIApp, limit: int, max_body_bytes: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.max_body_bytes = max_body_bytes
+        self.held = 0
+        """Body bytes of the requests being handled now (declared or read so far, and what
+        compressed ones have inflated to)."""
+        self._lock = threading.Lock()  # bodies inflate on the thread pool
+        register_budget(self)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        held = 0
+
+        def reserve(size: int) -> None:
+            nonlocal held
+            self.take(size)
+            held += size
+
+        # A body over the per-request limit is the route's to refuse (413): reserve nothing.
+        if declared is not None and declared <= self.max_body_bytes:
+            try:
+                reserve(declared)
+            except ServerBusy as exc:
+                await _refuse(scope, send, exc.message)
+                return
+
+        async def counting_receive() -> Message:
+            message = await receive()
+            reserve(len(message.get("body", b"")))
+            return message
+
+        scope[RESERVE] = reserve
+        try:
+            await self.app(scope, receive if declared is not None else counting_receive, send)
+        finally:
+            self.release(held)
+
+    def take(self, size: int) -> None:
+        """Hold ``size`` more bytes, or raise :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when
+        that would pass the limit. Callable from any thread."""
+        with self._lock:
+            if self.held + size > self.limit:
+                REFUSED["body_budget"] += 1
+                raise ServerBusy(
+                    f"the server holds {self.held} bytes of request bodies and this one "
+                    f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
+                    "retry shortly"
+                )
+            self.held += size
+
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes once the request that held them has been answered."""
+        with self._lock:
+            self.held -= size
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope["headers"]:
+        if key == b"content-length":
+            return int(value) if value.isdigit() and len(value) < 20 else None
+    return None
+
+
+async def _refuse(scope: Scope, send: Send, message: str) -> None:
+    request_id = request_id_for(
+        next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+    )
+    REQUEST_ID.set(request_id)
+    body = error_body(message)
+    await send({
+        "type": "http.response.start",
+        "status": 503,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"),
+            (b"x-request-id", request_id.encode()),
+        ],
+    })  # fmt: skip
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,180 @@
+"""Guards on each HTTP connection, below the application: what a client may hold open costs
+the server a bounded amount, however the client behaves.
+
+uvicorn's httptools protocol has no limit on the number of connections (each one costs a file
+descriptor: enough idle ones and every new client is reset), no timeout for a connection that
+never sends a request, no limit on a request head's size and no timeout for a head or a body
+that stops arriving. This subclass adds them:
+
+- more than ``max_connections`` open: the new one is answered 503 (``Retry-After``) and closed;
+- a request head larger than ``max_header_bytes``: 431, closed;
+- a head not complete within ``header_timeout_s`` of the connection opening or of the request
+  starting (a silent or slowloris client): 408, closed;
+- a body not complete within ``body_timeout_s`` of its head: 408, closed; the application's
+  ``receive`` then reports a disconnect, so nothing waits on it.
+
+Each refusal is written straight to the transport (the application never sees the request) and
+counted in :data:`service.telemetry.counters.REFUSED`, by reason, for the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.telemetry.counters import REFUSED
+
+SWEEP_S = 0.25
+"""How often overdue heads and bodies are looked for: a timeout fires up to this late."""
+
+
+_REASONS = {
+    "too_many": (503, b"Service Unavailable"),
+    "header_too_large": (431, b"Request Header Fields Too Large"),
+    "header_timeout": (408, b"Request Timeout"),
+    "body_timeout": (408, b"Request Timeout"),
+}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The bounds one server puts on its connections (from :class:`service.settings.Settings`)."""
+
+    max_connections: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``limits`` (one class a
+    server: its sweep and its set of connections are its own)."""
+    return type(
+        "GuardedHttpProtocol",
+        (GuardedHttpProtocol,),
+        {"limits": limits, "_sweep": None, "_open": set()},
+    )
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the guards of this module."""
+
+    limits: ClassVar[ConnectionLimits]
+    _sweep: ClassVar[asyncio.TimerHandle | None] = None
+    _open: ClassVar[set[Any]] = set()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # When the head or body now under way must have arrived (loop time), and what to say
+        # then. Checked by one sweep a server (below), not by a timer per request: arming and
+        # cancelling two timers a request was a cost on every request.
+        self._deadline: float | None = None
+        self._waiting_for = ("", 0.0)
+        self._in_head = False  # a request has begun and its head is not complete yet
+        self._head_bytes = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(
+                "too_many",
+                f"the server has {self.limits.max_connections} connections open, its limit; "
+                "retry shortly",
+            )  # fmt: skip
+            return
+        type(self)._open = self.connections  # uvicorn's set of this server's connections
+        self._expect("header_timeout", self.limits.header_timeout_s)
+        self._schedule_sweep()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # Bytes of a head already under way are counted; the chunk a head begins in is not
+        # (it may end a previous body), so the bound is the limit plus one read.
+        counted = self._in_head
+        super().data_received(data)
+        if counted and self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._refuse(
+                    "header_too_large",
+                    f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
+                )  # fmt: skip
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+        if self._deadline is None:  # after a keep-alive pause: the head must now arrive in time
+            self._expect("header_timeout", self.limits.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._expect("body_timeout", self.limits.body_timeout_s)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._deadline = None
+        super().on_message_complete()
+
+    def _expect(self, reason: str, seconds: float) -> None:
+        self._deadline = self.loop.time() + seconds
+        self._waiting_for = (reason, seconds)
+
+    def _schedule_sweep(self) -> None:
+        cls = type(self)
+        if cls._sweep is None:
+            interval = min(SWEEP_S, self.limits.header_timeout_s, self.limits.body_timeout_s)
+            cls._sweep = self.loop.call_later(interval, cls._sweep_once, self.loop, interval)
+
+    @classmethod
+    def _sweep_once(cls, loop: asyncio.AbstractEventLoop, interval: float) -> None:
+        """Every ``interval``: refuse each connection whose head or body is overdue."""
+        cls._sweep = None
+        now = loop.time()
+        for connection in list(cls._open):
+            deadline = getattr(connection, "_deadline", None)
+            if deadline is not None and now >= deadline:
+                connection._expire()
+        if cls._open:
+            cls._sweep = loop.call_later(interval, cls._sweep_once, loop, interval)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        reason, seconds = self._waiting_for
+        if reason == "header_timeout" and self.cycle is not None and not self._in_head:
+            # Between requests (a response still being written, or keep-alive): uvicorn's
+            # own keep-alive timeout closes an idle connection.
+            return
+        part = "head" if reason == "header_timeout" else "body"
+        self._refuse(reason, f"the request {part} did not arrive within {seconds:g} s")
+
+    def _refuse(self, reason: str, message: str) -> None:
+        """Answer with ``reason``'s status unless a response has begun, then close."""
+        REFUSED[reason] += 1
+        self._deadline = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # The application holds this request: its receive() now reports a disconnect.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.close()
+                return
+        status, phrase = _REASONS[reason]
+        body = orjson.dumps({"error": message})
+        head = [
+            b"HTTP/1.1 %d %s\r\n" % (status, phrase),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n",
+        ]
+        if status == 503:
+            head.append(b"retry-after: 1\r\n")
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        self.transport.close()

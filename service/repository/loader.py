@@ -1,0 +1,305 @@
+"""Loading one model version: artifact → gates → pipelines → warmup, each a named step.
+
+The steps run in the order docs/architecture.md gives; each passes or raises ModelLoadError
+naming the refusal, which leaves the version UNAVAILABLE with that reason:
+
+1. ``_check_pins``: the manifest's library versions are ones this server can run;
+2. ``_open_runtimes``: the artifact opens on each instance's device (eval mode, no autograd);
+3. ``_check_artifact``: the preprocessing in config.yaml hashes to the manifest's, and the
+   golden inputs replay to the exported outputs, on every device;
+4. ``pipeline_for``: the pipeline fits the model's inputs; postprocessing fits its outputs;
+5. ``_warm_up``: every batch size × shape bucket has run, on every device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from service.artifacts.manifest import (
+    Golden,
+    Manifest,
+    Tolerance,
+    check_preprocessing,
+    check_versions,
+    compare_golden,
+    read_golden,
+    read_manifest,
+)
+from service.artifacts.shapes import ShapePolicy
+from service.batching.scheduler import BatchShape, batch_shape
+from service.datatypes import TO_NUMPY
+from service.errors import ModelLoadError
+from service.model_config import ModelConfig, TensorConfig
+from service.pipelines.classification import CLASSIFICATION, Classifier
+from service.pipelines.inputs import Pipeline, pipeline_for
+from service.runtimes import (
+    create_runtime,
+    cuda_device_count,
+    instance_devices,
+    resolve_device,
+    runtime_versions,
+)
+from service.runtimes.base import Runtime, RuntimeOptions, Signature
+from service.settings import Settings
+
+log = logging.getLogger("tensorgate.loader")
+Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+SKIPPED_WITHOUT_MANIFEST = (
+    "version gate skipped: no manifest.json",
+    "golden replay skipped: no manifest.json",
+    "preprocessing hash check skipped: no manifest.json",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedVersion:
+    """What loading a version made and found; it never changes once built (how it is served
+    is :class:`service.repository.serving.ServedVersion`'s)."""
+
+    name: str
+    config: ModelConfig
+    runtimes: tuple[Runtime, ...]
+    """One per instance on CUDA (each its own device, stream and graphs); one shared by every
+    instance on the CPU, where a session or module runs concurrent calls safely."""
+    signature: Signature
+    """As clients may fill it (value ranges included)."""
+    devices: tuple[str, ...]
+    """Each instance's device."""
+    pipeline: Pipeline | None
+    classifier: Classifier | None
+    manifest: Manifest | None
+    warnings: tuple[str, ...]
+    timings: Mapping[str, float]
+    warmup_timings: Mapping[str, float]
+    warmed: frozenset[BatchShape]
+    """The batch shapes warmup ran; a batch of any other shape counts as unwarmed."""
+    shapes: ShapePolicy
+    """How requests' dynamic dims are bounded, padded to the warmed buckets, and cropped back."""
+    golden: Golden | None
+    """The exported golden pairs, replayed after a request fails alone to tell whose fault it
+    was (None without a manifest)."""
+    tolerance: Tolerance
+
+    def replay_golden(self, runtime_run: Runner) -> str | None:
+        """None when ``runtime_run`` still answers the golden inputs as exported, else why not."""
+        if self.golden is None:
+            return None
+        try:
+            compare_golden(self.golden, runtime_run(self.golden.inputs), self.tolerance)
+        except ModelLoadError as exc:
+            return str(exc)
+        except Exception as exc:  # the runtime's own failure on inputs that ran at export
+            return f"golden replay failed: {type(exc).__name__}: {exc}"
+        return None
+
+    @property
+    def device(self) -> str:
+        """The instances' devices, as one string (``cuda:0,cuda:1`` when spread)."""
+        return ",".join(dict.fromkeys(self.devices))
+
+    @property
+    def verified(self) -> bool:
+        """True when every manifest gate ran and passed."""
+        return self.manifest is not None
+
+    @property
+    def batched(self) -> bool:
+        return self.config.max_batch_size > 0
+
+    def public_inputs(self) -> list[TensorConfig]:
+        """Inputs as clients see them: the model's, plus its pipeline's raw BYTES input."""
+        inputs = list(self.signature.inputs)
+        if self.pipeline is not None:
+            inputs.append(TensorConfig(name=self.pipeline.raw_input, datatype="BYTES", shape=()))
+        return inputs
+
+    @cached_property
+    def output_datatypes(self) -> dict[str, str]:
+        """Each public output's name and datatype (asked of every request)."""
+        return {t.name: t.datatype for t in self.public_outputs()}
+
+    def public_outputs(self) -> list[TensorConfig]:
+        """Outputs as clients see them: the model's, plus top-k classification strings."""
+        outputs = list(self.signature.outputs)
+        if self.classifier is not None:
+            outputs.append(
+                TensorConfig(name=CLASSIFICATION, datatype="BYTES", shape=(self.classifier.top_k,))
+            )
+        return outputs
+
+    def close(self) -> None:
+        for runtime in self.runtimes:
+            runtime.close()
+
+
+def load_version(name: str, path: Path, config: ModelConfig, settings: Settings) -> LoadedVersion:
+    """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal."""
+    started = time.perf_counter()
+    manifest = read_manifest(path)
+    warnings = _check_pins(name, config, manifest)
+    runtimes, signature, devices = _open_runtimes(name, path, config, manifest, settings, warnings)
+    loaded_at = time.perf_counter()
+    golden, tolerance = _check_artifact(path, config, manifest, runtimes, warnings)
+    shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
+    pipeline = pipeline_for(config, signature, path, name)
+    if pipeline is not None:
+        signature = pipeline.signature(signature)
+        pipeline.warm()
+    classifier = (
+        Classifier(config.postprocessing, path.parent, signature.outputs)
+        if config.postprocessing is not None
+        else None
+    )
+    gated_at = time.perf_counter()
+    warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes)
+    for runtime in runtimes[1:]:  # each device compiles (and captures) its own shapes
+        _warm_up(runtime, signature, config, shapes)
+    done = time.perf_counter()
+    timings = {
+        "load_s": loaded_at - started,
+        "gates_s": gated_at - loaded_at,
+        "warmup_s": done - gated_at,
+        "total_s": done - started,
+    }
+    log.info("model %s loaded from %s on %s: %s", name, path, ",".join(dict.fromkeys(devices)),
+             _fmt(timings))  # fmt: skip
+    return LoadedVersion(
+        name, config, tuple(runtimes), signature, tuple(devices), pipeline, classifier, manifest,
+        tuple(warnings), timings, warmup_timings, frozenset(warmed), shapes, golden, tolerance,
+    )  # fmt: skip
+
+
+def _check_pins(name: str, config: ModelConfig, manifest: Manifest | None) -> list[str]:
+    """Step 1: a manifest's torch / onnx / onnxruntime versions are ones this server runs.
+    Without a manifest the gates that need one are skipped, each named in a warning."""
+    if manifest is None:
+        for warning in SKIPPED_WITHOUT_MANIFEST:
+            log.warning("model %s: %s (export with `tensorgate export` to verify)", name, warning)
+        return list(SKIPPED_WITHOUT_MANIFEST)
+    check_versions(manifest, config.backend, runtime_versions(config.backend))
+    return []
+
+
+def _open_runtimes(
+    name: str,
+    path: Path,
+    config: ModelConfig,
+    manifest: Manifest | None,
+    settings: Settings,
+    warnings: list[str],
+) -> tuple[list[Runtime], Signature, list[str]]:
+    """Step 2: one runtime per device the instances use, each with the artifact open."""
+    device = resolve_device(config.device, config.backend)
+    devices = instance_devices(device, config.instances, cuda_device_count)
+    if config.gpu.cuda_graphs and not device.startswith("cuda"):
+        warnings.append("gpu.cuda_graphs ignored: the model runs on the CPU")
+    if config.precision != "fp32" and manifest is not None and config.tolerance_override is None:
+        raise ModelLoadError(
+            f"precision {config.precision} changes the outputs the golden file holds (made in "
+            "fp32): set tolerance_override (e.g. 0.05) to widen the golden tolerance explicitly"
+        )
+    runtimes = [
+        create_runtime(
+            config.backend,
+            RuntimeOptions(
+                instance_device, settings.intra_op_threads, config.precision, config.gpu, path
+            ),
+        )
+        for instance_device in (devices if device.startswith("cuda") else devices[:1])
+    ]
+    artifact = path / runtimes[0].artifact
+    if not artifact.is_file():
+        raise ModelLoadError(f"{artifact} is missing; run `make models` or export the model")
+    declared = _declared(config, manifest)
+    signature = runtimes[0].load(artifact, declared, config.max_batch_size)
+    for runtime in runtimes[1:]:
+        runtime.load(artifact, declared, config.max_batch_size)
+    return runtimes, signature, devices
+
+
+def _check_artifact(
+    path: Path,
+    config: ModelConfig,
+    manifest: Manifest | None,
+    runtimes: list[Runtime],
+    warnings: list[str],
+) -> tuple[Golden | None, Tolerance]:
+    """Step 3: the served preprocessing is the exported one, and every device answers the
+    golden inputs as the exporter's eager PyTorch did."""
+    if manifest is None:
+        return None, Tolerance()
+    check_preprocessing(config, manifest)
+    tolerance = manifest.tolerance
+    if config.tolerance_override is not None:
+        tolerance = Tolerance(atol=config.tolerance_override, rtol=tolerance.rtol)
+        warnings.append(f"golden tolerance widened by config to atol={tolerance.atol:g}")
+    golden = read_golden(path)
+    for runtime in runtimes:
+        compare_golden(golden, runtime.run(golden.inputs), tolerance)
+    return golden, tolerance
+
+
+def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:
+    if config.inputs is not None and config.outputs is not None:
+        return Signature(config.inputs, config.outputs)
+    if manifest is not None:
+        return Signature(manifest.inputs, manifest.outputs)
+    return None
+
+
+def _warm_up(
+    runtime: Runtime, signature: Signature, config: ModelConfig, shapes: ShapePolicy
+) -> tuple[dict[str, float], set[BatchShape]]:
+    """Step 5: run every batch size × combination of the axes' buckets; return the timings
+    and the shapes now warm."""
+    batched = config.max_batch_size > 0
+    sizes = config.warmup_batch_sizes() if batched else (0,)
+    offset = 1 if batched else 0
+    timings: dict[str, float] = {}
+    warmed: set[BatchShape] = set()
+    for size in sizes:
+        for dims in shapes.warm_sizes():
+            batch = {
+                t.name: _zeros(_warm_shape(t, size, dims, offset), t) for t in signature.inputs
+            }
+            lengths = [dims[a.dims[0]] for a in shapes.axes if a.dims[0] in dims]
+            started = time.perf_counter()
+            try:
+                runtime.warmup(batch)
+            except Exception as exc:
+                where = f"batch size {size}" + (f", dims {lengths}" if lengths else "")
+                raise ModelLoadError(f"warmup at {where} failed: {exc}") from exc
+            label = f"batch_{size}" + "".join(f"_len_{n}" for n in lengths)
+            timings[label] = time.perf_counter() - started
+            warmed.add(batch_shape(batch))
+            log.debug("warmed %s in %.1f ms", label, timings[label] * 1000)
+    return timings, warmed
+
+
+def _warm_shape(
+    tensor: TensorConfig, size: int, dims: Mapping[tuple[str, int], int], offset: int
+) -> tuple[int, ...]:
+    """The full shape of one warmup input: ``size`` rows (none when 0), each dynamic dim at
+    its axis's size (1 for a dim no bucket bounds)."""
+    inner = (
+        dims.get((tensor.name, i + offset), 1) if d == -1 else d for i, d in enumerate(tensor.shape)
+    )
+    return ((size,) if size else ()) + tuple(inner)
+
+
+def _zeros(shape: tuple[int, ...], tensor: TensorConfig) -> np.ndarray:
+    if tensor.datatype == "BYTES":
+        return np.full(shape, b"", dtype=object)
+    return np.zeros(shape, dtype=TO_NUMPY[tensor.datatype])
+
+
+def _fmt(timings: Mapping[str, float]) -> str:
+    return ", ".join(f"{k}={v * 1000:.0f}ms" for k, v in timings.items())

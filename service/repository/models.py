@@ -1,0 +1,360 @@
+"""The model repository: discovers models and versions, loads them, tracks each one's state.
+
+A folder is a model when it holds ``config.yaml``; its numeric subfolders are versions, served
+per the config's ``version_policy``. A model or version that cannot be served is UNAVAILABLE
+with the reason, in its metadata and logs; the others serve on. Loading a model again swaps
+its new versions in only once they have passed their gates and warmup; the versions they
+replace finish their in-flight requests, then unload.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from service.errors import ModelLoadError, ModelLoadRefused, ModelNotFound, ModelNotReady
+from service.model_config import ModelConfig, VersionPolicy, load_model_config
+from service.repository.loader import load_version
+from service.repository.serving import ServedVersion
+from service.settings import Settings
+
+log = logging.getLogger("tensorgate.repository")
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class ModelState(enum.StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNLOADED = "UNLOADED"
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """One version of one model and where it stands."""
+
+    name: str
+    version: int
+    path: Path
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+    served: ServedVersion | None = None
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """A model folder: its config (or why it has none) and its versions."""
+
+    name: str
+    path: Path
+    config: ModelConfig | None = None
+    error: str = ""
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    unloaded: bool = False
+    """Unloaded on request: not served, and not counted against readiness."""
+    last_load_error: str = ""
+    """Why the last reload of this model was refused, while these versions serve on."""
+
+
+class ModelRepository:
+    """Discovers and loads the models of one repository folder."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.root = settings.model_repository
+        self.models: dict[str, ModelEntry] = {}
+        self.loading_done = threading.Event()
+        self._change = threading.Lock()  # one load/unload at a time
+        self._fingerprints: dict[str, tuple[object, ...]] = {}
+
+    # -- discovery and loading --------------------------------------------------------------
+
+    def scan(self) -> None:
+        """Find models and the versions to serve; every version starts LOADING."""
+        if not self.root.is_dir():
+            raise ModelLoadError(f"model repository {self.root} is not a directory")
+        for name, folder in self.on_disk(chosen_only=True).items():
+            self.models[name] = _scan_model(name, folder)
+            self._fingerprints[name] = fingerprint(folder)
+        if self.settings.models and (missing := set(self.settings.models) - set(self.models)):
+            raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
+
+    def on_disk(self, chosen_only: bool = False) -> dict[str, Path]:
+        """Each model's name and folder as the repository holds them now; ``chosen_only``:
+        only those ``settings.models`` names (all when unset)."""
+        if self.settings.model_name is not None:
+            return {self.settings.model_name: self._single_model_folder()}
+        found = {
+            p.name: p for p in sorted(self.root.iterdir()) if (p / "config.yaml").is_file()
+        }  # fmt: skip
+        if chosen_only and self.settings.models:
+            return {n: p for n, p in found.items() if n in self.settings.models}
+        return found
+
+    def _single_model_folder(self) -> Path:
+        """``model_name``'s folder: the repository itself, or the one model folder in it."""
+        if (self.root / "config.yaml").is_file():
+            return self.root
+        folders = sorted(p for p in self.root.iterdir() if (p / "config.yaml").is_file())
+        if len(folders) != 1:
+            raise ModelLoadError(
+                f"model name {self.settings.model_name!r} is set, so {self.root} must be one "
+                "model's folder (config.yaml at its root) or hold exactly one model folder; it "
+                f"holds {[p.name for p in folders]}"
+            )
+        return folders[0]
+
+    @staticmethod
+    def _broken(version: ModelVersion, reason: str) -> None:
+        """A served version that no longer answers its golden inputs takes no more requests."""
+        version.state, version.reason = ModelState.UNAVAILABLE, reason
+        log.error("model %s version %d is unavailable: %s", version.name, version.version, reason)
+
+    def load_all(self) -> None:
+        """Load every discovered version, one after another (called off the event loop)."""
+        try:
+            for entry in self.models.values():
+                self._load_entry(entry)
+        finally:
+            self.loading_done.set()
+
+    def _load_entry(self, entry: ModelEntry) -> None:
+        for version in entry.versions.values():
+            assert entry.config is not None
+            self._load_version(entry.config, version)
+
+    def _load_version(self, config: ModelConfig, version: ModelVersion) -> None:
+        try:
+            loaded = load_version(version.name, version.path, config, self.settings)
+        except ModelLoadError as exc:
+            version.state, version.reason = ModelState.UNAVAILABLE, str(exc)
+            log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
+            return
+        except Exception as exc:
+            version.state = ModelState.UNAVAILABLE
+            version.reason = f"unexpected error while loading: {type(exc).__name__}: {exc}"
+            log.exception("model %s version %d failed to load", version.name, version.version)
+            return
+        version.served = ServedVersion(loaded, partial(self._broken, version))
+        version.state = ModelState.READY
+        log.info("model %s version %d is ready", version.name, version.version)
+
+    def load_model(self, name: str) -> ModelEntry:
+        """(Re)load one model from its folder; swap its versions in once they are ready.
+
+        Blocking: call it off the event loop. Raises ModelLoadRefused when nothing could be
+        loaded (the versions already serving go on).
+        """
+        folder = self._folder(name)
+        with self._change:
+            # Recorded first: a model that fails is retried by --poll only when it changes.
+            self._fingerprints[name] = fingerprint(folder)
+            fresh = _scan_model(name, folder)
+            self._load_entry(fresh)
+            old = self.models.get(name)
+            if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
+                reasons = fresh.error or {v.version: v.reason for v in fresh.versions.values()}
+                for version in fresh.versions.values():
+                    if version.served is not None:
+                        version.served.close()
+                if old is not None:
+                    old.last_load_error = str(reasons)
+                raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
+            self.models[name] = fresh  # one assignment: requests see the old or the new entry
+            log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
+        if old is not None:
+            _retire(old)
+        return fresh
+
+    def unload_model(self, name: str) -> None:
+        """Stop serving a model; in-flight requests finish first. Blocking."""
+        entry = self.entry(name)
+        with self._change:
+            self.models[name] = ModelEntry(name, entry.path, entry.config, unloaded=True)
+        _retire(entry)
+        log.info("model %s unloaded", name)
+
+    def changes(self) -> tuple[list[str], list[str]]:
+        """Models whose folder changed since they were loaded, and models whose folder is gone
+        (for ``--poll``). A model that failed to load is retried only when its folder changes."""
+        on_disk = self.on_disk(chosen_only=True)
+        changed = [
+            name for name, folder in on_disk.items()
+            if NAME_PATTERN.match(name) and self._fingerprints.get(name) != fingerprint(folder)
+        ]  # fmt: skip
+        gone = [n for n, e in self.models.items() if n not in on_disk and not e.unloaded]
+        return changed, gone
+
+    def _folder(self, name: str) -> Path:
+        if not NAME_PATTERN.match(name):
+            raise ModelNotFound(f"model name {name!r} is not valid (letters, digits, _ . -)")
+        folder = self.on_disk().get(name)
+        if folder is None:
+            raise ModelNotFound(f"no model '{name}' in the repository (no {name}/config.yaml)")
+        return folder
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def entry(self, name: str) -> ModelEntry:
+        """The model called ``name``, or 404."""
+        entry = self.models.get(name) if NAME_PATTERN.match(name) else None
+        if entry is None:
+            # The models are not listed: this answer goes to any caller, authenticated or not.
+            raise ModelNotFound(f"unknown model '{name}'")
+        return entry
+
+    def version(self, name: str, version: str | None = None) -> ModelVersion:
+        """A version of a model (the newest READY one by default), or 404/503."""
+        entry = self.entry(name)
+        if entry.unloaded:
+            raise ModelNotReady(
+                f"model '{name}' is unloaded; load it again to serve it", retry_after_s=30
+            )
+        if version is None:
+            ready = [v for v in entry.versions.values() if v.state is ModelState.READY]
+            if ready:
+                return max(ready, key=lambda v: v.version)
+            if not entry.versions:
+                raise ModelNotReady(
+                    f"model '{name}' is unavailable: {entry.error}", retry_after_s=30
+                )
+            return max(entry.versions.values(), key=lambda v: v.version)
+        if not _is_number(version) or int(version) not in entry.versions:
+            raise ModelNotFound(
+                f"model '{name}' has no version '{version}'; it serves {sorted(entry.versions)}"
+            )
+        return entry.versions[int(version)]
+
+    def ready_model(
+        self, name: str, version: str | None = None
+    ) -> tuple[ModelVersion, ServedVersion]:
+        """A version that can take requests now, or 404/503 naming why not."""
+        found = self.version(name, version)
+        if found.state is not ModelState.READY or found.served is None:
+            detail = f": {found.reason}" if found.reason else ""
+            raise ModelNotReady(
+                f"model '{name}' version {found.version} is {found.state.value}{detail}",
+                retry_after_s=1 if found.state is ModelState.LOADING else 30,
+            )
+        return found, found.served
+
+    def served_versions(self) -> list[tuple[ModelVersion, ServedVersion]]:
+        """Every READY version with what serves it."""
+        return [
+            (v, v.served)
+            for entry in self.models.values()
+            for v in entry.versions.values()
+            if v.served is not None and v.state is ModelState.READY
+        ]
+
+    # -- state ----------------------------------------------------------------------------
+
+    def all_ready(self) -> bool:
+        """Whether every model meant to load is READY."""
+        return self.loading_done.is_set() and not self.problems()
+
+    def any_ready(self) -> bool:
+        return bool(self.served_versions())
+
+    def problems(self) -> dict[str, Any]:
+        """Each model meant to load that is not READY, with why."""
+        problems: dict[str, Any] = {}
+        for name, entry in self.models.items():
+            if entry.unloaded:
+                continue
+            if entry.error or not entry.versions:
+                problems[name] = entry.error or "no versions"
+            elif bad := {
+                v.version: v.reason or v.state.value
+                for v in entry.versions.values()
+                if v.state is not ModelState.READY
+            }:
+                problems[name] = bad
+        return problems
+
+    def index(self) -> list[dict[str, Any]]:
+        """One row per model version (or per model without versions), as the OIP index shows."""
+        rows: list[dict[str, Any]] = []
+        for name, entry in sorted(self.models.items()):
+            if entry.unloaded:
+                rows.append(
+                    {"name": name, "state": ModelState.UNLOADED.value, "reason": "unloaded"}
+                )
+            elif not entry.versions:
+                rows.append(
+                    {"name": name, "state": ModelState.UNAVAILABLE.value, "reason": entry.error}
+                )
+            for number, version in sorted(entry.versions.items()):
+                rows.append(
+                    {"name": name, "version": str(number), "state": version.state.value,
+                     "reason": version.reason}
+                )  # fmt: skip
+        return rows
+
+    def close(self) -> None:
+        for entry in self.models.values():
+            _retire(entry)
+
+
+def _scan_model(name: str, folder: Path) -> ModelEntry:
+    entry = ModelEntry(name, folder)
+    if not NAME_PATTERN.match(name):
+        entry.error = f"model name {name!r} must match {NAME_PATTERN.pattern}"
+        return entry
+    try:
+        entry.config = load_model_config(folder / "config.yaml")
+    except ModelLoadError as exc:
+        entry.error = str(exc)
+        log.error("model %s is unavailable: %s", name, exc)
+        return entry
+    found = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and _is_number(p.name))
+    chosen = select_versions(found, entry.config.version_policy)
+    if not chosen:
+        entry.error = (
+            f"no version folder to serve in {folder} (found {found}, policy "
+            f"{entry.config.version_policy.model_dump(exclude_defaults=True)}); "
+            "run `make models` or export one"
+        )
+        log.error("model %s is unavailable: %s", name, entry.error)
+    for number in chosen:
+        entry.versions[number] = ModelVersion(name, number, folder / str(number))
+    return entry
+
+
+def _is_number(text: str) -> bool:
+    """A version number: ASCII digits only (``str.isdigit`` also takes ``²`` and ``①``, which
+    ``int`` refuses)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
+def fingerprint(folder: Path) -> tuple[object, ...]:
+    """What changes when a model's config or any file of its versions does."""
+    entries: list[object] = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            stat = path.stat()
+            entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
+    return tuple(entries)
+
+
+def _retire(entry: ModelEntry) -> None:
+    """Close an entry's loaded versions after their in-flight requests finish."""
+    for version in entry.versions.values():
+        if version.served is not None:
+            version.served.close()
+
+
+def select_versions(found: list[int], policy: VersionPolicy) -> list[int]:
+    """The version numbers a policy serves out of those found (ascending)."""
+    if policy.all:
+        return found
+    if policy.specific is not None:
+        return [v for v in found if v in policy.specific]
+    return found[-(policy.latest or 1) :]

@@ -1,0 +1,31 @@
+"""What the limits count and the metrics read: refusals by reason, and the body bytes each
+server's budget holds. The limits (``service/limits/``) write here; the metrics collector
+(:mod:`service.telemetry.metrics`) reads; neither imports the other."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Protocol
+
+REFUSED: collections.Counter[str] = collections.Counter()
+"""Connections and requests refused by a guard of the process, by reason: ``too_many``,
+``header_too_large``, ``header_timeout``, ``body_timeout`` (:mod:`service.limits.connections`)
+and ``body_budget`` (:mod:`service.limits.admission`)."""
+
+
+class HoldsBytes(Protocol):
+    held: int
+
+
+_BUDGETS: weakref.WeakSet[HoldsBytes] = weakref.WeakSet()
+
+
+def register_budget(budget: HoldsBytes) -> None:
+    """Count ``budget``'s held bytes in :func:`bytes_held` for as long as it lives."""
+    _BUDGETS.add(budget)
+
+
+def bytes_held() -> int:
+    """Body bytes held now by every budget of this process."""
+    return sum(budget.held for budget in _BUDGETS)

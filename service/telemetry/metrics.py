@@ -1,0 +1,338 @@
+"""Prometheus metrics, all named ``tensorgate_*``, on a registry of the app's own.
+
+Per-request observations (durations, outcomes) are recorded as they happen; per-model counters
+that :class:`~service.batching.stats.ModelStats` already keeps (executions, rows, unwarmed
+shapes) and states (queue depth, model state, warmup time) are read at scrape time by a
+collector, so the two views can never disagree.
+"""
+
+from __future__ import annotations
+
+import sys
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from service.batching.stats import RequestTiming
+from service.repository.models import ModelRepository, ModelState
+from service.telemetry.counters import REFUSED, bytes_held
+
+# Millisecond-scale inference: 0.5 ms to 10 s.
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+OUTCOMES = {200: "success", 400: "bad_request", 401: "unauthorized", 404: "not_found",
+            413: "too_large", 415: "unsupported", 499: "client_gone", 503: "unavailable",
+            504: "timeout"}  # fmt: skip
+
+
+def outcome(status: int) -> str:
+    return OUTCOMES.get(status, "error" if status >= 500 else "client_error")
+
+
+class Metrics:
+    """The server's metrics; one instance per app."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        # A `_created` series per counter and histogram doubles the series count for a
+        # timestamp that rate() never needs (process-wide switch: the registry is ours alone).
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # the library leaves it untyped
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "tensorgate_requests", "Requests answered, by model, version, protocol and outcome.",
+            ["model", "version", "protocol", "outcome"], registry=r,
+        )  # fmt: skip
+        self.duration = DurationHistogram(
+            "tensorgate_request_duration_seconds", "Time from request body to answer.",
+            ("model", "protocol"), LATENCY_BUCKETS, r,
+        )  # fmt: skip
+        self.queue = self._stage("queue", "Time a request waited in its model's queue.")
+        self.compute = self._stage("compute", "Time the model ran the batch a request was in.")
+        self.preprocess = self._stage("preprocess", "Decoding, preprocessing and validation.")
+        self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
+        self._children: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
+        ProcessCollector(registry=r)  # process_*: the names stock dashboards and alerts use
+        r.register(_RepositoryCollector(repository))
+        r.register(_GpuCollector())
+
+    def record(
+        self,
+        model: str,
+        version: str,
+        protocol: str,
+        status: int,
+        elapsed_s: float,
+        timing: RequestTiming,
+    ) -> None:
+        """One answered inference request: its outcome, its duration and, for a success, the
+        time of each stage. Label values must be bounded: names of models and versions that
+        exist, or ""."""
+        key = (model, version, protocol, status)
+        children = self._children.get(key)
+        if children is None:  # prometheus' labels() costs microseconds a call: look up once
+            children = (
+                self.requests.labels(model, version, protocol, outcome(status)),
+                self.duration.labels(model, protocol),
+            )
+            if status == 200:  # the stages are timed for successes only
+                children += (
+                    self.queue.labels(model),
+                    self.compute.labels(model),
+                    self.preprocess.labels(model),
+                    self.postprocess.labels(model),
+                )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(elapsed_s)
+        if status == 200:
+            queue, compute, preprocess, postprocess = children[2:]
+            queue.observe(timing.queue_ns / 1e9)
+            compute.observe(timing.compute_infer_ns / 1e9)
+            preprocess.observe(timing.compute_input_ns / 1e9)
+            postprocess.observe(timing.compute_output_ns / 1e9)
+
+    def _stage(self, stage: str, help_text: str) -> DurationHistogram:
+        return DurationHistogram(
+            f"tensorgate_{stage}_duration_seconds", help_text, ("model",), LATENCY_BUCKETS,
+            self.registry,
+        )  # fmt: skip
+
+
+class _Series:
+    """One labelled series of a :class:`DurationHistogram`: a count per bucket and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value: its le
+        self.sum += value
+
+
+class DurationHistogram(Collector):
+    """A Prometheus histogram of per-request durations, exposed as prometheus_client's own
+    (same names, ``le`` labels and series), recorded more cheaply: one bisect and two
+    additions per observation, on the event loop that answers the requests, where
+    prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets. A request
+    observes five of these (docs/performance.md, "Per-request bookkeeping")."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: tuple[str, ...],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.documentation, self.label_names = name, documentation, labels
+        self.bounds = tuple(float(b) for b in buckets)
+        self._series: dict[tuple[str, ...], _Series] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Series:
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = _Series(self.bounds)
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.label_names)
+        for values, series in list(self._series.items()):
+            counts = list(series.counts)  # a copy: the loop may observe while this runs
+            buckets = []
+            total = 0
+            for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+                total += count
+                le = floatToGoString(bound)  # type: ignore[no-untyped-call]  # the library leaves it untyped
+                buckets.append((le, float(total)))
+            family.add_metric(list(values), buckets, series.sum)
+        yield family
+
+
+class _RepositoryCollector(Collector):
+    """Model state, queue depth, warmup time and the counters ModelStats keeps, at scrape time."""
+
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "tensorgate_model_state", "1 for the state each model version is in.",
+            labels=["model", "version", "state"],
+        )  # fmt: skip
+        pending = GaugeMetricFamily(
+            "tensorgate_pending_requests",
+            "Requests waiting in the queue plus batches running, per model version.",
+            labels=["model", "version"],
+        )
+        warmup = GaugeMetricFamily(
+            "tensorgate_warmup_duration_seconds", "Time warmup took at load.",
+            labels=["model", "version"],
+        )  # fmt: skip
+        executions = CounterMetricFamily(
+            "tensorgate_executions", "Batches run by the model.", labels=["model", "version"]
+        )
+        rows = CounterMetricFamily(
+            "tensorgate_inference_rows", "Rows inferred (over executions: the batch ratio).",
+            labels=["model", "version"],
+        )  # fmt: skip
+        unwarmed = CounterMetricFamily(
+            "tensorgate_unwarmed_shape_requests",
+            "Requests whose batch had a shape warmup did not run (should stay 0).",
+            labels=["model", "version"],
+        )
+        out_of_memory = CounterMetricFamily(
+            "tensorgate_out_of_memory",
+            "Batches that ran out of device memory (retried in halves, down to one request).",
+            labels=["model", "version"],
+        )
+        isolated = CounterMetricFamily(
+            "tensorgate_isolated_batches",
+            "Batches of several requests that failed (not out of memory) and ran again one "
+            "request at a time, so that only the request at fault failed.",
+            labels=["model", "version"],
+        )
+        for name, entry in self.repository.models.items():
+            for number, version in entry.versions.items():
+                labels = [name, str(number)]
+                for candidate in ModelState:
+                    state.add_metric([*labels, candidate.value], float(version.state is candidate))
+                served = version.served
+                if served is None:
+                    continue
+                stats = served.stats
+                warmup.add_metric(labels, served.loaded.timings["warmup_s"])
+                executions.add_metric(labels, stats.execution_count)
+                rows.add_metric(labels, stats.inference_count)
+                unwarmed.add_metric(labels, stats.unwarmed_count)
+                out_of_memory.add_metric(labels, stats.out_of_memory_count)
+                isolated.add_metric(labels, stats.isolated_count)
+                scheduler = served.scheduler
+                if scheduler is not None:
+                    pending.add_metric(labels, scheduler.pending + scheduler.busy_instances())
+        yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory, isolated)
+        yield self._batch_sizes()
+        refused = CounterMetricFamily(
+            "tensorgate_refused",
+            "Connections or requests refused by a server-wide bound before the application "
+            "read them: too_many (connections), header_too_large, header_timeout, "
+            "body_timeout, body_budget (TG_MAX_INFLIGHT_BYTES).",
+            labels=["reason"],
+        )
+        for reason in ("too_many", "header_too_large", "header_timeout", "body_timeout",
+                       "body_budget"):  # fmt: skip
+            refused.add_metric([reason], REFUSED[reason])
+        yield refused
+        yield GaugeMetricFamily(
+            "tensorgate_request_body_bytes_in_flight",
+            "Request body bytes (and gRPC inference messages) held now over all connections "
+            "(TG_MAX_INFLIGHT_BYTES bounds it).",
+            value=bytes_held(),
+        )
+
+    def _batch_sizes(self) -> Metric:
+        """Rows per execution, as a histogram built from the exact per-size counts."""
+        family = HistogramMetricFamily(
+            "tensorgate_batch_size", "Rows per model execution.", labels=["model", "version"]
+        )
+        for version, served in self.repository.served_versions():
+            sizes = {b["batch_size"]: b["compute_infer"]["count"]
+                     for b in served.stats.snapshot(version.name, "")["batch_stats"]}  # fmt: skip
+            buckets = [
+                (str(bound), float(sum(n for size, n in sizes.items() if size <= bound)))
+                for bound in BATCH_BUCKETS
+            ]
+            total = float(sum(sizes.values()))
+            buckets.append(("+Inf", total))
+            rows = float(sum(size * n for size, n in sizes.items()))
+            family.add_metric([version.name, str(version.version)], buckets, rows)
+        return family
+
+
+class _GpuCollector(Collector):
+    """GPU memory and utilisation per device, from NVML (nvidia-ml-py) when it and a GPU are
+    there, plus what torch's allocator holds when torch is already imported. Nothing otherwise."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml  # optional: nvidia-ml-py
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+        except Exception:  # no library, no driver or no GPU: there is nothing to report
+            self._nvml = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self._nvml is not None:
+            yield from self._from_nvml(self._nvml)
+        torch = sys.modules.get("torch")  # never imported just for this
+        if torch is not None and torch.cuda.is_available():
+            allocated = GaugeMetricFamily(
+                "tensorgate_gpu_torch_allocated_bytes", "Bytes torch's allocator has handed out.",
+                labels=["device"],
+            )  # fmt: skip
+            reserved = GaugeMetricFamily(
+                "tensorgate_gpu_torch_reserved_bytes", "Bytes torch's allocator holds.",
+                labels=["device"],
+            )  # fmt: skip
+            for index in range(torch.cuda.device_count()):
+                allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
+                reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
+            yield allocated
+            yield reserved
+
+    @staticmethod
+    def _from_nvml(nvml: Any) -> Iterator[Metric]:
+        used = GaugeMetricFamily(
+            "tensorgate_gpu_memory_used_bytes", "GPU memory in use.", labels=["device"]
+        )
+        total = GaugeMetricFamily(
+            "tensorgate_gpu_memory_total_bytes", "GPU memory.", labels=["device"]
+        )
+        busy = GaugeMetricFamily(
+            "tensorgate_gpu_utilization_ratio",
+            "Share of the last sample period the GPU ran kernels.",
+            labels=["device"],
+        )  # fmt: skip
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            used.add_metric([str(index)], memory.used)
+            total.add_metric([str(index)], memory.total)
+            busy.add_metric([str(index)], nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+        yield from (used, total, busy)

@@ -1,0 +1,122 @@
+"""What is learned about each inference request as it travels, and where it goes: the model's
+statistics (Triton's names), the Prometheus metrics and one access-log line. Also the drain
+state the server's SIGTERM handler sets and every request reads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from service.batching.stats import RequestTiming
+from service.errors import ServerBusy, TensorgateError
+from service.repository.models import ModelRepository
+from service.repository.serving import ServedVersion
+from service.telemetry.metrics import Metrics
+
+access = logging.getLogger("tensorgate.access")
+
+
+@dataclass(slots=True)
+class Drain:
+    """Where the server stands on its way out (set by :mod:`service.http.server` on SIGTERM)."""
+
+    draining: bool = False
+    """SIGTERM arrived: readiness is false, inference still served (pre-stop)."""
+    refusing: bool = False
+    """Past pre-stop: new inference requests get 503 while the accepted ones finish."""
+    in_flight: int = 0
+    """Inference requests accepted and not yet answered."""
+
+
+@dataclass(slots=True)
+class Observation:
+    """One request's facts, filled in as it travels."""
+
+    version: str
+    timing: RequestTiming = field(default_factory=RequestTiming)
+    served: ServedVersion | None = None
+    rows: int = 0
+
+
+class Observer:
+    """Counts, times and logs every inference request, whatever its outcome."""
+
+    def __init__(
+        self, repository: ModelRepository, metrics: Metrics, drain: Drain, access_log: bool
+    ):
+        self.repository, self.metrics, self.drain = repository, metrics, drain
+        self.access_log = access_log
+
+    def observe(self, protocol: str, name: str, version: str | None) -> _Observing:
+        """``with observer.observe(...) as observation:`` around one request: 503 while the
+        server refuses new work; whatever happens inside is counted, timed and logged once."""
+        if self.drain.refusing:
+            raise ServerBusy("the server is shutting down; send this request elsewhere")
+        return _Observing(self, protocol, name, Observation(version or ""))
+
+    def finish(self, protocol: str, name: str, observation: Observation, status: int) -> None:
+        """A request is answered with ``status``: its model's statistics, metrics, log line."""
+        self.drain.in_flight -= 1
+        if observation.served is not None:  # the model's own statistics (Triton's names)
+            stats = observation.served.stats
+            if status == 200:
+                stats.record_success(observation.rows, observation.timing)
+            else:
+                stats.record_failure(observation.timing)
+        self._record(protocol, name, observation, status)
+
+    def _record(self, protocol: str, name: str, observation: Observation, status: int) -> None:
+        timing = observation.timing
+        elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
+        # bounded label values: a model and version that exist, else "" (a client can send any)
+        found = observation.served is not None
+        model = name if found or name in self.repository.models else ""
+        self.metrics.record(
+            model, observation.version if found else "", protocol, status, elapsed, timing
+        )
+        if self.access_log:
+            access.info(
+                "%s %s %d", protocol, name, status,
+                extra={
+                    "model": name, "version": observation.version, "protocol": protocol,
+                    "status": status, "duration_ms": round(elapsed * 1000, 3),
+                    "preprocess_ms": round(timing.compute_input_ns / 1e6, 3),
+                    "queue_ms": round(timing.queue_ns / 1e6, 3),
+                    "compute_ms": round(timing.compute_infer_ns / 1e6, 3),
+                    "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
+                },
+            )  # fmt: skip
+
+
+class _Observing:
+    """The context of :meth:`Observer.observe`: a class rather than ``@contextmanager``, whose
+    generator costs every request a few more calls (docs/performance.md, "Per-request
+    bookkeeping")."""
+
+    __slots__ = ("name", "observation", "observer", "protocol")
+
+    def __init__(
+        self, observer: Observer, protocol: str, name: str, observation: Observation
+    ) -> None:
+        self.observer, self.protocol, self.name = observer, protocol, name
+        self.observation = observation
+
+    def __enter__(self) -> Observation:
+        self.observer.drain.in_flight += 1
+        return self.observation
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None:
+            status = 200
+        elif isinstance(exc, TensorgateError):
+            status = exc.status
+        elif isinstance(exc, asyncio.CancelledError):
+            status = 499
+        else:
+            status = 500
+        self.observer.finish(self.protocol, self.name, self.observation, status)
