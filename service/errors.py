@@ -1,7 +1,9 @@
 """One error type per cause, each mapped once to its HTTP status.
 
-Every error a client can see is a :class:`TensorgateError`; the single handler in
-:mod:`service.app` turns it into ``{"error": "..."}`` with its status and headers.
+Every error a client can see is a :class:`TensorgateError`. REST answers it in one place,
+:func:`service.http.answer.error_answer` (``{"error": "...", "request_id": "..."}`` with its
+status and headers; the app's exception handlers, for the routes FastAPI serves, call it too),
+and gRPC in one, :func:`service.grpc.servicer.grpc_status` (its code and message).
 """
 
 from __future__ import annotations

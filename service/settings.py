@@ -53,7 +53,8 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the server's own logs."""
     access_log: bool = True
-    """Write one line per HTTP request."""
+    """Write one JSON line per inference request (REST or gRPC; health, metadata and metrics
+    requests are not logged)."""
     cpus: int = Field(default_factory=available_cpus, ge=1)
     """CPUs the server may use: the defaults of workers and threads are sized by it. Default:
     the affinity mask, capped by the cgroup's CPU quota (a Kubernetes ``limits.cpu``)."""

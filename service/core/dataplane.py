@@ -1,8 +1,10 @@
 """DataPlane: the protocol-agnostic core. Health, readiness, inference, repository changes.
 
-Every protocol front end (v1 and v2 REST in ``service/api``, gRPC) decodes its request into an
-:class:`~service.inference.InferenceRequest`, calls :meth:`DataPlane.infer` with its own
-encoder, and sends what the encoder made. Nothing here knows a wire format.
+Every protocol front end (v1 and v2 REST in ``service/http``, gRPC in ``service/grpc``) decodes
+its request into an :class:`~service.inference.InferenceRequest`, calls :meth:`DataPlane.infer`
+with its own encoder, and sends what the encoder made. Nothing here knows a wire format. A
+request refused while the server drains is answered 503 by the observer before any lookup, and
+is neither counted in a model's statistics nor logged (it never reached one).
 """
 
 from __future__ import annotations

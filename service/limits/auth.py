@@ -1,4 +1,5 @@
-"""Bearer-token checks, compared in constant time."""
+"""Bearer-token checks, compared in constant time: ``TG_API_TOKEN`` for inference and the
+reads, ``TG_ADMIN_TOKEN`` for repository changes, on REST and gRPC alike."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ import pytest
 import torch
 import yaml
 
+from service.artifacts import cpu_targets
+from service.artifacts.cpu_targets import PORTABLE
+from service.runtimes.pt2 import CPU_FLAGS_KEY, TORCH_KEY
 from tests.conftest import Exported
 from tests.models import Mlp, TinyText, TrainModeNet
 from tests.server import Server
@@ -147,3 +151,30 @@ def test_a_bare_pt2_serves_unverified_with_each_skipped_gate_named(served: Serve
     np.testing.assert_allclose(
         _infer(served, "bare_pt2", {"x": x}), _infer(served, "mlp_pt2", {"x": x}), atol=1e-6
     )
+
+
+# Integration, not unit: the `exported` fixture compiles three pt2 packages (30 s here).
+def test_pt2_manifest_records_what_the_package_needs_to_load(
+    exported: dict[str, Exported],
+) -> None:
+    for spec in exported.values():
+        manifest = json.loads((spec.version / "manifest.json").read_text())
+        assert manifest["artifacts"]["pt2"] == "model.pt2"
+        assert manifest["parity"]["pt2"]["max_abs"] < 1e-4
+        versions = manifest["versions"]
+        assert versions["pt2_device"] == "cpu"  # no GPU here: compiled for the CPU
+        assert versions["pt2_cpu"] == cpu_targets.default_target()
+        needed = cpu_targets.needed_flags(versions["pt2_cpu"])
+        assert versions["pt2_cpu_flags"] == " ".join(sorted(needed))
+        assert versions["onnx_exporter"] == "dynamo"
+        with zipfile.ZipFile(spec.version / "model.pt2") as package:
+            (meta,) = [n for n in package.namelist() if n.endswith("wrapper_metadata.json")]
+            metadata = json.loads(package.read(meta))
+            (wrapper,) = [n for n in package.namelist() if n.endswith("wrapper.cpp")]
+            commands = package.read(wrapper).decode().partition("// Compile cmd")[2]
+        assert metadata[TORCH_KEY] == torch.__version__
+        assert metadata[CPU_FLAGS_KEY] == versions["pt2_cpu_flags"]
+        if versions["pt2_cpu"] == PORTABLE:
+            # The package's own record of how it was compiled: for the level, not this machine.
+            assert "-march=x86-64-v3" in commands
+            assert "-march=native" not in commands and "-mavx512" not in commands

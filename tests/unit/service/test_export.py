@@ -1,6 +1,5 @@
 import json
 import logging
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -8,14 +7,10 @@ import pytest
 import torch
 
 from preprocessing.spec import ImageSpec, spec_hash
-from service.artifacts import cpu_targets
-from service.artifacts.cpu_targets import PORTABLE
 from service.artifacts.manifest import Tolerance
 from service.artifacts.shapes import Follow
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
-from service.runtimes.pt2 import CPU_FLAGS_KEY, TORCH_KEY
-from tests.conftest import Exported
 from tests.models import Mlp, TrainModeNet
 from tests.user_models import Tagger
 
@@ -82,32 +77,6 @@ class Branchy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2.0 if bool(x.sum() > 0) else x
-
-
-def test_pt2_manifest_records_what_the_package_needs_to_load(
-    exported: dict[str, Exported],
-) -> None:
-    for spec in exported.values():
-        manifest = json.loads((spec.version / "manifest.json").read_text())
-        assert manifest["artifacts"]["pt2"] == "model.pt2"
-        assert manifest["parity"]["pt2"]["max_abs"] < 1e-4
-        versions = manifest["versions"]
-        assert versions["pt2_device"] == "cpu"  # no GPU here: compiled for the CPU
-        assert versions["pt2_cpu"] == cpu_targets.default_target()
-        needed = cpu_targets.needed_flags(versions["pt2_cpu"])
-        assert versions["pt2_cpu_flags"] == " ".join(sorted(needed))
-        assert versions["onnx_exporter"] == "dynamo"
-        with zipfile.ZipFile(spec.version / "model.pt2") as package:
-            (meta,) = [n for n in package.namelist() if n.endswith("wrapper_metadata.json")]
-            metadata = json.loads(package.read(meta))
-            (wrapper,) = [n for n in package.namelist() if n.endswith("wrapper.cpp")]
-            commands = package.read(wrapper).decode().partition("// Compile cmd")[2]
-        assert metadata[TORCH_KEY] == torch.__version__
-        assert metadata[CPU_FLAGS_KEY] == versions["pt2_cpu_flags"]
-        if versions["pt2_cpu"] == PORTABLE:
-            # The package's own record of how it was compiled: for the level, not this machine.
-            assert "-march=x86-64-v3" in commands
-            assert "-march=native" not in commands and "-mavx512" not in commands
 
 
 def test_an_untraceable_module_falls_back_to_the_torchscript_onnx_exporter_saying_why(
