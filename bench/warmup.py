@@ -36,14 +36,18 @@ SHAPES = [(1, tokens) for tokens in BUCKETS] + [(rows, 64) for rows in (2, 4, 8,
 """(texts in the request, tokens in each)"""
 
 
-def repository(root: Path, backend: str, warm: bool) -> None:
-    folder = root / "minilm"
+def repository(root: Path, source: Path, backend: str, warm: bool) -> None:
+    """``root`` holding the model of ``source`` (its folder) served from ``backend``; without
+    ``warm``, with no warmup and no buckets (a text spec's own buckets stay: they are its
+    padding)."""
+    folder = root / source.name
     folder.mkdir(parents=True)
-    (folder / "1").symlink_to(MODELS / "minilm" / "1")
-    config = yaml.safe_load((MODELS / "minilm" / "config.yaml").read_text())
+    (folder / "1").symlink_to(source / "1")
+    config = yaml.safe_load((source / "config.yaml").read_text())
     config["backend"] = backend
     if not warm:
         config["warmup"] = {"batch_sizes": []}
+        config.pop("buckets", None)
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -59,7 +63,7 @@ def measure(backend: str, warm: bool, steady: int) -> list[list[str]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "models"
-        repository(root, backend, warm)
+        repository(root, MODELS / "minilm", backend, warm)
         server = Server(root, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning",
                                    "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
         try:
@@ -98,18 +102,6 @@ def export_heatmap(root: Path) -> None:
     write_config(folder / "config.yaml", manifest, "onnx", None)
 
 
-def image_repository(exported: Path, root: Path, backend: str, warm: bool) -> None:
-    folder = root / "heatmap"
-    folder.mkdir(parents=True)
-    (folder / "1").symlink_to(exported / "heatmap" / "1")
-    config = yaml.safe_load((exported / "heatmap" / "config.yaml").read_text())
-    config["backend"] = backend
-    if not warm:
-        config["warmup"] = {"batch_sizes": []}
-        config.pop("buckets")
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-
-
 def image_latency(client: httpx.Client, rows: int, h: int, w: int) -> float:
     """One request in Triton's binary tensor extension (a JSON body of megapixels would time
     the JSON codec, not the shape)."""
@@ -141,7 +133,7 @@ def measure_images(
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "models"
-            image_repository(exported, root, backend, warm)
+            repository(root, exported / "heatmap", backend, warm)
             server = Server(root, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning",
                                        "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
             try:

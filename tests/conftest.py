@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import io
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 import skimage.data
 from PIL import Image
 
-from tests.server import MODELS, Server
+from tests.server import MODELS, Server, copy_model
 
 if TYPE_CHECKING:
     from service.model_config import TensorConfig
@@ -76,7 +75,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def repository(tmp_path: Path) -> Path:
     """A fresh model repository holding copies of the bundled digits model (small, fast)."""
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", root / "digits")
     return root
 
 

@@ -7,6 +7,7 @@ polled until ready (never slept on), and stopped by its PID with SIGTERM, then S
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,13 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = REPO_ROOT / "models"
+
+
+def copy_model(name: str, destination: Path) -> Path:
+    """A bundled model's folder (config, labels, built versions; not its build script) copied to
+    ``destination``, for a test's own repository to change at will."""
+    shutil.copytree(MODELS / name, destination, ignore=shutil.ignore_patterns("build.py"))
+    return destination
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from service.batching.stats import RequestTiming
 from service.repository.models import ModelRepository, ModelState
+from service.repository.serving import ServedVersion
 from service.telemetry.counters import REFUSED, bytes_held
 
 # Millisecond-scale inference: 0.5 ms to 10 s.
@@ -184,6 +185,39 @@ class DurationHistogram(Collector):
         yield family
 
 
+def _pending(served: ServedVersion) -> float | None:
+    scheduler = served.scheduler
+    return None if scheduler is None else scheduler.pending + scheduler.busy_instances()
+
+
+VERSION_SERIES: tuple[
+    tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str,
+          Callable[[ServedVersion], float | None]], ...
+] = (
+    (GaugeMetricFamily, "tensorgate_pending_requests",
+     "Requests waiting in the queue plus batches running, per model version.", _pending),
+    (GaugeMetricFamily, "tensorgate_warmup_duration_seconds", "Time warmup took at load.",
+     lambda served: served.loaded.timings["warmup_s"]),
+    (CounterMetricFamily, "tensorgate_executions", "Batches run by the model.",
+     lambda served: served.stats.execution_count),
+    (CounterMetricFamily, "tensorgate_inference_rows",
+     "Rows inferred (over executions: the batch ratio).",
+     lambda served: served.stats.inference_count),
+    (CounterMetricFamily, "tensorgate_unwarmed_shape_requests",
+     "Requests whose batch had a shape warmup did not run (should stay 0).",
+     lambda served: served.stats.unwarmed_count),
+    (CounterMetricFamily, "tensorgate_out_of_memory",
+     "Batches that ran out of device memory (retried in halves, down to one request).",
+     lambda served: served.stats.out_of_memory_count),
+    (CounterMetricFamily, "tensorgate_isolated_batches",
+     "Batches of several requests that failed (not out of memory) and ran again one request at "
+     "a time, so that only the request at fault failed.",
+     lambda served: served.stats.isolated_count),
+)  # fmt: skip
+"""The series each served model version has: kind, name, help, and how to read its value
+(None: nothing to report, e.g. before the scheduler starts)."""
+
+
 class _RepositoryCollector(Collector):
     """Model state, queue depth, warmup time and the counters ModelStats keeps, at scrape time."""
 
@@ -195,57 +229,20 @@ class _RepositoryCollector(Collector):
             "tensorgate_model_state", "1 for the state each model version is in.",
             labels=["model", "version", "state"],
         )  # fmt: skip
-        pending = GaugeMetricFamily(
-            "tensorgate_pending_requests",
-            "Requests waiting in the queue plus batches running, per model version.",
-            labels=["model", "version"],
-        )
-        warmup = GaugeMetricFamily(
-            "tensorgate_warmup_duration_seconds", "Time warmup took at load.",
-            labels=["model", "version"],
-        )  # fmt: skip
-        executions = CounterMetricFamily(
-            "tensorgate_executions", "Batches run by the model.", labels=["model", "version"]
-        )
-        rows = CounterMetricFamily(
-            "tensorgate_inference_rows", "Rows inferred (over executions: the batch ratio).",
-            labels=["model", "version"],
-        )  # fmt: skip
-        unwarmed = CounterMetricFamily(
-            "tensorgate_unwarmed_shape_requests",
-            "Requests whose batch had a shape warmup did not run (should stay 0).",
-            labels=["model", "version"],
-        )
-        out_of_memory = CounterMetricFamily(
-            "tensorgate_out_of_memory",
-            "Batches that ran out of device memory (retried in halves, down to one request).",
-            labels=["model", "version"],
-        )
-        isolated = CounterMetricFamily(
-            "tensorgate_isolated_batches",
-            "Batches of several requests that failed (not out of memory) and ran again one "
-            "request at a time, so that only the request at fault failed.",
-            labels=["model", "version"],
-        )
+        families = [(kind(name, text, labels=["model", "version"]), value)
+                    for kind, name, text, value in VERSION_SERIES]  # fmt: skip
         for name, entry in self.repository.models.items():
             for number, version in entry.versions.items():
                 labels = [name, str(number)]
                 for candidate in ModelState:
                     state.add_metric([*labels, candidate.value], float(version.state is candidate))
-                served = version.served
-                if served is None:
+                if version.served is None:
                     continue
-                stats = served.stats
-                warmup.add_metric(labels, served.loaded.timings["warmup_s"])
-                executions.add_metric(labels, stats.execution_count)
-                rows.add_metric(labels, stats.inference_count)
-                unwarmed.add_metric(labels, stats.unwarmed_count)
-                out_of_memory.add_metric(labels, stats.out_of_memory_count)
-                isolated.add_metric(labels, stats.isolated_count)
-                scheduler = served.scheduler
-                if scheduler is not None:
-                    pending.add_metric(labels, scheduler.pending + scheduler.busy_instances())
-        yield from (state, pending, warmup, executions, rows, unwarmed, out_of_memory, isolated)
+                for family, value in families:
+                    if (measured := value(version.served)) is not None:
+                        family.add_metric(labels, measured)
+        yield state
+        yield from (family for family, _ in families)
         yield self._batch_sizes()
         refused = CounterMetricFamily(
             "tensorgate_refused",

@@ -7,7 +7,6 @@ ends ready.
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections import Counter
@@ -21,7 +20,7 @@ import torch
 import yaml
 
 from tests.models import Dawdle
-from tests.server import MODELS
+from tests.server import copy_model
 
 INPUTS = [np.full((1, 1, 8, 8), v, np.float32) for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
 
@@ -52,7 +51,7 @@ def dawdle_body(units: float) -> dict[str, object]:
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", root / "digits")
     return root
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ import yaml
 
 from tests.conftest import encode
 from tests.models import Slow
-from tests.server import MODELS, Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +36,7 @@ def _slow_model(root: Path, name: str, steps: int, **config: object) -> None:
 @pytest.fixture(scope="module")
 def batching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("batching") / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     config = root / "digits" / "config.yaml"
     config.write_text(
         config.read_text() + "batching: {max_queue_delay_ms: 20, preferred_batch_sizes: [16]}\n"

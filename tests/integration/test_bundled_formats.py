@@ -10,7 +10,6 @@ and minilm from TorchScript), so every (model, format) pair goes export → gate
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,7 +23,7 @@ from tests.integration.test_bundled_models import (
     served_tensor,
 )
 from tests.integration.test_text_model import assert_matches_sentence_transformers, reference
-from tests.server import MODELS, Server
+from tests.server import MODELS, Server, copy_model
 
 pytestmark = pytest.mark.integration
 BUNDLED = ("digits", "efficientnet_lite0", "minilm")
@@ -46,7 +45,7 @@ def swapped(tmp_path_factory: pytest.TempPathFactory, formats: dict[str, str]) -
     """The bundled repository, each config switched to the backend ``formats`` names."""
     root = tmp_path_factory.mktemp("bundled") / "models"
     for name, backend in formats.items():
-        shutil.copytree(MODELS / name, root / name, ignore=shutil.ignore_patterns("build.py"))
+        copy_model(name, root / name)
         config = root / name / "config.yaml"
         lines = config.read_text().splitlines()
         config.write_text(

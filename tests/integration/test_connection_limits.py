@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import grpc
 import pytest
 
 from service.protocol.pb import grpc_service_pb2 as pb
-from tests.server import MODELS, Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +34,7 @@ DIGIT = json.dumps(
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("limits") / "models"
-    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", root / "digits")
     server = Server(root, env=LIMITS, log_path=root.parent / "server.log")
     try:
         server.wait_until()
@@ -166,7 +165,7 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
     and so is a 300 kB gRPC message (the protocols share the budget), a small request still
     fits, and the budget comes back when the stalled clients leave."""
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", root / "digits")
     server = Server(root, env={**LIMITS, "TG_BODY_TIMEOUT_S": "120"}, log_path=tmp_path / "log")
     stalled: list[socket.socket] = []
     try:

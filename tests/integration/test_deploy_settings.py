@@ -4,14 +4,13 @@ command, misspelt variables, one-line setting errors, and one model served under
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.server import MODELS, REPO_ROOT, Server
+from tests.server import REPO_ROOT, Server, copy_model
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +87,7 @@ def test_one_model_folder_serves_under_the_name_kserve_gives(tmp_path: Path) -> 
     """KServe's storage initializer leaves the storageUri's folder in /mnt/models; the runtime's
     args pass the InferenceService's name as --model-name."""
     storage = tmp_path / "mnt-models"
-    shutil.copytree(MODELS / "digits", storage, ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", storage)
     server = Server(storage, env={"TG_MODEL_NAME": "my-digits"}, log_path=tmp_path / "server.log")
     try:
         server.wait_until()
@@ -105,7 +104,7 @@ def test_one_model_folder_serves_under_the_name_kserve_gives(tmp_path: Path) -> 
 def test_a_model_name_over_a_repository_of_several_models_names_them(tmp_path: Path) -> None:
     root = tmp_path / "models"
     for name in ("a", "b"):
-        shutil.copytree(MODELS / "digits", root / name, ignore=shutil.ignore_patterns("build.py"))
+        copy_model("digits", root / name)
     server = Server(root, env={"TG_MODEL_NAME": "one"}, log_path=tmp_path / "server.log")
     try:
         assert server.process.wait(timeout=60) != 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 from tests.identity import ONNX_TYPES, write_identity_model
 from tests.integration.test_batching import _slow_busy, _slow_model, slow_body
 from tests.integration.test_protocol import sample
-from tests.server import MODELS, REPO_ROOT, Server
+from tests.server import REPO_ROOT, Server, copy_model
 
 pytestmark = pytest.mark.integration
 ADMIN_TOKEN = "s3cret-admin-token-1"
@@ -43,7 +42,7 @@ def grpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("grpc") / "models"
     write_identity_model(root / "identity")
     write_identity_model(root / "identity_typed", datatypes=TYPED)
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     config = root / "digits" / "config.yaml"
     config.write_text(
         config.read_text() + "batching: {max_queue_delay_ms: 20, preferred_batch_sizes: [16]}\n"
@@ -391,7 +390,7 @@ def test_rest_and_grpc_requests_batch_together(grpc_server: Server) -> None:
 
 def test_the_api_token_is_asked_for_in_metadata(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     server = Server(root, env={"TG_API_TOKEN": API_TOKEN}, log_path=tmp_path / "server.log")
     try:
         server.wait_until()
@@ -419,7 +418,7 @@ def test_the_api_token_is_asked_for_in_metadata(tmp_path: Path) -> None:
 
 def test_sigterm_drains_mixed_grpc_and_rest_load_losing_nothing(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "20", "TG_ACCESS_LOG": "false"}
     server = Server(root, env=env, log_path=tmp_path / "server.log")
     server.wait_until()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.server import MODELS, Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ DIGIT = {
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     root = tmp_path_factory.mktemp("hostile") / "models"
-    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", root / "digits")
     env = {"TG_ADMIN_TOKEN": ADMIN, "TG_POLL_INTERVAL_S": "0.2"}
     server = Server(root, env=env, log_path=root.parent / "server.log")
     try:

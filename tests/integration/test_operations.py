@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import signal
 import threading
 import time
@@ -19,7 +18,7 @@ import yaml
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server import MODELS, Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 API = "api-s3cret-token-123"
@@ -31,7 +30,7 @@ DIGIT = {
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("ops") / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     env = {"TG_API_TOKEN": API, "TG_MAX_BODY_BYTES": "200000", "TG_MAX_TENSOR_ELEMENTS": "4096"}
     server = Server(root, env=env, log_path=root.parent / "server.log")
     server.client.headers["Authorization"] = f"Bearer {API}"
@@ -251,7 +250,7 @@ def test_sigterm_mid_load_drains_every_accepted_request_and_exits_0(
     tmp_path: Path, workers: str
 ) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "20", "TG_ACCESS_LOG": "false",
            "TG_WORKERS": workers}  # fmt: skip
     server = Server(root, env=env, log_path=tmp_path / "server.log")

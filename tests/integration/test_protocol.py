@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from service.datatypes import TO_NUMPY
 from tests.identity import ONNX_TYPES, write_identity_model
-from tests.server import MODELS, Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 TOKEN = "s3cret-admin-token-1"
@@ -28,7 +27,7 @@ def protocol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     root = tmp_path_factory.mktemp("protocol") / "models"
     write_identity_model(root / "identity")
     write_identity_model(root / "identity_cast", cast_inputs="true")
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     server = Server(root, env={"TG_ADMIN_TOKEN": TOKEN}, log_path=root.parent / "server.log")
     try:
         server.wait_until()

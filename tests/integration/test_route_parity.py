@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
@@ -20,7 +19,7 @@ from PIL import Image
 from service.core.dataplane import DataPlane
 from service.settings import Settings
 from tests.asgi import InProcess, Reply
-from tests.server import MODELS
+from tests.server import copy_model
 
 pytestmark = pytest.mark.integration
 TOKEN = "fast-path-token-01"
@@ -32,7 +31,7 @@ COMPARED_HEADERS = ("content-type", "inference-header-content-length", "www-auth
 @pytest.fixture(scope="module")
 def inprocess(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
     root = tmp_path_factory.mktemp("routes") / "models"
-    shutil.copytree(MODELS / "digits", root / "digits", ignore=shutil.ignore_patterns("build.py"))
+    copy_model("digits", root / "digits")
     settings = Settings(model_repository=Path(root), api_token=TOKEN, max_body_bytes=100_000,
                         intra_op_threads=1, preprocess_threads=1, access_log=False)  # fmt: skip
     running = InProcess(settings)

@@ -23,7 +23,7 @@ import pytest
 import tritonclient.grpc as tgrpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server import MODELS, Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 ADMIN = "admin-s3cret-token-123"
@@ -42,7 +42,7 @@ def start(root: Path, log: Path, **env: str) -> Server:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("workers") / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     server = start(root, root.parent / "server.log", TG_ADMIN_TOKEN=ADMIN)
     try:
         yield server
@@ -141,7 +141,7 @@ def test_a_dead_worker_is_replaced_while_the_other_serves(two: Server) -> None:
 
 def test_no_worker_outlives_its_supervisor_however_it_ends(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     server = start(root, tmp_path / "server.log")
     children = workers(server)
     assert len(children) == 2
@@ -154,7 +154,7 @@ def test_no_worker_outlives_its_supervisor_however_it_ends(tmp_path: Path) -> No
 
 def test_sigterm_stops_every_worker_and_exits_0(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     server = start(root, tmp_path / "server.log")
     children = workers(server)
     server.process.send_signal(signal.SIGTERM)
@@ -167,7 +167,7 @@ def test_sigterm_stops_every_worker_and_exits_0(tmp_path: Path) -> None:
 
 def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     with socket.socket() as taken:  # a port another program listens on, without SO_REUSEPORT
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -181,7 +181,7 @@ def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path)
 
 def test_a_new_version_found_by_poll_reaches_every_worker(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    shutil.copytree(MODELS / "digits", root / "digits")
+    copy_model("digits", root / "digits")
     server = start(root, tmp_path / "server.log", TG_POLL_INTERVAL_S="0.5")
     try:
         shutil.copytree(root / "digits" / "1", root / "digits" / "2")

@@ -187,14 +187,12 @@ def test_torchscript_bf16_tensors_go_in_and_come_out_as_bit_patterns(tmp_path: P
 
 @pytest.mark.integration  # loads the built digits model
 def test_half_precision_needs_the_golden_tolerance_widened_explicitly(tmp_path: Path) -> None:
-    import shutil
-
     from service.model_config import load_model_config
     from service.repository.loader import load_version
     from service.settings import Settings
-    from tests.server import MODELS
+    from tests.server import copy_model
 
-    shutil.copytree(MODELS / "digits", tmp_path / "digits")
+    copy_model("digits", tmp_path / "digits")
     config_path = tmp_path / "digits" / "config.yaml"
     config_path.write_text(config_path.read_text() + "precision: bf16\n")
     settings = Settings(model_repository=tmp_path)
@@ -265,18 +263,16 @@ def test_io_binding_is_off_for_models_with_string_outputs(tmp_path: Path) -> Non
 def test_cuda_graphs_are_for_torchscript_and_ignored_with_a_warning_on_the_cpu(
     tmp_path: Path,
 ) -> None:
-    import shutil
-
     from pydantic import ValidationError
 
     from service.model_config import ModelConfig, load_model_config
     from service.repository.loader import load_version
     from service.settings import Settings
-    from tests.server import MODELS
+    from tests.server import copy_model
 
     with pytest.raises(ValidationError, match="gpu.cuda_graphs is for TorchScript models"):
         ModelConfig.model_validate({"backend": "onnx", "gpu": {"cuda_graphs": True}})
-    shutil.copytree(MODELS / "digits", tmp_path / "digits")
+    copy_model("digits", tmp_path / "digits")
     config_path = tmp_path / "digits" / "config.yaml"
     config_path.write_text(config_path.read_text() + "device: cpu\ngpu: {cuda_graphs: true}\n")
     settings = Settings(model_repository=tmp_path)
