@@ -45,6 +45,7 @@ venv: $(STAMP)
 # config or the export code changes.
 models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export/exporter.py \
 		service/export/shapes.py service/artifacts/shapes.py service/runtimes/pt2.py \
+		service/runtimes/libtorch.py \
 		service/artifacts/cpu_targets.py preprocessing/image.py preprocessing/text.py \
 		preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1

@@ -4,10 +4,11 @@ The package is machine code compiled ahead of time for one torch release, one ki
 one CPU target (:mod:`service.artifacts.cpu_targets`): what it needs is read from the package
 itself before it is loaded, and a package this process cannot run is refused with both sides
 named, not left to fail in a kernel. Loading needs no compiler. Inputs, outputs, streams and
-inference mode are as for TorchScript
-(:class:`~service.runtimes.torchscript.TorchScriptRuntime`); there is no module to put in eval
-mode: ``tensorgate export`` exported it in eval mode, and a compiled graph has no ``training``
-flag left to flip."""
+inference mode are :class:`~service.runtimes.libtorch.TorchRuntime`'s, as for TorchScript;
+there is no module to put in eval mode: ``tensorgate export`` exported it in eval mode, and a
+compiled graph has no ``training`` flag left to flip (nor CUDA graphs, which the config
+refuses for pt2).
+"""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from torch._inductor.package import load_package  # type: ignore[attr-defined]  
 from service.artifacts.manifest import check_pt2
 from service.errors import ModelLoadError
 from service.runtimes.base import Signature
-from service.runtimes.torchscript import TorchScriptRuntime
+from service.runtimes.libtorch import TorchRuntime
 
 TORCH_KEY = "tensorgate.torch"
 """The package metadata key ``tensorgate export`` writes the compiling torch's version under."""
@@ -67,7 +68,7 @@ class _IsaChecked(logging.Filter):
 _ISA_CHECKED = _IsaChecked()
 
 
-class Pt2Runtime(TorchScriptRuntime):
+class Pt2Runtime(TorchRuntime):
     """Runs ``model.pt2`` (``torch._inductor.aoti_compile_and_package``) on CPU or CUDA."""
 
     artifact = "model.pt2"

@@ -15,12 +15,8 @@ import numpy as np
 import torch
 
 from service.errors import ModelLoadError
-from service.runtimes.base import Runtime, Signature
-
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_TORCH_DTYPES = {
-    "FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64, "BF16": torch.bfloat16,
-}  # fmt: skip
+from service.runtimes.base import Signature
+from service.runtimes.libtorch import HALF, TorchRuntime
 
 GraphKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 log = logging.getLogger("tensorgate.runtime")
@@ -70,11 +66,11 @@ class _Graph:
         return self.outputs
 
 
-class TorchScriptRuntime(Runtime):
-    """Runs ``model.pt`` (a ``torch.jit`` archive) on CPU or CUDA."""
+class TorchScriptRuntime(TorchRuntime):
+    """Runs ``model.pt`` (a ``torch.jit`` archive) on CPU or CUDA; on CUDA with
+    ``gpu.cuda_graphs``, a captured graph per warmed batch shape."""
 
     artifact = "model.pt"
-    _half: torch.dtype | None = None
 
     def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
         if declared is None:
@@ -93,7 +89,7 @@ class TorchScriptRuntime(Runtime):
         module.eval()
         for parameter in module.parameters():
             parameter.requires_grad_(False)
-        self._half = _HALF.get(self.options.precision)
+        self._half = HALF.get(self.options.precision)
         if self._half is not None:
             module = module.to(self._half)
         still_training = [name or "(root)" for name, sub in module.named_modules() if sub.training]
@@ -107,39 +103,15 @@ class TorchScriptRuntime(Runtime):
                 f"forward() takes {len(arguments)} inputs {arguments}, "
                 f"{len(declared.inputs)} are declared"
             )
-        return self._bind(module, torch.device(device), declared)
-
-    def _bind(self, module: Any, device: torch.device, declared: Signature) -> Signature:
-        """Take ``module`` (loaded on ``device``) as the one ``run`` calls."""
-        self._module = module
-        self._device = device
-        self._cuda = self._device.type == "cuda"
-        # Each runtime (instance) gets its own stream, so that copies and kernels of concurrent
-        # instances overlap instead of queueing on the default stream.
-        self._stream = (
-            torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]  # untyped in torch
-            if self._cuda
-            else None
-        )
-        self._input_names = [t.name for t in declared.inputs]
-        self._bf16_inputs = {t.name for t in declared.inputs if t.datatype == "BF16"}
-        self._output_names = [t.name for t in declared.outputs]
-        self._output_dtypes = [_TORCH_DTYPES.get(t.datatype) for t in declared.outputs]
         self._graphs: dict[GraphKey, _Graph] = {}
-        self._capture = self._cuda and self.options.gpu.cuda_graphs
         self._pool: Any = None
-        return declared
+        signature = self._bind(module, torch.device(device), declared)
+        self._capture = self._cuda and self.options.gpu.cuda_graphs
+        return signature
 
-    def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        with torch.inference_mode():
-            if self._stream is None:
-                return self._outputs(self._module(*self._inputs(batch)))
-            with torch.cuda.stream(self._stream):
-                graph = self._graphs.get(graph_key(batch)) if self._graphs else None
-                if graph is not None:
-                    return self._outputs(graph.replay(self._inputs(batch)))
-                result = self._module(*self._inputs(batch))
-                return self._outputs(result)  # .cpu() waits for this stream's work
+    def _replay(self, batch: Mapping[str, np.ndarray]) -> Any:
+        graph = self._graphs.get(graph_key(batch)) if self._graphs else None
+        return None if graph is None else graph.replay(self._inputs(batch))
 
     def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
         """Run the shape eagerly (cuDNN picks its kernels); with ``gpu.cuda_graphs``, capture it,
@@ -169,58 +141,12 @@ class TorchScriptRuntime(Runtime):
                         "runs eagerly", key)  # fmt: skip
 
     def close(self) -> None:
-        """Drop the module and graphs, and hand cached device memory back."""
-        self._graphs.clear()
+        """Drop the graphs, then the module, and hand cached device memory back."""
+        self.__dict__.get("_graphs", {}).clear()
         self._pool = None
-        self.__dict__.pop("_module", None)  # idempotent
-        if self._cuda:
-            torch.cuda.empty_cache()
+        super().close()
 
     @property
     def captured(self) -> frozenset[GraphKey]:
         """The batch shapes that replay a CUDA graph."""
         return frozenset(self._graphs)
-
-    def _inputs(self, batch: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
-        return [
-            self._to_tensor(batch[name], name in self._bf16_inputs) for name in self._input_names
-        ]
-
-    def _to_tensor(self, array: np.ndarray, bf16: bool = False) -> torch.Tensor:
-        # torch.from_numpy shares memory and needs a writable array; views of a request body
-        # are read-only, so those are copied once here.
-        if not array.flags.writeable:
-            array = array.copy()
-        tensor = torch.from_numpy(array)
-        if bf16:  # tensorgate holds BF16 as its bit patterns (service/datatypes.py)
-            tensor = tensor.view(torch.bfloat16)
-        if self._cuda:
-            # Pinned host memory lets the copy run asynchronously on the instance's stream.
-            tensor = tensor.pin_memory().to(self._device, non_blocking=True)
-        if self._half is not None and tensor.is_floating_point():
-            tensor = tensor.to(self._half)
-        return tensor
-
-    def _outputs(self, result: Any) -> dict[str, np.ndarray]:
-        if isinstance(result, torch.Tensor):
-            tensors = [result]
-        elif isinstance(result, (tuple, list)):
-            tensors = list(result)
-        elif isinstance(result, dict):
-            tensors = [result[name] for name in self._output_names]
-        else:
-            raise TypeError(f"forward() returned {type(result).__name__}, not tensors")
-        if len(tensors) != len(self._output_names):
-            raise TypeError(
-                f"forward() returned {len(tensors)} outputs, {len(self._output_names)} declared"
-            )
-        arrays = {}
-        for name, tensor, dtype in zip(
-            self._output_names, tensors, self._output_dtypes, strict=True
-        ):
-            if dtype is not None and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)  # half-precision results back to the declared type
-            if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its bit patterns
-                tensor = tensor.view(torch.uint16)
-            arrays[name] = tensor.detach().cpu().numpy()
-        return arrays
