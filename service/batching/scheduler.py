@@ -38,6 +38,7 @@ from service.errors import (
     DeadlineExceeded,
     InvalidInput,
     ModelExecutionError,
+    ModelNotReady,
     PayloadTooLarge,
     ServerBusy,
     TensorgateError,
@@ -256,6 +257,8 @@ class Scheduler:
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     _workers: list[asyncio.Task[None]] = field(default_factory=list)
     _warned: set[BatchShape] = field(default_factory=set)
+    _broken: str | None = None
+    """Why the model failed its golden replay: from then on no batch runs on it."""
 
     def start(self) -> None:
         for index in range(self.config.instances):
@@ -365,6 +368,9 @@ class Scheduler:
     ) -> None:
         """Run ``items`` as one batch on ``instance`` and answer each. With ``failures``, a
         model error is recorded there instead of answered."""
+        if self._broken is not None:  # queued before the verdict, or after: none runs on it
+            _fail(items, ModelNotReady(f"model '{self.model}' is broken: {self._broken}"))
+            return
         rows = sum(p.rows for p in items)
         padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
@@ -477,8 +483,9 @@ class Scheduler:
                 return self._bad_input(exc, "it still answers its golden inputs as exported")
             log.error("model %s is broken: it failed on a request alone and then on its "
                       "golden inputs (%s)", self.model, reason, exc_info=exc)  # fmt: skip
+            self._broken = f"failed its golden replay after a request failed: {reason}"
             if self.on_broken is not None:
-                self.on_broken(f"failed its golden replay after a request failed: {reason}")
+                self.on_broken(self._broken)
         else:
             log.error("model %s failed on a request alone (%s)", self.model, reason, exc_info=exc)
         return ModelExecutionError(f"model '{self.model}' failed: {runtime_message(exc)}")

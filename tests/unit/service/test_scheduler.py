@@ -26,6 +26,7 @@ from service.errors import (
     DeadlineExceeded,
     InvalidInput,
     ModelExecutionError,
+    ModelNotReady,
     PayloadTooLarge,
     ServerBusy,
 )
@@ -335,6 +336,46 @@ async def test_when_every_request_fails_alone_the_model_is_at_fault() -> None:
     for answer in result:
         assert isinstance(answer, ModelExecutionError)
         assert answer.message == "model 'm' failed: the model is broken"
+
+
+async def test_a_lone_failure_is_the_inputs_fault_while_the_golden_replay_still_matches() -> None:
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if batch["x"].max() > 100:
+            raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code "
+                               "returned while running Gather node. Name:'node_7' Status "
+                               "Message: idx=1000 is out of bounds")  # fmt: skip
+        return {"y": batch["x"] * 2}
+
+    s = scheduler(run)
+    s.replay = lambda instance_run: None  # the golden pairs still answer as exported
+    s.start()
+    with pytest.raises(InvalidInput) as caught:
+        await s.submit({"x": np.full((1, 2), 1000.0)}, None, None)
+    await s.stop()
+    assert caught.value.message == (
+        "model 'm' failed on this request's input (idx=1000 is out of bounds); it still answers "
+        "its golden inputs as exported, so the input is at fault"
+    )
+
+
+async def test_a_failed_golden_replay_leaves_no_later_batch_to_the_broken_model() -> None:
+    broken: list[str] = []
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("poisoned")
+
+    s = scheduler(run)
+    s.replay = lambda instance_run: "golden replay: output 'y' differs by up to nan"
+    s.on_broken = broken.append
+    s.start()
+    first = asyncio.ensure_future(s.submit({"x": np.zeros((1, 2))}, None, None))
+    with pytest.raises(ModelExecutionError, match="model 'm' failed: poisoned"):
+        await first
+    with pytest.raises(ModelNotReady, match="model 'm' is broken: failed its golden replay"):
+        await s.submit({"x": np.zeros((1, 2))}, None, None)
+    await s.stop()
+    assert broken == ["failed its golden replay after a request failed: golden replay: output "
+                      "'y' differs by up to nan"]  # fmt: skip
 
 
 class OutOfMemoryError(RuntimeError):
