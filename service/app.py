@@ -30,7 +30,7 @@ from service.grpc.server import start_grpc
 from service.http import routers
 from service.http.answer import CLIENT_GONE, Answer, ClientGone, error_answer
 from service.http.fast import InferFastPath
-from service.limits.admission import BodyBudget, error_body
+from service.limits.admission import BodyBudget, BytesBudget, error_body
 from service.repository.models import ModelRepository
 from service.settings import Settings
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -42,6 +42,8 @@ log = logging.getLogger("tensorgate.app")
 
 def create_app(settings: Settings) -> FastAPI:
     """The application for ``settings``; nothing is loaded until its lifespan starts."""
+    budget = BytesBudget(settings.max_inflight_bytes)
+    """Request bodies and gRPC messages in flight, both protocols together."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,7 +61,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.poll_interval_s is not None:
             polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
         # In this event loop, beside uvicorn's: one DataPlane, one Drain, shared schedulers.
-        budget = getattr(app.state, "body_budget", None)  # set by serving_app
+        # gRPC's messages count in the budget REST bodies are held in
         grpc_server = await start_grpc(app.state.cluster, budget) if settings.grpc_port else None
         control = None
         worker = Worker.from_environment()
@@ -95,6 +97,7 @@ def create_app(settings: Settings) -> FastAPI:
         # its own Prometheus metrics.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    app.state.body_budget = budget  # serving_app holds REST bodies in it
     for routes in routers(settings):
         app.include_router(routes)
     _install_error_handlers(app)
@@ -105,9 +108,8 @@ def create_app(settings: Settings) -> FastAPI:
 def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
     """What uvicorn runs: the app, its inference routes answered on plain ASGI, under the
     server-wide budget for request bodies."""
-    budget = BodyBudget(InferFastPath(app), settings.max_inflight_bytes, settings.max_body_bytes)
-    app.state.body_budget = budget  # gRPC's messages count in it too (service.grpc.servicer)
-    return budget
+    budget: BytesBudget = app.state.body_budget
+    return BodyBudget(InferFastPath(app), budget, settings.max_body_bytes)
 
 
 class RequestIdMiddleware:

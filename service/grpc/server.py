@@ -13,7 +13,7 @@ import grpc
 
 from service.cluster.workers import Cluster
 from service.grpc.servicer import SERVICE, InferenceServicer
-from service.limits.admission import BodyBudget
+from service.limits.admission import BytesBudget
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.protocol.pb import health_pb2, health_pb2_grpc
 
@@ -76,7 +76,7 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-async def start_grpc(cluster: Cluster, budget: BodyBudget | None = None) -> GrpcServer:
+async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> GrpcServer:
     """A started gRPC server on ``TG_HOST:TG_GRPC_PORT`` in the running event loop; its
     inference requests hold their size in ``budget``, REST's budget for bodies in flight."""
     settings = cluster.dataplane.settings

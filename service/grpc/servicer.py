@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from service.cluster.workers import Cluster
 from service.errors import ModelNotFound, ServerBusy, TensorgateError
 from service.grpc.streaming import completion_order
-from service.limits.admission import BodyBudget
+from service.limits.admission import BytesBudget
 from service.limits.auth import check_authorization
 from service.limits.compression import MIN_COMPRESS_BYTES
 from service.protocol import grpc as codec
@@ -81,7 +81,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` over the DataPlane. Every RPC but the health ones asks
     for the API token (``authorization: Bearer …`` metadata) when one is set."""
 
-    def __init__(self, cluster: Cluster, budget: BodyBudget | None = None) -> None:
+    def __init__(self, cluster: Cluster, budget: BytesBudget | None = None) -> None:
         self.cluster = cluster
         self.dataplane = cluster.dataplane
         """Inference, and the repository's read-only views; the whole server is ``cluster``'s."""

@@ -43,18 +43,45 @@ def reserve_of(scope: Scope) -> Callable[[int], None] | None:
     return reserve
 
 
-class BodyBudget:
-    """ASGI middleware holding request body bytes in flight under ``limit``."""
+class BytesBudget:
+    """The bytes of request bodies (and gRPC messages) this server holds, under ``limit``.
+    Made with the app and handed to what takes from it: :class:`BodyBudget` for REST, the
+    gRPC servicer for its messages."""
 
-    def __init__(self, app: ASGIApp, limit: int, max_body_bytes: int) -> None:
-        self.app = app
+    def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.max_body_bytes = max_body_bytes
         self.held = 0
-        """Body bytes of the requests being handled now (declared or read so far, and what
+        """Bytes of the requests being handled now (declared or read so far, and what
         compressed ones have inflated to)."""
         self._lock = threading.Lock()  # bodies inflate on the thread pool
         register_budget(self)
+
+    def take(self, size: int) -> None:
+        """Hold ``size`` more bytes, or raise :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when
+        that would pass the limit. Callable from any thread."""
+        with self._lock:
+            if self.held + size > self.limit:
+                REFUSED["body_budget"] += 1
+                raise ServerBusy(
+                    f"the server holds {self.held} bytes of request bodies and this one "
+                    f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
+                    "retry shortly"
+                )
+            self.held += size
+
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes once the request that held them has been answered."""
+        with self._lock:
+            self.held -= size
+
+
+class BodyBudget:
+    """ASGI middleware holding REST request bodies in flight in ``budget``."""
+
+    def __init__(self, app: ASGIApp, budget: BytesBudget, max_body_bytes: int) -> None:
+        self.app = app
+        self.budget = budget
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,7 +92,7 @@ class BodyBudget:
 
         def reserve(size: int) -> None:
             nonlocal held
-            self.take(size)
+            self.budget.take(size)
             held += size
 
         # A body over the per-request limit is the route's to refuse (413): reserve nothing.
@@ -85,25 +112,7 @@ class BodyBudget:
         try:
             await self.app(scope, receive if declared is not None else counting_receive, send)
         finally:
-            self.release(held)
-
-    def take(self, size: int) -> None:
-        """Hold ``size`` more bytes, or raise :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when
-        that would pass the limit. Callable from any thread."""
-        with self._lock:
-            if self.held + size > self.limit:
-                REFUSED["body_budget"] += 1
-                raise ServerBusy(
-                    f"the server holds {self.held} bytes of request bodies and this one "
-                    f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
-                    "retry shortly"
-                )
-            self.held += size
-
-    def release(self, size: int) -> None:
-        """Give back ``size`` bytes once the request that held them has been answered."""
-        with self._lock:
-            self.held -= size
+            self.budget.release(held)
 
 
 def _content_length(scope: Scope) -> int | None:
