@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
 
 from preprocessing.spec import spec_hash
 from service.artifacts import cpu_targets
@@ -76,6 +83,17 @@ class Manifest(BaseModel):
     metrics: dict[str, float] = {}
     """Anything measured at build time, e.g. held-out accuracy."""
     created: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_additions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # ``skipped`` and ``shapes`` are written only when they say something, so that a
+        # manifest of a model without dynamic dims stays readable by servers that predate them.
+        data: dict[str, Any] = handler(self)
+        if not self.skipped:
+            data.pop("skipped", None)
+        if self.shapes is None:
+            data.pop("shapes", None)
+        return data
 
 
 def read_manifest(version_dir: Path) -> Manifest | None:

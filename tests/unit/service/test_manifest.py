@@ -88,3 +88,16 @@ def test_golden_replay_within_and_beyond_tolerance(tmp_path: Path) -> None:
         check_golden(tmp_path, lambda batch: {"y": y[0]}, Tolerance())
     with pytest.raises(ModelLoadError, match="golden.npz is missing"):
         check_golden(tmp_path / "nowhere", lambda batch: {}, Tolerance())
+
+
+def test_a_manifest_without_dynamic_dims_or_skipped_formats_writes_neither_key() -> None:
+    """Servers that predate ``skipped`` and ``shapes`` refuse unknown keys: a manifest that has
+    nothing to say in them leaves them out."""
+    from service.artifacts.manifest import Manifest
+    from service.model_config import TensorConfig
+
+    x = TensorConfig(name="x", datatype="FP32", shape=(4,))
+    written = Manifest(name="m", max_batch_size=1, inputs=(x,), outputs=(x,), versions={},
+                       artifacts={"onnx": "model.onnx"}).model_dump_json()  # fmt: skip
+    assert '"skipped"' not in written and '"shapes"' not in written
+    assert Manifest.model_validate_json(written).shapes is None
