@@ -37,7 +37,9 @@ from service.telemetry.observation import Drain, Observer
 T = TypeVar("T")
 
 OFFLOAD_BYTES = 32 * 1024
-"""Work on a body this large (or larger) moves to the thread pool; below it the hop costs more."""
+"""Work through this many bytes (or more) moves to the thread pool; below it the hop costs more.
+Callers pass the bytes the work goes through, not the body's size (a raw image's decode into a
+request goes through none)."""
 PREPROCESS_MAX_ROWS = 32
 """Rows one ``preprocess`` request may ask for: its answer is the model's input tensors (each
 row of an ImageNet model is 600 kB, whatever the image's size)."""
@@ -131,9 +133,9 @@ class DataPlane:
                     timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
                 else:
                     observation.rows = 1  # made on the instance's thread, which times it
-                outputs = apply_crop(
-                    await served.execute(prepared.work, timing, deadline), prepared.crop
-                )
+                outputs = await served.execute(prepared.work, timing, deadline)
+                if prepared.crop:
+                    outputs = apply_crop(outputs, prepared.crop)
                 encode_started = time.perf_counter_ns()
                 result = InferenceResult(
                     model, str(found.version), request.id,
@@ -187,8 +189,10 @@ class DataPlane:
         if request.rows is not None:
             inputs = instance_tensors(request.rows, model.signature.inputs)
         batch = check_inputs(inputs, model.signature, model.config, model.name)
+        if not model.shapes.axes:  # the common case, with no dynamic dim: nothing to fit
+            return Prepared(batch)
         fitted, crop = model.shapes.fit(batch, model.name)
-        return Prepared(fitted, crop=crop)
+        return Prepared(fitted, crop=crop or None)
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: its own timeout, else OIP ``parameters.timeout``

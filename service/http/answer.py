@@ -135,8 +135,9 @@ async def _predict(
 ) -> Answer:
     async def decode() -> InferenceRequest:
         return await dataplane.offload(
-            len(body), v1.decode_predict, route.model, body, content_type, timeout_s
-        )
+            v1.decode_work(body, content_type), v1.decode_predict, route.model, body,
+            content_type, timeout_s,
+        )  # fmt: skip
 
     if route.kind == "preprocess":
         tensors = await dataplane.preprocess(route.model, decode)

@@ -42,7 +42,7 @@ class Prepared:
 
     work: Work
     parameters: dict[str, Any] = field(default_factory=dict)
-    crop: Crop = field(default_factory=dict)
+    crop: Crop | None = None
     """The region of each output that answers the caller's own input (where dims were padded)."""
 
 

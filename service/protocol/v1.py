@@ -17,6 +17,13 @@ from service.errors import InvalidInput, UnsupportedMediaType
 from service.inference import InferenceRequest, InferenceResult
 
 
+def decode_work(body: bytes, content_type: str) -> int:
+    """The bytes :func:`decode_predict` works through: none for a raw image (its bytes are taken
+    as they are; the pipeline decodes them later), the whole body for JSON."""
+    media = content_type.split(";")[0].strip().lower()
+    return 0 if media.startswith("image/") or media == "application/octet-stream" else len(body)
+
+
 def decode_predict(
     model: str, body: bytes, content_type: str, timeout_s: float | None = None
 ) -> InferenceRequest:
