@@ -394,17 +394,22 @@ def _dynamic_shapes(
 ) -> tuple[dict[int, Any], ...]:
     """torch.export's dims: the batch over 1..max_batch_size and each -1 dim up to the longest
     bucket. DYNAMIC (not AUTO): a module that pins a dim to its example's size is refused, not
-    exported for that size alone; dims that must be equal (ids and mask) are found by torch."""
+    exported for that size alone; dims that must be equal (ids and mask) are found by torch.
+    Each range reaches 3 at least: torch.export takes sizes 0 and 1 for constants, so a range
+    that ends at 2, the traced size, conflicts with the one it infers (the server still sends
+    no more than the config's sizes)."""
     longest = max(buckets, default=None)
     shapes = []
     for tensor in inputs:
         dims: dict[int, Any] = {}
         if max_batch_size > 1:
-            dims[0] = Dim.DYNAMIC(min=1, max=max_batch_size)
+            dims[0] = Dim.DYNAMIC(min=1, max=max(max_batch_size, 3))
         offset = 1 if max_batch_size > 0 else 0
         for i, dim in enumerate(tensor.shape):
             if dim == -1:
-                dims[i + offset] = Dim.DYNAMIC(min=1, max=longest)
+                dims[i + offset] = Dim.DYNAMIC(
+                    min=1, max=None if longest is None else max(longest, 3)
+                )
         shapes.append(dims)
     return tuple(shapes)
 

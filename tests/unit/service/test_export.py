@@ -12,7 +12,7 @@ from service.artifacts.shapes import Follow
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
 from tests.models import Mlp, TrainModeNet
-from tests.user_models import Tagger
+from tests.user_models import Heatmap, Tagger
 
 X = TensorConfig(name="x", datatype="FP32", shape=(64,))
 Y = TensorConfig(name="y", datatype="FP32", shape=(10,))
@@ -149,3 +149,17 @@ def test_dynamic_dims_without_buckets_are_refused_saying_what_to_pass(tmp_path: 
     ):
         export_model(Tagger(), tmp_path, name="t", inputs=[ids], outputs=[tags],
                      golden_inputs={"ids": np.zeros((2, 6), np.int64)}, max_batch_size=4)  # fmt: skip
+
+
+def test_padding_is_measured_from_each_dims_own_size(tmp_path: Path) -> None:
+    """Golden images of 20 × 30: each dim padded from its own size and cut back by its own
+    output size, so a fully convolutional head that padding leaves unchanged is found so."""
+    image = TensorConfig(name="image", datatype="FP32", shape=(3, -1, -1))
+    heat = TensorConfig(name="heat", datatype="FP32", shape=(1, -1, -1))
+    golden = {"image": np.random.default_rng(0).standard_normal((2, 3, 20, 30), np.float32)}
+    manifest = export_model(
+        Heatmap(), tmp_path, name="h", inputs=[image], outputs=[heat], golden_inputs=golden,
+        max_batch_size=2, formats=("onnx",), buckets=(32, 64),
+    )  # fmt: skip
+    assert manifest.shapes is not None
+    assert manifest.shapes.pad, manifest.shapes.reason
