@@ -234,16 +234,6 @@ def check_preprocessing(config: ModelConfig, manifest: Manifest) -> None:
         )
 
 
-def check_golden(
-    version_dir: Path,
-    run: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]],
-    tolerance: Tolerance,
-) -> dict[str, float]:
-    """Gate 3: replay golden inputs; refuse when an output differs beyond the tolerance."""
-    golden = read_golden(version_dir)
-    return compare_golden(golden, run(golden.inputs), tolerance)
-
-
 @dataclass(frozen=True)
 class Golden:
     """``golden.npz``: fixed inputs and the eager PyTorch outputs for them."""
@@ -266,10 +256,14 @@ def read_golden(version_dir: Path) -> Golden:
     return Golden(inputs, expected)
 
 
-def compare_golden(
-    golden: Golden, served: Mapping[str, np.ndarray], tolerance: Tolerance
+def check_golden(
+    golden: Golden,
+    run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    tolerance: Tolerance,
 ) -> dict[str, float]:
-    """The worst abs error per output; ModelLoadError when one is beyond the tolerance."""
+    """Gate 3: replay the golden inputs through ``run``; the worst abs error per output, or
+    ModelLoadError when one is beyond the tolerance."""
+    served = run(golden.inputs)
     expected = golden.outputs
     worst: dict[str, float] = {}
     for name, want in expected.items():

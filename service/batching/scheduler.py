@@ -544,22 +544,19 @@ class _PreparationFailed(Exception):
         self.error = error
 
 
-_RUNTIME_NOISE = (
-    re.compile(r"^.*Status Message:\s*", re.S),  # onnxruntime: the node that failed, its name
-    re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*"),
-    re.compile(r"(?:/[\w.+-]+)+/?"),  # absolute paths of the runtime's or the model's files
-)
+_ORT_NODE = re.compile(r"^.*Status Message:\s*", re.S)  # onnxruntime: the failed node, named
+_ORT_STATUS = re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*")
+_PATH = re.compile(r"(?:/[\w.+-]+)+/?")  # absolute paths of the runtime's or the model's files
 
 
 def runtime_message(exc: BaseException) -> str:
     """What a runtime's error says about the input, without its internals: onnxruntime's node
     names and status codes, TorchScript's source excerpts, file paths. One line, bounded."""
     text = str(exc)
-    for pattern in _RUNTIME_NOISE[:2]:
-        text = pattern.sub("", text)
+    text = _ORT_STATUS.sub("", _ORT_NODE.sub("", text))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     text = lines[-1] if lines else type(exc).__name__
-    text = _RUNTIME_NOISE[2].sub("…", text)
+    text = _PATH.sub("…", text)
     return text if len(text) <= 240 else text[:239] + "…"
 
 

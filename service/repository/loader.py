@@ -26,9 +26,9 @@ from service.artifacts.manifest import (
     Golden,
     Manifest,
     Tolerance,
+    check_golden,
     check_preprocessing,
     check_versions,
-    compare_golden,
     read_golden,
     read_manifest,
 )
@@ -89,11 +89,11 @@ class LoadedVersion:
     tolerance: Tolerance
 
     def replay_golden(self, runtime_run: Runner) -> str | None:
-        """None when ``runtime_run`` still answers the golden inputs as exported, else why not."""
-        if self.golden is None:
-            return None
+        """None when ``runtime_run`` still answers the golden inputs as exported, else why not
+        (only for a version that has them: without, there is no evidence either way)."""
+        assert self.golden is not None, "a version without golden pairs has nothing to replay"
         try:
-            compare_golden(self.golden, runtime_run(self.golden.inputs), self.tolerance)
+            check_golden(self.golden, runtime_run, self.tolerance)
         except ModelLoadError as exc:
             return str(exc)
         except Exception as exc:  # the runtime's own failure on inputs that ran at export
@@ -243,7 +243,7 @@ def _check_artifact(
         warnings.append(f"golden tolerance widened by config to atol={tolerance.atol:g}")
     golden = read_golden(path)
     for runtime in runtimes:
-        compare_golden(golden, runtime.run(golden.inputs), tolerance)
+        check_golden(golden, runtime.run, tolerance)
     return golden, tolerance
 
 

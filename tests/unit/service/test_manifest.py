@@ -11,6 +11,7 @@ from service.artifacts.manifest import (
     check_preprocessing,
     check_versions,
     max_opset,
+    read_golden,
 )
 from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
@@ -80,14 +81,14 @@ def test_golden_replay_within_and_beyond_tolerance(tmp_path: Path) -> None:
     x = np.ones((2, 3), np.float32)
     y = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
     np.savez(tmp_path / "golden.npz", **{"input.x": x, "output.y": y})
-    worst = check_golden(tmp_path, lambda batch: {"y": y + 1e-5}, Tolerance())
+    worst = check_golden(read_golden(tmp_path), lambda batch: {"y": y + 1e-5}, Tolerance())
     assert worst["y"] == pytest.approx(1e-5, rel=1e-2)
     with pytest.raises(ModelLoadError, match="output 'y' differs .* by up to 0.5"):
-        check_golden(tmp_path, lambda batch: {"y": y + 0.5}, Tolerance())
+        check_golden(read_golden(tmp_path), lambda batch: {"y": y + 0.5}, Tolerance())
     with pytest.raises(ModelLoadError, match="has shape \\[2\\], golden \\[2, 2\\]"):
-        check_golden(tmp_path, lambda batch: {"y": y[0]}, Tolerance())
+        check_golden(read_golden(tmp_path), lambda batch: {"y": y[0]}, Tolerance())
     with pytest.raises(ModelLoadError, match="golden.npz is missing"):
-        check_golden(tmp_path / "nowhere", lambda batch: {}, Tolerance())
+        check_golden(read_golden(tmp_path / "nowhere"), lambda batch: {}, Tolerance())
 
 
 def test_a_manifest_without_dynamic_dims_or_skipped_formats_writes_neither_key() -> None:
