@@ -6,10 +6,21 @@ model saw in training is what it sees in production, byte for byte.
 """
 
 from preprocessing.image import ImagePipeline, PreprocessingError
-from preprocessing.spec import ImageSpec, PreprocessingSpec, TextSpec, spec_hash
+from preprocessing.pipeline import BadInput, Item, Pipeline
+from preprocessing.spec import ImageSpec, PreprocessingSpec, PythonSpec, TextSpec, spec_hash
 from preprocessing.text import TextPipeline, TokenBatch
 
 __all__ = [
-    "ImagePipeline", "ImageSpec", "PreprocessingError", "PreprocessingSpec", "TextPipeline",
-    "TextSpec", "TokenBatch", "spec_hash",
-]  # fmt: skip
+    "BadInput",
+    "ImagePipeline",
+    "ImageSpec",
+    "Item",
+    "Pipeline",
+    "PreprocessingError",
+    "PreprocessingSpec",
+    "PythonSpec",
+    "TextPipeline",
+    "TextSpec",
+    "TokenBatch",
+    "spec_hash",
+]

@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from preprocessing.pipeline import BadInput
 from preprocessing.spec import ImageSpec
 
 # Pillow's own default guard against decompression bombs is only a warning below 2x the limit.
@@ -49,8 +50,8 @@ _TRANSPOSED = frozenset(range(2, 9))
 _ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>|\s+at 0x[0-9a-fA-F]+")
 
 
-class PreprocessingError(ValueError):
-    """The input cannot be turned into a tensor: the message says why, for the client to read."""
+class PreprocessingError(BadInput):
+    """The image cannot be turned into a tensor: the message says why, for the client to read."""
 
 
 class ImagePipeline:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -81,7 +81,25 @@ class TextSpec(BaseModel):
         return buckets
 
 
-PreprocessingSpec = Annotated[ImageSpec | TextSpec, Field(discriminator="kind")]
+class PythonSpec(BaseModel):
+    """A model's own :class:`~preprocessing.pipeline.Pipeline` subclass: code, not data, so
+    export records the sources' hashes and end-to-end answers beside this spec's hash."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    kind: Literal["python"] = "python"
+    module: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+    """Without ``package``: a file of the model's folder, beside config.yaml (``pipeline`` is
+    ``pipeline.py``); with it: a module of that installed package."""
+    cls: str = Field(alias="class", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The class in ``module``: a subclass of ``preprocessing.pipeline.Pipeline``."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments the class is built with (JSON values: the training's statistics)."""
+    package: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+!\-]+$")
+    """``name==version`` of the installed distribution ``module`` comes from."""
+
+
+PreprocessingSpec = Annotated[ImageSpec | TextSpec | PythonSpec, Field(discriminator="kind")]
 """Every kind of spec the server knows, told apart by ``kind``."""
 
 

@@ -80,3 +80,5 @@ class InferenceResult:
     classifier: Postprocess | None
     batched: bool
     """Whether the outputs have a batch dimension (rows) first."""
+    answers: list[Any] | None = None
+    """The model's pipeline's answer for each raw item, where its code postprocesses."""

@@ -31,7 +31,7 @@ Datatype = Literal[
 ]  # fmt: skip
 
 
-PREPROCESSING_KINDS = ("image", "text")
+PREPROCESSING_KINDS = ("image", "text", "python")
 
 
 class _Strict(BaseModel):

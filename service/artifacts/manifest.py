@@ -77,6 +77,12 @@ class Manifest(BaseModel):
     export; :mod:`service.artifacts.shapes`)."""
     preprocessing: dict[str, Any] | None = None
     preprocessing_hash: str | None = None
+    code: dict[str, Any] | None = None
+    """A ``kind: python`` pipeline's sources and the distributions they import, with versions
+    (:class:`service.artifacts.code.CodeFacts`)."""
+    answers: list[dict[str, Any]] = []
+    """End-to-end golden pairs of a ``kind: python`` pipeline: raw item files (in the version
+    folder) and the answers the eager pipeline gave (:class:`service.artifacts.code.AnswerPair`)."""
     tolerance: Tolerance = Tolerance()
     parity: dict[str, dict[str, float]] = {}
     """Max abs/rel error of each artifact vs eager PyTorch, measured at export."""
@@ -86,13 +92,17 @@ class Manifest(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_additions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # ``skipped`` and ``shapes`` are written only when they say something, so that a
-        # manifest of a model without dynamic dims stays readable by servers that predate them.
+        # ``skipped``, ``shapes``, ``code`` and ``answers`` are written only when they say
+        # something, so that a manifest of a model without them stays readable by servers that
+        # predate them.
         data: dict[str, Any] = handler(self)
         if not self.skipped:
             data.pop("skipped", None)
-        if self.shapes is None:
-            data.pop("shapes", None)
+        for key in ("shapes", "code"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        if not self.answers:
+            data.pop("answers", None)
         return data
 
 

@@ -1,22 +1,33 @@
 """DataPlane: the protocol-agnostic core. Health, readiness, inference, repository changes.
 
-Every protocol front end (v1 and v2 REST in ``service/http``, gRPC in ``service/grpc``) decodes
-its request into an :class:`~service.inference.InferenceRequest`, calls :meth:`DataPlane.infer`
-with its own encoder, and sends what the encoder made. Nothing here knows a wire format. A
-request refused while the server drains is answered 503 by the observer before any lookup, and
-is neither counted in a model's statistics nor logged (it never reached one).
+Every protocol front end (v1 and v2 REST in ``service/http``, gRPC in ``service/grpc``) runs
+one inference request straight through, in one direction::
+
+    with dataplane.call(protocol, model, version) as call:    # 404 / 503 before any work
+        request = <decode the body>                             # the protocol's codec
+        result = await call.infer(request)                      # pipeline, batch, run
+        body = call.encode(<encoder>, result)                   # the protocol's codec, timed
+
+Nothing here knows a wire format. Where each step runs is decided here, by its work: a model's
+pipeline runs in the thread pool, or on the instance's own thread for a request alone (one
+thread hop in all). A request refused while the server drains is answered 503 before any
+lookup; it is neither counted in a model's statistics nor logged (it never reached one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
+import orjson
 
+from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, overrides, stack
 from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
 from service.core.validation import (
@@ -27,7 +38,7 @@ from service.core.validation import (
 )
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.inference import InferenceRequest, InferenceResult, OutputTensor, RequestedOutput
-from service.pipelines.classification import CLASSIFICATION, classification_tensor
+from service.pipelines.classification import ANSWER, CLASSIFICATION, classification_tensor
 from service.pipelines.inputs import Prepared
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
@@ -46,7 +57,7 @@ row of an ImageNet model is 600 kB, whatever the image's size)."""
 
 
 class DataPlane:
-    """The core every protocol calls."""
+    """The core every protocol calls: health, inference (:meth:`call`), repository changes."""
 
     def __init__(
         self,
@@ -107,84 +118,51 @@ class DataPlane:
 
     # -- inference --------------------------------------------------------------------------------
 
-    async def infer(
-        self,
-        model: str,
-        version: str | None,
-        protocol: str,
-        decode: Callable[[], Awaitable[InferenceRequest]],
-        encode: Callable[[InferenceResult], T],
-    ) -> T:
-        """Look ``model`` up (404 / 503 first, before any work), ``decode`` the request, run
-        it, and ``encode`` the result (timed as postprocessing). Every outcome, a decoding
-        error included, is counted, timed and logged once."""
-        with self.observer.observe(protocol, model, version) as observation:
-            found, served = self.repository.ready_model(model, version)
-            observation.version, observation.served = str(found.version), served
-            timing = observation.timing
-            with served.use():
-                request = await decode()
-                loaded = served.loaded
-                _check_outputs(loaded, request.outputs)
-                prepared = await self._prepare(loaded, request, alone=served.in_flight == 1)
-                deadline = self.deadline(request.timeout_s, request.parameters)
-                if isinstance(prepared.work, dict):
-                    observation.rows = rows_of(prepared.work, loaded.batched)
-                    timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
-                else:
-                    observation.rows = 1  # made on the instance's thread, which times it
-                outputs = await served.execute(prepared.work, timing, deadline)
-                if prepared.crop:
-                    outputs = apply_crop(outputs, prepared.crop)
-                encode_started = time.perf_counter_ns()
-                result = InferenceResult(
-                    model, str(found.version), request.id,
-                    _outputs(loaded, request.outputs, outputs),
-                    outputs, {**request.parameters, **prepared.parameters}, loaded.classifier,
-                    loaded.batched,
-                )  # fmt: skip
-                encoded = encode(result)
-                timing.compute_output_ns = time.perf_counter_ns() - encode_started
-                return encoded
+    def call(self, protocol: str, model: str, version: str | None) -> Call:
+        """``with dataplane.call(protocol, model, version) as call:`` around one inference
+        request: 503 while the server refuses new work, then 404 / 503 for the model before any
+        work; inside, the version is in use (unloading waits for it) and whatever happens is
+        counted, timed and logged once."""
+        return Call(self, protocol, model, version)
 
-    async def preprocess(
-        self, model: str, decode: Callable[[], Awaitable[InferenceRequest]]
-    ) -> dict[str, np.ndarray]:
+    async def preprocess(self, request: InferenceRequest) -> dict[str, np.ndarray]:
         """What ``infer`` would feed the model for the request: the tensors, not the answer."""
-        _, served = self.repository.ready_model(model)
+        _, served = self.repository.ready_model(request.model)
         with served.use():
-            request = await decode()
             rows = len(request.raw or request.rows or [])
             if rows > PREPROCESS_MAX_ROWS:
                 raise PayloadTooLarge(
                     f"{rows} instances; :preprocess answers at most {PREPROCESS_MAX_ROWS} (its "
                     "answer is the model's input tensors, far larger than the request)"
                 )
-            work = (await self._prepare(served.loaded, request, alone=False)).work
+            work = (await self.prepare(served.loaded, request, alone=False)).work
             return work if isinstance(work, dict) else await self.offload(OFFLOAD_BYTES, work)
 
-    async def _prepare(
+    async def prepare(
         self, model: LoadedVersion, request: InferenceRequest, alone: bool
     ) -> Prepared:
         """The request's inputs as the model's batch: raw items through its pipeline, tensors
-        (or rows) checked against its signature and padded to its buckets."""
-        raw, pipeline = request.raw, model.pipeline
-        if raw is None and pipeline is not None:
-            named = [t for t in request.inputs if t.name == pipeline.raw_input]
-            if named and len(request.inputs) != 1:
-                raise InvalidInput(
-                    f"input '{pipeline.raw_input}' feeds the model's preprocessing: send it "
-                    f"alone, not with {[t.name for t in request.inputs if t is not named[0]]}"
+        (or rows) checked against its signature and padded to its buckets. ``alone``: the
+        request is the only one in flight for its model, so a lone item is preprocessed on the
+        instance's own thread (one thread hop in all) instead of in the pool first."""
+        items, pipeline = _items(model, request), model.pipeline
+        if items is not None:
+            assert pipeline is not None
+            check_rows(len(items), model.config, model.name)
+            contexts: list[dict[str, Any]] = [{} for _ in items]
+            make = partial(_preprocess, pipeline, items, contexts, model)
+            if len(items) == 1 and alone:
+                return Prepared(make, contexts)
+            loop = asyncio.get_running_loop()
+            if len(items) == 1 or overrides(pipeline, "preprocess_batch"):
+                return Prepared(await loop.run_in_executor(self.pool, make), contexts)
+            rows = await asyncio.gather(
+                *(
+                    loop.run_in_executor(self.pool, _preprocess_one, pipeline, i, c, model.name)
+                    for i, c in zip(items, contexts, strict=True)
                 )
-            raw = encoded_items(named[0], model.name) if named else None
-        if raw is not None:
-            if pipeline is None:
-                raise UnsupportedMediaType(
-                    f"model '{model.name}' has no preprocessing; send tensors to "
-                    f'/v2/models/{model.name}/infer or {{"instances": [...]}} rows'
-                )
-            check_rows(len(raw), model.config, model.name)
-            return await pipeline.prepare(raw, self.pool, alone)
+            )
+            return Prepared(_as_batch(model, _guarded(stack, model.name, rows)), contexts)
         inputs = request.inputs
         if request.rows is not None:
             inputs = instance_tensors(request.rows, model.signature.inputs)
@@ -229,15 +207,24 @@ def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -
 
 
 def _outputs(
-    model: LoadedVersion, wanted: list[RequestedOutput] | None, outputs: dict[str, np.ndarray]
+    model: LoadedVersion,
+    wanted: list[RequestedOutput] | None,
+    outputs: dict[str, np.ndarray],
+    answers: list[Any] | None,
 ) -> list[OutputTensor]:
-    """The outputs a request asked for (all the model offers by default), with the
-    classification extension's top-k strings where asked."""
+    """The outputs a request asked for: by default the pipeline's answers where its code
+    postprocesses, else every output the model offers; the classification extension's top-k
+    strings where asked."""
     known = model.output_datatypes
+    if wanted is None:
+        names = [ANSWER] if answers is not None else [n for n in known if n != ANSWER]
+        wanted = [RequestedOutput(name) for name in names]
     tensors = []
-    for output in wanted or [RequestedOutput(name) for name in known]:
+    for output in wanted:
         top_k = output.parameters.get("classification")
-        if output.name == CLASSIFICATION or top_k is not None:
+        if output.name == ANSWER:
+            tensors.append(OutputTensor(ANSWER, "BYTES", _answer_tensor(model, answers)))
+        elif output.name == CLASSIFICATION or top_k is not None:
             data = _classify(model, outputs, output.name, top_k)
             tensors.append(OutputTensor(output.name, "BYTES", data, output.parameters))
         else:
@@ -247,6 +234,18 @@ def _outputs(
                 )
             )
     return tensors
+
+
+def _answer_tensor(model: LoadedVersion, answers: list[Any] | None) -> np.ndarray:
+    """The pipeline's answers as a BYTES tensor: one JSON text per item."""
+    if answers is None:
+        raise InvalidInput(
+            f"output '{ANSWER}' is what model '{model.name}''s pipeline answers for raw items; "
+            "this request sent tensors"
+        )
+    array = np.empty(len(answers), dtype=object)
+    array[:] = [orjson.dumps(a, option=orjson.OPT_SERIALIZE_NUMPY) for a in answers]
+    return array
 
 
 def _classify(
@@ -259,3 +258,152 @@ def _classify(
         raise InvalidInput(f"output '{output}': parameter 'classification' must be an integer ≥ 1")
     source = outputs[classifier.output]
     return classification_tensor(classifier, source if model.batched else source[None], top_k)
+
+
+class Call:
+    """One inference request inside the core (:meth:`DataPlane.call`). A protocol adapter runs
+    its own steps in order inside it: decode, :meth:`infer`, :meth:`encode`.
+
+    A class rather than ``@contextmanager``: the generator would cost every request a few more
+    calls (docs/performance.md, "Per-request bookkeeping")."""
+
+    __slots__ = ("_in_use", "_observing", "asked", "dataplane", "model", "observation", "served",
+                 "version")  # fmt: skip
+
+    def __init__(self, dataplane: DataPlane, protocol: str, model: str, version: str | None):
+        self._observing = dataplane.observer.observe(protocol, model, version)
+        self.dataplane, self.model, self.asked = dataplane, model, version
+
+    def __enter__(self) -> Call:
+        observation = self._observing.__enter__()
+        try:
+            found, served = self.dataplane.repository.ready_model(self.model, self.asked)
+        except BaseException as exc:
+            self._observing.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        observation.version, observation.served = str(found.version), served
+        self.observation, self.served, self.version = observation, served, str(found.version)
+        self._in_use = served.use()
+        self._in_use.__enter__()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._in_use.__exit__(kind, exc, tb)
+        self._observing.__exit__(kind, exc, tb)
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Run ``request`` on the version found: prepare, batch, run, crop, postprocess."""
+        served, observation = self.served, self.observation
+        loaded, timing = served.loaded, observation.timing
+        _check_outputs(loaded, request.outputs)
+        prepared = await self.dataplane.prepare(loaded, request, alone=served.in_flight == 1)
+        deadline = self.dataplane.deadline(request.timeout_s, request.parameters)
+        if isinstance(prepared.work, dict):
+            observation.rows = rows_of(prepared.work, loaded.batched)
+            timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
+        else:
+            observation.rows = 1  # made on the instance's thread, which times it
+        outputs = await served.execute(prepared.work, timing, deadline)
+        if prepared.crop:
+            outputs = apply_crop(outputs, prepared.crop)
+        parameters = dict(request.parameters)
+        answers = None
+        if prepared.contexts is not None:
+            pipeline = loaded.pipeline
+            assert pipeline is not None
+            parameters.update(pipeline.parameters(prepared.contexts))
+            if overrides(pipeline, "postprocess"):
+                started = time.perf_counter_ns()
+                answers = await asyncio.get_running_loop().run_in_executor(
+                    self.dataplane.pool, _postprocess, pipeline, outputs, prepared.contexts, loaded
+                )
+                timing.compute_output_ns += time.perf_counter_ns() - started
+        tensors = _outputs(loaded, request.outputs, outputs, answers)
+        return InferenceResult(
+            self.model,
+            self.version,
+            request.id,
+            tensors,
+            outputs,
+            parameters,
+            loaded.classifier,
+            loaded.batched,
+            answers,
+        )
+
+    def encode(self, encode: Callable[..., T], *args: Any) -> T:
+        """``encode(*args)``, timed as the request's postprocessing."""
+        started = time.perf_counter_ns()
+        try:
+            return encode(*args)
+        finally:
+            self.observation.timing.compute_output_ns += time.perf_counter_ns() - started
+
+
+def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None:
+    """The request's raw items for the model's pipeline, or None when it sent tensors (or
+    rows) for the model itself."""
+    pipeline = model.pipeline
+    if request.raw is not None:
+        if pipeline is None:
+            raise UnsupportedMediaType(
+                f"model '{model.name}' has no preprocessing; send tensors to "
+                f'/v2/models/{model.name}/infer or {{"instances": [...]}} rows'
+            )
+        return [Item(item) for item in request.raw]
+    if pipeline is None:
+        return None
+    if request.rows is not None and pipeline.json_items:
+        return [Item(value=row) for row in request.rows]
+    named = [t for t in request.inputs if t.name == pipeline.raw_input]
+    if not named:
+        return None
+    if len(request.inputs) != 1:
+        raise InvalidInput(
+            f"input '{pipeline.raw_input}' feeds the model's preprocessing: send it "
+            f"alone, not with {[t.name for t in request.inputs if t is not named[0]]}"
+        )
+    return [Item(item) for item in encoded_items(named[0], model.name)]
+
+
+def _guarded(fn: Callable[..., T], model: str, *args: Any) -> T:
+    """``fn(*args)`` with the pipeline's :class:`BadInput` as the client's 400, naming the model;
+    anything else it raises is a bug of the pipeline's, answered 500 and logged."""
+    try:
+        return fn(*args)
+    except BadInput as exc:
+        raise InvalidInput(f"model '{model}': {exc}") from None
+
+
+def _preprocess_one(pipeline: Pipeline, item: Item, context: dict[str, Any], model: str) -> Arrays:
+    return _guarded(pipeline.preprocess, model, item, context)
+
+
+def _preprocess(
+    pipeline: Pipeline, items: list[Item], contexts: list[dict[str, Any]], model: LoadedVersion
+) -> dict[str, np.ndarray]:
+    """Items → the model's batch, in the calling thread (the pool's or the instance's)."""
+    return _as_batch(model, _guarded(pipeline.preprocess_batch, model.name, items, contexts))
+
+
+def _as_batch(model: LoadedVersion, batch: Arrays) -> dict[str, np.ndarray]:
+    """A pipeline's batch as the model takes it: without the batch dim for a model that has
+    none (one item, as ``check_rows`` made sure)."""
+    return batch if model.batched else {name: array[0] for name, array in batch.items()}
+
+
+def _postprocess(
+    pipeline: Pipeline,
+    outputs: dict[str, np.ndarray],
+    contexts: list[dict[str, Any]],
+    model: LoadedVersion,
+) -> list[Any]:
+    """Each item's answer from its row of the outputs (in the pool: the code may be slow)."""
+    if not model.batched:
+        return [_guarded(pipeline.postprocess, model.name, outputs, contexts[0])]
+    return [
+        _guarded(pipeline.postprocess, model.name, {k: v[i] for k, v in outputs.items()}, context)
+        for i, context in enumerate(contexts)
+    ]

@@ -192,15 +192,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, timeout_s: float | None
     ) -> pb.ModelInferResponse:
         dataplane = self.dataplane
-
-        async def decode() -> Any:
-            return codec.decode_request(request, timeout_s, dataplane.settings.max_tensor_elements)
-
-        raw = bool(request.raw_input_contents)
-        return await dataplane.infer(
-            request.model_name, request.model_version or None, "grpc", decode,
-            lambda result: codec.encode_result(result, raw),
-        )  # fmt: skip
+        with dataplane.call("grpc", request.model_name, request.model_version or None) as call:
+            decoded = await dataplane.offload(
+                codec.decode_work(request), codec.decode_request, request, timeout_s,
+                dataplane.settings.max_tensor_elements,
+            )  # fmt: skip
+            result = await call.infer(decoded)
+            return call.encode(codec.encode_result, result, bool(request.raw_input_contents))
 
     async def ModelStreamInfer(
         self,

@@ -21,7 +21,6 @@ from starlette.types import Receive
 from service.cluster.workers import Cluster
 from service.core.dataplane import DataPlane
 from service.errors import InvalidInput, PayloadTooLarge, TensorgateError
-from service.inference import InferenceRequest
 from service.limits import compression
 from service.limits.admission import error_body
 from service.limits.auth import check_authorization
@@ -109,41 +108,30 @@ async def _infer(
     header_length: int | None,
     timeout_s: float | None,
 ) -> Answer:
-    binary_output = False
-
-    async def decode() -> InferenceRequest:
-        nonlocal binary_output
-        decoded = await dataplane.offload(
-            len(body),
-            v2.decode_request,
-            body,
-            header_length,
-            dataplane.settings.max_tensor_elements,
-        )
-        binary_output = decoded.binary_output
-        return decoded.to_core(route.model, route.version, timeout_s)
-
-    content, headers = await dataplane.infer(
-        route.model, route.version, "v2", decode,
-        lambda result: v2.encode_result(result, binary_output),
-    )  # fmt: skip
+    with dataplane.call("v2", route.model, route.version) as call:
+        request = await dataplane.offload(
+            v2.decode_work(body, header_length), v2.decode_request, body, header_length,
+            dataplane.settings.max_tensor_elements, route.model, route.version, timeout_s,
+        )  # fmt: skip
+        result = await call.infer(request)
+        content, headers = call.encode(v2.encode_result, result, v2.binary_default(request))
     return Answer(200, content, headers)
 
 
 async def _predict(
     dataplane: DataPlane, route: Route, body: bytes, content_type: str, timeout_s: float | None
 ) -> Answer:
-    async def decode() -> InferenceRequest:
-        return await dataplane.offload(
-            v1.decode_work(body, content_type), v1.decode_predict, route.model, body,
-            content_type, timeout_s,
-        )  # fmt: skip
-
+    decode = (v1.decode_predict, route.model, body, content_type, timeout_s)
     if route.kind == "preprocess":
-        tensors = await dataplane.preprocess(route.model, decode)
+        tensors = await dataplane.preprocess(
+            await dataplane.offload(v1.decode_work(body, content_type), *decode)
+        )
         archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
         return Answer(200, archive, {"content-type": "application/x-npz"})
-    content = await dataplane.infer(route.model, None, "v1", decode, v1.encode_predictions)
+    with dataplane.call("v1", route.model, None) as call:
+        request = await dataplane.offload(v1.decode_work(body, content_type), *decode)
+        result = await call.infer(request)
+        content = call.encode(v1.encode_predictions, result)
     return Answer(200, content, {"content-type": "application/json"})
 
 

@@ -63,6 +63,8 @@ class Classifier:
 
 CLASSIFICATION = "classification"
 """The virtual output a model with classification postprocessing offers over v2."""
+ANSWER = "answer"
+"""The virtual output of a model whose pipeline's code postprocesses: one JSON text per item."""
 
 
 def classification_tensor(

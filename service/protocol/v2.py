@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,8 +16,7 @@ import orjson
 
 from service.datatypes import TO_NUMPY, as_values, from_values
 from service.errors import InvalidInput, PayloadTooLarge
-from service.inference import InferenceRequest as CoreRequest
-from service.inference import InferenceResult, InputTensor, RequestedOutput
+from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
 MAX_BYTES_ELEMENTS = 65_536
@@ -28,25 +26,6 @@ MAX_EXTENT = 2**40
 """Most a shape's non-zero dims may multiply to beside a zero dim: numpy refuses even an empty
 array whose other dims multiply past what it can index."""
 _MAX_NESTING = 64
-
-
-@dataclass(slots=True)
-class InferenceRequest:
-    """A decoded infer body; ``outputs`` is None when the client asked for all of them.
-    ``binary_output``: the default of outputs that do not say (``binary_data_output``)."""
-
-    id: str | None
-    parameters: dict[str, Any]
-    inputs: list[InputTensor]
-    outputs: list[RequestedOutput] | None
-    binary_output: bool
-
-    def to_core(self, model: str, version: str | None, timeout_s: float | None) -> CoreRequest:
-        """The core's request for this body, sent to ``model`` (and ``version``)."""
-        return CoreRequest(
-            model, version, self.inputs, outputs=self.outputs, parameters=self.parameters,
-            id=self.id, timeout_s=timeout_s,
-        )  # fmt: skip
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:
@@ -66,10 +45,22 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
+def decode_work(body: bytes, header_length: int | None) -> int:
+    """The bytes :func:`decode_request` works through: the JSON header. Binary tensors are
+    viewed where they lie (BYTES elements are sliced out), never parsed."""
+    return len(body) if header_length is None else header_length
+
+
 def decode_request(
-    body: bytes, header_length: int | None = None, max_elements: int | None = None
+    body: bytes,
+    header_length: int | None = None,
+    max_elements: int | None = None,
+    model: str = "",
+    version: str | None = None,
+    timeout_s: float | None = None,
 ) -> InferenceRequest:
-    """A request body (JSON, or JSON header + binary tensors) → :class:`InferenceRequest`."""
+    """A request body (JSON, or JSON header + binary tensors) for ``model`` → the core's
+    request; ``timeout_s``: the HTTP request's own (``X-Request-Timeout``)."""
     if not body:
         raise InvalidInput("request body is empty; expected an inference request in JSON")
     view = memoryview(body)
@@ -109,7 +100,16 @@ def decode_request(
     if not isinstance(binary_output, bool):
         raise InvalidInput("parameter 'binary_data_output' must be true or false")
     outputs = _decode_outputs(header.get("outputs"), binary_output)
-    return InferenceRequest(request_id, parameters, inputs, outputs, binary_output)
+    return InferenceRequest(
+        model, version, inputs, outputs=outputs, parameters=parameters, id=request_id,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+def binary_default(request: InferenceRequest) -> bool:
+    """Whether outputs that do not say go in binary (``binary_data_output``, checked a bool at
+    decode): what :func:`encode_result` is given for the request's answer."""
+    return request.parameters.get("binary_data_output", False) is True
 
 
 def _decode_input(

@@ -19,9 +19,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from preprocessing.pipeline import Item, Pipeline, answer_one, overrides
+from preprocessing.spec import PythonSpec
+from service.artifacts.code import (
+    AnswerPair,
+    CodeFacts,
+    check_answers,
+    check_code,
+    code_facts,
+    read_answer_pairs,
+)
 from service.artifacts.manifest import (
     Golden,
     Manifest,
@@ -37,8 +48,8 @@ from service.batching.scheduler import BatchShape, batch_shape
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
-from service.pipelines.classification import CLASSIFICATION, Classifier
-from service.pipelines.inputs import Pipeline, pipeline_for
+from service.pipelines.classification import ANSWER, CLASSIFICATION, Classifier
+from service.pipelines.inputs import bounded_signature, pipeline_for
 from service.runtimes import (
     create_runtime,
     cuda_device_count,
@@ -127,8 +138,11 @@ class LoadedVersion:
         return {t.name: t.datatype for t in self.public_outputs()}
 
     def public_outputs(self) -> list[TensorConfig]:
-        """Outputs as clients see them: the model's, plus top-k classification strings."""
+        """Outputs as clients see them: the model's, plus top-k classification strings, plus
+        the answers of a pipeline whose code postprocesses (JSON texts)."""
         outputs = list(self.signature.outputs)
+        if self.pipeline is not None and overrides(self.pipeline, "postprocess"):
+            outputs.append(TensorConfig(name=ANSWER, datatype="BYTES", shape=()))
         if self.classifier is not None:
             outputs.append(
                 TensorConfig(name=CLASSIFICATION, datatype="BYTES", shape=(self.classifier.top_k,))
@@ -149,10 +163,13 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     loaded_at = time.perf_counter()
     golden, tolerance = _check_artifact(path, config, manifest, runtimes, warnings)
     shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
+    _check_code(config, path, manifest, warnings)
     pipeline = pipeline_for(config, signature, path, name)
     if pipeline is not None:
-        signature = pipeline.signature(signature)
+        signature = bounded_signature(pipeline, signature)
         pipeline.warm()
+        if manifest is not None and manifest.answers:
+            _replay_answers(pipeline, path, manifest, runtimes, config, tolerance)
     classifier = (
         Classifier(config.postprocessing, path.parent, signature.outputs)
         if config.postprocessing is not None
@@ -245,6 +262,45 @@ def _check_artifact(
     for runtime in runtimes:
         check_golden(golden, runtime.run, tolerance)
     return golden, tolerance
+
+
+def _check_code(
+    config: ModelConfig, path: Path, manifest: Manifest | None, warnings: list[str]
+) -> None:
+    """Step 3b, before any of a model's own code runs: its sources and the versions of the
+    distributions they import are the exported ones."""
+    spec = config.preprocessing
+    if not isinstance(spec, PythonSpec):
+        return
+    if manifest is None:
+        warnings.append("preprocessing code hash check skipped: no manifest.json")
+        return
+    if manifest.code is None:
+        raise ModelLoadError(
+            "preprocessing is code (kind: python) but manifest.json records no hash of it: "
+            "export the model with `tensorgate export` (or export_model) and this spec"
+        )
+    check_code(CodeFacts.from_json(manifest.code), code_facts(spec, path.parent))
+
+
+def _replay_answers(
+    pipeline: Pipeline,
+    path: Path,
+    manifest: Manifest,
+    runtimes: list[Runtime],
+    config: ModelConfig,
+    tolerance: Tolerance,
+) -> None:
+    """Step 4b: the exported raw items answer, through the served pipeline and every
+    device's runtime, as the eager pipeline answered them at export."""
+    pairs = read_answer_pairs(manifest.answers)
+    for runtime in runtimes:
+
+        def answer(pair: AnswerPair, run: Runner = runtime.run) -> Any:
+            item = Item((path / pair.file).read_bytes(), pair.content_type)
+            return answer_one(pipeline, item, run, config.max_batch_size > 0)
+
+        check_answers(pairs, answer, tolerance.rtol, tolerance.atol)
 
 
 def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:

@@ -16,7 +16,7 @@ import orjson
 import pytest
 from PIL import Image
 
-from service.core.dataplane import DataPlane
+from service.core.dataplane import Call
 from service.settings import Settings
 from tests.asgi import InProcess, Reply
 from tests.server import copy_model
@@ -144,7 +144,7 @@ def test_a_client_that_leaves_gets_499_on_both(inprocess: InProcess) -> None:
 
 def test_a_bug_is_a_500_naming_the_request_on_both(inprocess: InProcess) -> None:
     headers = {**AUTH, "X-Request-ID": "bug"}
-    with mock.patch.object(DataPlane, "infer", side_effect=RuntimeError("a bug of ours")):
+    with mock.patch.object(Call, "infer", side_effect=RuntimeError("a bug of ours")):
         plain, fastapi = both(inprocess, "POST", "/v2/models/digits/infer", _digits_json(), headers)
     assert plain.status == 500
     assert b"internal server error (request bug); see the server log" in plain.body

@@ -55,12 +55,11 @@ def all_inputs(rows: int) -> list[InputTensor]:
 
 
 def infer(core: InProcess, request: InferenceRequest) -> InferenceResult:
-    async def decode() -> InferenceRequest:
-        return request
+    async def run() -> InferenceResult:
+        with core.dataplane.call("test", request.model, request.version) as call:
+            return await call.infer(request)
 
-    return core.run(
-        core.dataplane.infer(request.model, request.version, "test", decode, lambda r: r)
-    )
+    return core.run(run())
 
 
 def test_infer_answers_the_outputs_asked_for_in_order(core: InProcess) -> None:

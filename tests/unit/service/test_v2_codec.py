@@ -21,6 +21,7 @@ from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
 from service.protocol.v2 import (
     MAX_BYTES_ELEMENTS,
+    binary_default,
     decode_request,
     encode_result,
     parse_header_length,
@@ -68,7 +69,7 @@ def test_every_numeric_datatype_round_trips_from_tritonclient(
     assert decoded.data.dtype == array.dtype
     np.testing.assert_array_equal(decoded.data, array)
     assert request.id == "r1"
-    assert request.binary_output is True  # tritonclient asks for binary outputs by default
+    assert binary_default(request) is True  # tritonclient asks for binary outputs by default
 
 
 @given(

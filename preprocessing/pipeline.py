@@ -1,0 +1,147 @@
+"""The one interface between raw request items and a model: subclass :class:`Pipeline`.
+
+The server runs every model's preprocessing through it (its built-in image and text pipelines
+are implementations of it), and a model may name its own (``preprocessing: {kind: python,
+module: ..., class: ...}`` in ``config.yaml``). Training code imports the same class, so the
+code that served a request is the code the model was trained with; ``tensorgate export``
+hashes it, and the server refuses a version whose code changed since.
+
+A pipeline is synchronous and keeps no per-request state on itself: the server calls it from
+several threads at once, off the event loop, and decides where each step runs. What one item
+must carry from preprocessing to postprocessing (its original size, say) goes in ``context``,
+a dict the server makes per item.
+
+Raise :class:`BadInput` (a ``ValueError``) for an item the pipeline cannot take: the client
+gets a 400 naming the model and your message, and no other request is affected. Any other
+exception is a bug: the client gets a 500 that names its request id, the traceback goes to the
+server's log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+Arrays = dict[str, np.ndarray]
+"""Named arrays: one item's rows (no batch dim), or a batch (batch dim first)."""
+
+
+class BadInput(ValueError):
+    """The item cannot be served: the message says why, for the client to read."""
+
+
+class Item:
+    """One raw request item: bytes with their content type (an image body, one element of a
+    BYTES input), or a JSON value (one of v1's ``instances``)."""
+
+    __slots__ = ("_value", "content_type", "data")
+
+    def __init__(
+        self, data: bytes | None = None, content_type: str | None = None, value: Any = None
+    ) -> None:
+        self.data, self.content_type, self._value = data, content_type, value
+
+    def bytes(self) -> bytes:
+        """The item's bytes (a JSON value's UTF-8 JSON text)."""
+        if self.data is None:
+            return (
+                self._value.encode() if isinstance(self._value, str) else orjson.dumps(self._value)
+            )
+        return self.data
+
+    def text(self) -> str:
+        """The item as text: a JSON string as it is, bytes as UTF-8."""
+        if self.data is None and isinstance(self._value, str):
+            return self._value
+        try:
+            return self.bytes().decode()
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"text must be UTF-8 ({exc})") from None
+
+    def json(self) -> Any:
+        """The item as a JSON value: as sent in ``instances``, or parsed from its bytes."""
+        if self.data is None:
+            return self._value
+        try:
+            return orjson.loads(self.data)
+        except orjson.JSONDecodeError as exc:
+            raise BadInput(f"item is not valid JSON: {exc}") from None
+
+
+class Pipeline:
+    """Raw items → a model's batch, and the model's outputs for each item → its answer.
+
+    Override :meth:`preprocess` (one item → its rows) and, to answer with something other than
+    the model's own outputs, :meth:`postprocess`. Override :meth:`preprocess_batch` where
+    stacking rows is not enough (a tokenizer pads a batch to its longest text at once).
+    """
+
+    raw_input: str = "raw"
+    """The BYTES input that carries raw items over v2 REST and gRPC (v1 takes the body)."""
+    json_items: bool = True
+    """Whether v1's JSON ``instances`` (records, numbers) are items for :meth:`preprocess`.
+    Strings and ``{"b64": ...}`` objects always are (as text, and as the decoded bytes); the
+    built-in pipelines set this False, so rows of numbers go to the model as its tensors."""
+
+    def preprocess(self, item: Item, context: dict[str, Any]) -> Arrays:
+        """One item → the model's inputs for it, without a batch dim."""
+        raise NotImplementedError(f"{type(self).__name__} does not define preprocess()")
+
+    def preprocess_batch(self, items: Sequence[Item], contexts: Sequence[dict[str, Any]]) -> Arrays:
+        """Items → the model's batch. By default each item's :meth:`preprocess`, stacked."""
+        return stack([self.preprocess(item, c) for item, c in zip(items, contexts, strict=True)])
+
+    def postprocess(self, outputs: Mapping[str, np.ndarray], context: dict[str, Any]) -> Any:
+        """The model's outputs for one item (no batch dim) → its answer: JSON-serialisable
+        (numpy values included). Only called where a subclass overrides it."""
+        raise NotImplementedError
+
+    def parameters(self, contexts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """What the answer's ``parameters`` report about the request's items (the text
+        pipeline says which texts it truncated); by default nothing."""
+        return {}
+
+    def warm(self) -> None:
+        """Called once at load, before the model is ready: pay for lazy set-up here."""
+
+
+def answer_one(
+    pipeline: Pipeline, item: Item, run: Callable[[Arrays], Arrays], batched: bool = True
+) -> Any:
+    """What the server answers for one raw item, with ``run`` (a batch → the model's outputs)
+    as the model: preprocess, run, postprocess. Training code can evaluate a pipeline with it
+    exactly as it will be served; export records its answers, and the server replays them at
+    load."""
+    context: dict[str, Any] = {}
+    batch = pipeline.preprocess_batch([item], [context])
+    if not batched:
+        batch = {name: array[0] for name, array in batch.items()}
+    outputs = run(batch)
+    row = {name: (array[0] if batched else array) for name, array in outputs.items()}
+    if overrides(pipeline, "postprocess"):
+        return pipeline.postprocess(row, context)
+    return {name: np.asarray(array).tolist() for name, array in row.items()}
+
+
+def stack(rows: Sequence[Arrays]) -> Arrays:
+    """Rows (one dict per item) → a batch: each name's arrays stacked on a new first dim; items
+    whose rows differ in shape are a :class:`BadInput`."""
+    first = rows[0]
+    if len(rows) == 1:
+        return {name: array[None] for name, array in first.items()}  # a view, no copy
+    batch = {}
+    for name in first:
+        arrays = [row[name] for row in rows]
+        if len({a.shape for a in arrays}) > 1:
+            shapes = sorted({str(list(a.shape)) for a in arrays})
+            raise BadInput(f"items make '{name}' of different shapes ({', '.join(shapes)})")
+        batch[name] = np.stack(arrays)
+    return batch
+
+
+def overrides(pipeline: Pipeline, method: str) -> bool:
+    """Whether ``pipeline``'s class defines ``method`` itself rather than inheriting the base's."""
+    return getattr(type(pipeline), method) is not getattr(Pipeline, method)
