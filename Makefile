@@ -24,7 +24,7 @@ endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODELS := efficientnet_lite0 digits minilm
+MODELS := efficientnet_lite0 digits minilm wine
 ARTIFACTS := $(foreach m,$(MODELS),models/$(m)/1/manifest.json)
 PYTEST_ARGS ?=
 
@@ -49,6 +49,10 @@ models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export/
 		service/artifacts/cpu_targets.py preprocessing/image.py preprocessing/text.py \
 		preprocessing/spec.py | $(STAMP)
 	$(BIN)/python models/$*/build.py --version 1
+
+# wine's own pipeline code is part of its artifact (its sha256 is in the manifest).
+models/wine/1/manifest.json: models/wine/pipeline.py preprocessing/pipeline.py \
+		service/artifacts/code.py service/pipelines/code.py
 
 models: $(ARTIFACTS)
 

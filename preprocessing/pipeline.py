@@ -82,9 +82,10 @@ class Pipeline:
     raw_input: str = "raw"
     """The BYTES input that carries raw items over v2 REST and gRPC (v1 takes the body)."""
     json_items: bool = True
-    """Whether v1's JSON ``instances`` (records, numbers) are items for :meth:`preprocess`.
-    Strings and ``{"b64": ...}`` objects always are (as text, and as the decoded bytes); the
-    built-in pipelines set this False, so rows of numbers go to the model as its tensors."""
+    """Whether v1's JSON ``instances`` (records, strings, numbers) are items for
+    :meth:`preprocess`, as JSON values. ``{"b64": ...}`` objects always are items, as their
+    decoded bytes. The built-in pipelines set this False: their string instances are texts,
+    and rows of numbers go to the model as its tensors."""
 
     def preprocess(self, item: Item, context: dict[str, Any]) -> Arrays:
         """One item → the model's inputs for it, without a batch dim."""

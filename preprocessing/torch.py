@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
 
 from preprocessing.image import ImagePipeline
+from preprocessing.pipeline import Item, Pipeline
 from preprocessing.spec import ImageSpec
 
 
@@ -61,3 +63,29 @@ class ImageDataset(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
         if self.target_transform is not None:
             label = self.target_transform(label)
         return self.transform(self.images[index]), label
+
+
+class PipelineDataset(torch.utils.data.Dataset[tuple[dict[str, torch.Tensor], int]]):
+    """Raw items (JSON values, or bytes) with integer labels, through a model's own
+    :class:`~preprocessing.pipeline.Pipeline`: each sample is what its ``preprocess`` makes for
+    the item, as the server makes it, so a ``DataLoader`` stacks the rows the server stacks."""
+
+    def __init__(self, pipeline: Pipeline, items: Sequence[Any], labels: Sequence[int]) -> None:
+        if len(items) != len(labels):
+            raise ValueError(f"{len(items)} items but {len(labels)} labels")
+        self.pipeline, self.items, self.labels = pipeline, items, labels
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], int]:
+        raw = self.items[index]
+        item = (
+            raw
+            if isinstance(raw, Item)
+            else Item(raw)
+            if isinstance(raw, bytes)
+            else Item(value=raw)
+        )
+        rows = self.pipeline.preprocess(item, {})
+        return {name: torch.from_numpy(array) for name, array in rows.items()}, self.labels[index]

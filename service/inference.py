@@ -39,7 +39,8 @@ class InferenceRequest:
     - ``inputs``: named tensors, checked against the model's signature; a BYTES tensor named
       after the model's raw input (``<input>_bytes`` for images, ``text``) feeds its pipeline;
     - ``raw``: items for the model's pipeline as they are (encoded images, UTF-8 texts);
-    - ``rows``: JSON rows read against the model's inputs (v1 ``instances`` of numbers).
+    - ``rows``: JSON rows read against the model's inputs (v1 ``instances`` of numbers), or
+      JSON values for a pipeline that takes them (v1 texts come as both ``raw`` and ``rows``).
     """
 
     model: str

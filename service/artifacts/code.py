@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from preprocessing.spec import PythonSpec
 from service.errors import ModelLoadError
 
@@ -137,7 +139,7 @@ def check_answers(
     answer: numbers within tolerance, everything else exactly."""
     for pair in pairs:
         got = answer(pair)
-        where = _difference(pair.answer, _plain(got), rtol, atol, "answer")
+        where = _difference(pair.answer, plain(got), rtol, atol, "answer")
         if where is not None:
             raise ModelLoadError(
                 f"end-to-end golden replay of {pair.file}: {where}; the pipeline (code or "
@@ -174,10 +176,8 @@ def _difference(want: Any, got: Any, rtol: float, atol: float, at: str) -> str |
     return None if want == got else f"{at} is {got!r}, exported {want!r}"
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """An answer as JSON would carry it (numpy scalars and arrays as numbers and lists)."""
-    import orjson
-
     return orjson.loads(orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY))
 
 

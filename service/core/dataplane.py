@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import TracebackType
@@ -32,14 +32,20 @@ from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
 from service.core.validation import (
     check_inputs,
+    check_made,
     check_rows,
     encoded_items,
     instance_tensors,
 )
-from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from service.inference import InferenceRequest, InferenceResult, OutputTensor, RequestedOutput
 from service.pipelines.classification import ANSWER, CLASSIFICATION, classification_tensor
-from service.pipelines.inputs import Prepared
+from service.pipelines.inputs import BUILT_IN, Prepared
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
 from service.settings import Settings
@@ -135,34 +141,52 @@ class DataPlane:
                     f"{rows} instances; :preprocess answers at most {PREPROCESS_MAX_ROWS} (its "
                     "answer is the model's input tensors, far larger than the request)"
                 )
-            work = (await self.prepare(served.loaded, request, alone=False)).work
+            deadline = self.deadline(request.timeout_s, request.parameters)
+            work = (await self.prepare(served.loaded, request, False, deadline)).work
             return work if isinstance(work, dict) else await self.offload(OFFLOAD_BYTES, work)
 
     async def prepare(
-        self, model: LoadedVersion, request: InferenceRequest, alone: bool
+        self, model: LoadedVersion, request: InferenceRequest, alone: bool, deadline: float
     ) -> Prepared:
         """The request's inputs as the model's batch: raw items through its pipeline, tensors
-        (or rows) checked against its signature and padded to its buckets. ``alone``: the
-        request is the only one in flight for its model, so a lone item is preprocessed on the
-        instance's own thread (one thread hop in all) instead of in the pool first."""
+        (or rows) checked against its signature and padded to its buckets.
+
+        Where a built-in pipeline runs: for a lone item of a request ``alone`` in flight for its
+        model, on the instance's own thread (one thread hop in all); else in the pool, items in
+        parallel unless the pipeline batches them itself. A model's own code always runs in the
+        pool, bounded by the request's ``deadline`` (a hung step must not hold an instance), and
+        what it made is checked against the model's signature and fitted to its buckets."""
         items, pipeline = _items(model, request), model.pipeline
-        if items is not None:
-            assert pipeline is not None
-            check_rows(len(items), model.config, model.name)
-            contexts: list[dict[str, Any]] = [{} for _ in items]
-            make = partial(_preprocess, pipeline, items, contexts, model)
-            if len(items) == 1 and alone:
-                return Prepared(make, contexts)
-            loop = asyncio.get_running_loop()
-            if len(items) == 1 or overrides(pipeline, "preprocess_batch"):
-                return Prepared(await loop.run_in_executor(self.pool, make), contexts)
-            rows = await asyncio.gather(
-                *(
-                    loop.run_in_executor(self.pool, _preprocess_one, pipeline, i, c, model.name)
-                    for i, c in zip(items, contexts, strict=True)
-                )
+        if items is None:
+            return self._tensors(model, request)
+        assert pipeline is not None
+        check_rows(len(items), model.config, model.name)
+        contexts: list[dict[str, Any]] = [{} for _ in items]
+        make = partial(_preprocess, pipeline, items, contexts, model)
+        loop = asyncio.get_running_loop()
+        if not isinstance(pipeline, BUILT_IN):
+            batch = await _within(
+                loop.run_in_executor(self.pool, make), deadline, model.name, "preprocessing"
             )
-            return Prepared(_as_batch(model, _guarded(stack, model.name, rows)), contexts)
+            check_made(batch, model.signature, model.config, model.name)
+            if not model.shapes.axes:
+                return Prepared(batch, contexts)
+            fitted, crop = model.shapes.fit(batch, model.name)
+            return Prepared(fitted, contexts, crop or None)
+        if len(items) == 1 and alone:
+            return Prepared(make, contexts)
+        if len(items) == 1 or overrides(pipeline, "preprocess_batch"):
+            return Prepared(await loop.run_in_executor(self.pool, make), contexts)
+        rows = await asyncio.gather(
+            *(
+                loop.run_in_executor(self.pool, _preprocess_one, pipeline, i, c, model.name)
+                for i, c in zip(items, contexts, strict=True)
+            )
+        )
+        return Prepared(_as_batch(model, _guarded(stack, model.name, rows)), contexts)
+
+    def _tensors(self, model: LoadedVersion, request: InferenceRequest) -> Prepared:
+        """Tensors (or v1 rows) sent for the model itself, checked and fitted to its buckets."""
         inputs = request.inputs
         if request.rows is not None:
             inputs = instance_tensors(request.rows, model.signature.inputs)
@@ -298,8 +322,9 @@ class Call:
         served, observation = self.served, self.observation
         loaded, timing = served.loaded, observation.timing
         _check_outputs(loaded, request.outputs)
-        prepared = await self.dataplane.prepare(loaded, request, alone=served.in_flight == 1)
         deadline = self.dataplane.deadline(request.timeout_s, request.parameters)
+        alone = served.in_flight == 1
+        prepared = await self.dataplane.prepare(loaded, request, alone, deadline)
         if isinstance(prepared.work, dict):
             observation.rows = rows_of(prepared.work, loaded.batched)
             timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
@@ -316,9 +341,14 @@ class Call:
             parameters.update(pipeline.parameters(prepared.contexts))
             if overrides(pipeline, "postprocess"):
                 started = time.perf_counter_ns()
-                answers = await asyncio.get_running_loop().run_in_executor(
-                    self.dataplane.pool, _postprocess, pipeline, outputs, prepared.contexts, loaded
-                )
+                answers = await _within(
+                    asyncio.get_running_loop().run_in_executor(
+                        self.dataplane.pool, _postprocess, pipeline, outputs, prepared.contexts,
+                        loaded,
+                    ),
+                    self.dataplane.deadline(request.timeout_s, request.parameters), loaded.name,
+                    "postprocessing",
+                )  # fmt: skip
                 timing.compute_output_ns += time.perf_counter_ns() - started
         tensors = _outputs(loaded, request.outputs, outputs, answers)
         return InferenceResult(
@@ -346,17 +376,17 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
     """The request's raw items for the model's pipeline, or None when it sent tensors (or
     rows) for the model itself."""
     pipeline = model.pipeline
-    if request.raw is not None:
-        if pipeline is None:
+    if pipeline is None:
+        if request.raw is not None:
             raise UnsupportedMediaType(
                 f"model '{model.name}' has no preprocessing; send tensors to "
                 f'/v2/models/{model.name}/infer or {{"instances": [...]}} rows'
             )
-        return [Item(item) for item in request.raw]
-    if pipeline is None:
         return None
     if request.rows is not None and pipeline.json_items:
         return [Item(value=row) for row in request.rows]
+    if request.raw is not None:
+        return [Item(item) for item in request.raw]
     named = [t for t in request.inputs if t.name == pipeline.raw_input]
     if not named:
         return None
@@ -366,6 +396,17 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
             f"alone, not with {[t.name for t in request.inputs if t is not named[0]]}"
         )
     return [Item(item) for item in encoded_items(named[0], model.name)]
+
+
+async def _within(work: Awaitable[T], deadline: float, model: str, step: str) -> T:
+    """``work`` (a model's own code, in the pool), answered 504 past ``deadline``. The thread
+    itself cannot be stopped: it finishes (or hangs) on its own, holding one pool thread."""
+    try:
+        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"model '{model}': its {step} code did not finish within the request's deadline"
+        ) from None
 
 
 def _guarded(fn: Callable[..., T], model: str, *args: Any) -> T:

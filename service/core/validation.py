@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from service.datatypes import as_values, cast, from_values
-from service.errors import InvalidInput, PayloadTooLarge
+from service.datatypes import TO_NUMPY, as_values, cast, from_values
+from service.errors import InvalidInput, ModelExecutionError, PayloadTooLarge
 from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
 from service.runtimes.base import Signature, shape_fits
@@ -123,3 +123,32 @@ def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
             f"got {tensor.datatype} {list(tensor.shape)}"
         )
     return [bytes(item) for item in tensor.data.reshape(-1)]
+
+
+def check_made(
+    batch: dict[str, np.ndarray], signature: Signature, config: ModelConfig, name: str
+) -> None:
+    """A batch a model's own pipeline code made fits the model. Names and dtypes are the
+    code's (a 500: ModelExecutionError, logged); a shape that does not fit depends on the item
+    (an image too large for the model's range, a 400)."""
+    made = sorted(batch)
+    wanted = sorted(t.name for t in signature.inputs)
+    if made != wanted:
+        raise ModelExecutionError(
+            f"model '{name}': its pipeline made inputs {made}, the model takes {wanted}"
+        )
+    batched = config.max_batch_size > 0
+    for spec in signature.inputs:
+        data = batch[spec.name]
+        if data.dtype != TO_NUMPY[spec.datatype]:
+            raise ModelExecutionError(
+                f"model '{name}': its pipeline made '{spec.name}' {data.dtype}, the model takes "
+                f"{spec.datatype}"
+            )
+        want = ((-1,) if batched else ()) + spec.shape
+        if not shape_fits(want, data.shape):
+            raise InvalidInput(
+                f"model '{name}': the item preprocesses to '{spec.name}' "
+                f"{list(data.shape[1:] if batched else data.shape)}, the model takes "
+                f"{list(spec.shape)}"
+            )

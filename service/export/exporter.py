@@ -15,7 +15,9 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import mimetypes
 import platform
+import shutil
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,20 +29,25 @@ import numpy as np
 import torch
 from torch.export import Dim, ExportedProgram
 
-from preprocessing.spec import PreprocessingSpec, TextSpec, spec_hash
+from preprocessing.pipeline import BadInput, Item, Pipeline, answer_one
+from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec, spec_hash
 from service.artifacts import cpu_targets
+from service.artifacts.code import CodeFacts, code_facts, plain
 from service.artifacts.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
 from service.artifacts.shapes import ShapeFacts, guess_axes
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.export import shapes as export_shapes
 from service.model_config import TensorConfig
+from service.pipelines.code import load_pipeline
 from service.runtimes.base import RuntimeOptions, Signature
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
 
 log = logging.getLogger("tensorgate.export")
 DEFAULT_OPSET = 18  # the dynamo exporter's own; a lower one goes through onnx's version converter
 FORMATS = ("onnx", "pt2", "torchscript")
+ANSWERS = "answers"
+"""The version folder's copy of a ``kind: python`` pipeline's raw golden items."""
 DEFAULT_FORMATS = ("onnx", "pt2")
 """What ``tensorgate export`` writes unless told otherwise: the portable graph (no torch at serve
 time, any onnxruntime device) and torch's own compiled package. TorchScript only when asked:
@@ -92,9 +99,11 @@ def export_model(
     name: str,
     inputs: Sequence[TensorConfig],
     outputs: Sequence[TensorConfig],
-    golden_inputs: Mapping[str, np.ndarray],
+    golden_inputs: Mapping[str, np.ndarray] | None,
     max_batch_size: int,
     preprocessing: PreprocessingSpec | None = None,
+    answer_items: Sequence[Path] = (),
+    code_folder: Path | None = None,
     opset: int = DEFAULT_OPSET,
     tolerance: Tolerance | None = None,
     metrics: Mapping[str, float] | None = None,
@@ -113,6 +122,12 @@ def export_model(
     input has a dynamic dim); ``device`` is where the ``pt2`` package will run (default: CUDA
     when torch sees it, else the CPU); ``pt2_cpu`` the CPU it is compiled for
     (:mod:`service.artifacts.cpu_targets`; default ``x86-64-v3`` on x86-64).
+
+    With a ``kind: python`` ``preprocessing``, the code (in ``code_folder``, the model's folder:
+    ``out_dir``'s parent by default) is hashed into the manifest, and each of ``answer_items``
+    (raw item files, at least one) is copied into the version folder with the answer the eager
+    pipeline gives it, which the server replays at load. ``golden_inputs`` may then be None:
+    the items' preprocessed batch is the golden input.
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
@@ -143,6 +158,13 @@ def export_model(
     tolerance = tolerance or Tolerance()
     out_dir.mkdir(parents=True, exist_ok=True)
     module = _prepare(module)
+    code = None
+    if isinstance(preprocessing, PythonSpec):
+        code = _code(preprocessing, code_folder or out_dir.parent, name, answer_items)
+        if golden_inputs is None:
+            golden_inputs = code.golden_inputs(max_batch_size > 0)
+    if golden_inputs is None:
+        raise ExportError("golden_inputs are needed (only a kind: python pipeline makes them)")
     golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
     probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
     eager_run = partial(_run_module, module, inputs, outputs)
@@ -186,6 +208,7 @@ def export_model(
             "no format could be exported: " + "; ".join(f"{f}: {r}" for f, r in skipped.items())
         )
 
+    answers = code.answers(eager_run, out_dir, max_batch_size > 0) if code else []
     arrays = {f"input.{k}": v for k, v in golden.items()}
     arrays.update({f"output.{k}": v for k, v in eager[0].items()})
     np.savez(out_dir / GOLDEN, allow_pickle=False, **arrays)
@@ -202,6 +225,8 @@ def export_model(
         shapes=shapes,
         preprocessing=preprocessing.model_dump(mode="json") if preprocessing else None,
         preprocessing_hash=spec_hash(preprocessing) if preprocessing else None,
+        code=code.facts.as_json() if code else None,
+        answers=answers,
         tolerance=tolerance,
         parity=parity,
         metrics=dict(metrics or {}),
@@ -210,6 +235,65 @@ def export_model(
     (out_dir / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     log.debug("exported %s to %s: parity %s", name, out_dir, parity)
     return manifest
+
+
+@dataclass
+class _Code:
+    """A ``kind: python`` pipeline at export: its facts, the pipeline, and its raw items."""
+
+    facts: CodeFacts
+    pipeline: Pipeline
+    items: list[tuple[Path, str | None]]
+
+    def golden_inputs(self, batched: bool) -> dict[str, np.ndarray]:
+        """The items' preprocessed batch (the first item's, where items make different shapes),
+        as the golden inputs of the artifact's own parity gate."""
+        items = [Item(path.read_bytes(), kind) for path, kind in self.items]
+        try:
+            batch = self.pipeline.preprocess_batch(items, [{} for _ in items])
+        except BadInput:
+            batch = self.pipeline.preprocess_batch(items[:1], [{}])
+        return batch if batched else {name: array[0] for name, array in batch.items()}
+
+    def answers(self, run: Runner, out_dir: Path, batched: bool) -> list[dict[str, Any]]:
+        """Each item copied into ``out_dir``/answers with the eager pipeline's answer."""
+        folder = out_dir / ANSWERS
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        pairs = []
+        for index, (path, kind) in enumerate(self.items):
+            kept = folder / f"{index}-{path.name}"
+            shutil.copyfile(path, kept)
+            item = Item(kept.read_bytes(), kind)
+            try:
+                answer = answer_one(self.pipeline, item, run, batched)
+            except Exception as exc:
+                raise ExportError(
+                    f"the pipeline failed on {path}: {type(exc).__name__}: {exc}"
+                ) from exc
+            pairs.append(
+                {
+                    "file": kept.relative_to(out_dir).as_posix(),
+                    "content_type": kind,
+                    "answer": plain(answer),
+                }
+            )
+        return pairs
+
+
+def _code(spec: PythonSpec, folder: Path, name: str, items: Sequence[Path]) -> _Code:
+    if not items:
+        raise ExportError(
+            "a kind: python pipeline needs raw items to record its end-to-end answers "
+            "(answer_items, --answer-items FILE...)"
+        )
+    facts = code_facts(spec, folder)
+    try:
+        pipeline = load_pipeline(spec, folder, name)
+    except ModelLoadError as exc:
+        raise ExportError(str(exc)) from None
+    pipeline.warm()
+    return _Code(facts, pipeline, [(Path(i), mimetypes.guess_type(str(i))[0]) for i in items])
 
 
 def _pt2_step(job: _Job) -> Artifact:

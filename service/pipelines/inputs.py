@@ -98,6 +98,10 @@ class TextInput(Pipeline):
         self.pipeline(["warm up the tokenizer"])
 
 
+BUILT_IN = (ImageInput, TextInput)
+"""The pipelines tensorgate ships: the core may run them on an instance's own thread."""
+
+
 def bounded_signature(pipeline: Pipeline, signature: Signature) -> Signature:
     """The signature as clients may fill it. A text pipeline bounds token ids to its
     vocabulary and masks to 0 or 1, so a request that sends its own ids is checked before it

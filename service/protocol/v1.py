@@ -45,8 +45,9 @@ def decode_predict(
     instances = payload.get("instances") if isinstance(payload, dict) else None
     if not isinstance(instances, list) or not instances:
         raise InvalidInput('expected a JSON object {"instances": [...]} with at least one instance')
-    if all(isinstance(item, str) for item in instances):
-        return InferenceRequest(model, raw=[i.encode() for i in instances], timeout_s=timeout_s)
+    if all(isinstance(item, str) for item in instances):  # texts: raw items, and JSON values
+        raw = [i.encode() for i in instances]
+        return InferenceRequest(model, raw=raw, rows=instances, timeout_s=timeout_s)
     if all(isinstance(item, dict) and "b64" in item for item in instances):
         raw = [_b64(item, index) for index, item in enumerate(instances)]
         return InferenceRequest(model, raw=raw, timeout_s=timeout_s)
@@ -54,8 +55,11 @@ def decode_predict(
 
 
 def encode_predictions(result: InferenceResult) -> bytes:
-    """``{"predictions": [...]}``: one entry per row, top-k labels for a classifier, the single
-    output's row for a one-output model, else an object of outputs."""
+    """``{"predictions": [...]}``: one entry per row: the model's own code's answer where it
+    postprocesses, top-k labels for a classifier, the single output's row for a one-output
+    model, else an object of outputs."""
+    if result.answers is not None:
+        return _dumps(result.answers, result.parameters)
     outputs = result.raw
     rows = next(iter(outputs.values())).shape[0] if result.batched else 1
     per_row = [
@@ -69,9 +73,13 @@ def encode_predictions(result: InferenceResult) -> bytes:
         predictions = [next(iter(row.values())).tolist() for row in per_row]
     else:
         predictions = [{k: v.tolist() for k, v in row.items()} for row in per_row]
+    return _dumps(predictions, result.parameters)
+
+
+def _dumps(predictions: list[Any], parameters: dict[str, Any]) -> bytes:
     answer: dict[str, Any] = {"predictions": predictions}
-    if result.parameters:  # what preprocessing reports, e.g. which texts were truncated
-        answer["parameters"] = result.parameters
+    if parameters:  # what preprocessing reports, e.g. which texts were truncated
+        answer["parameters"] = parameters
     return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

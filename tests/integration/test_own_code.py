@@ -1,0 +1,428 @@
+"""A model's own pre- and post-processing code (``preprocessing: {kind: python}``), served with
+the same gates as the built-in specs.
+
+Two kinds of model: the bundled ``wine`` (a tabular MLP trained at build time through its own
+``pipeline.py``), and a small ``scorer`` exported here whose code imports a local module that
+reads a data file, and can be made to fail, hang or raise for one item.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from preprocessing.pipeline import Item
+from preprocessing.spec import PythonSpec
+from preprocessing.torch import PipelineDataset
+from service.export.exporter import export_model
+from service.model_config import TensorConfig
+from tests.server import REPO_ROOT, Server, copy_model
+
+pytestmark = pytest.mark.integration
+
+SCORER = '''
+"""A test model's own code: a record {"x": [4 numbers]} → x, and y → the best label."""
+import time
+
+import numpy as np
+
+from preprocessing.pipeline import BadInput, Pipeline
+
+from .labels import label
+
+
+class Scorer(Pipeline):
+    raw_input = "record"
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def preprocess(self, item, context):
+        record = item.json()
+        if not isinstance(record, dict):
+            raise BadInput("a record is a JSON object")
+        if "hang" in record:
+            time.sleep(record["hang"])
+        if "bug" in record:
+            raise KeyError("a bug in the code")
+        x = record.get("x")
+        if not isinstance(x, list) or len(x) != 4:
+            raise BadInput(f"'x' must be a list of 4 numbers, got {x!r}")
+        context["sent"] = x
+        return {"x": np.asarray(x, dtype=np.float32) * self.scale}
+
+    def postprocess(self, outputs, context):
+        y = outputs["y"]
+        return {"label": label(int(y.argmax())), "y": y.tolist(), "sent": context["sent"]}
+'''
+LABELS = """
+from pathlib import Path
+
+NAMES = (Path(__file__).parent / "labels.txt").read_text().split()
+
+
+def label(index):
+    return NAMES[index]
+"""
+ADMIN = "admin-token-of-16+"
+SPEC = {"kind": "python", "module": "scorer", "class": "Scorer", "params": {"scale": 0.5}}
+
+
+def write_scorer(folder: Path, version: str = "1") -> None:
+    """The scorer model: its code, its data file, an exported version and a config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "scorer.py").write_text(SCORER)
+    (folder / "labels.py").write_text(LABELS)
+    (folder / "labels.txt").write_text("left right\n")
+    export_scorer(folder, version)
+    config = {"backend": "onnx", "max_batch_size": 8, "preprocessing": SPEC,
+              "warmup": {"batch_sizes": "all"}}  # fmt: skip
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def export_scorer(folder: Path, version: str = "1") -> None:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 2)
+    item = folder.parent / f"{folder.name}-item.json"
+    item.write_text(json.dumps({"x": [1.0, -2.0, 3.0, 0.5]}))
+    export_model(
+        module,
+        folder / version,
+        name=folder.name,
+        inputs=[TensorConfig(name="x", datatype="FP32", shape=(4,))],
+        outputs=[TensorConfig(name="y", datatype="FP32", shape=(2,))],
+        golden_inputs=None,
+        max_batch_size=8,
+        preprocessing=PythonSpec.model_validate(SPEC),
+        answer_items=[item],
+        formats=("onnx",),
+    )
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("own-code")
+    copy_model("wine", root / "wine")
+    write_scorer(root / "scorer")
+    for change, _ in CHANGES:
+        folder = root / ("edited_" + _folder_name(change))
+        write_scorer(folder)
+        _change(folder, change)
+    bare = root / "unimportable"
+    write_scorer(bare)
+    for name in ("manifest.json", "golden.npz"):
+        (bare / "1" / name).unlink()
+    scorer = bare / "scorer.py"
+    scorer.write_text(scorer.read_text().replace("import time", "import tiem"))
+    config = yaml.safe_load((bare / "config.yaml").read_text())
+    config.update(
+        inputs=[{"name": "x", "datatype": "FP32", "shape": [4]}],
+        outputs=[{"name": "y", "datatype": "FP32", "shape": [2]}],
+    )
+    (bare / "config.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("own-code-log") / "server.log"
+    server = Server(
+        repository,
+        env={"TG_STRICT_READINESS": "false", "TG_ADMIN_TOKEN": ADMIN},
+        log_path=log,
+    )
+    try:
+        server.wait_until()
+        yield server
+    finally:
+        server.stop()
+
+
+def wine_split() -> tuple[list[dict[str, float]], list[int]]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wine_build", REPO_ROOT / "models/wine/build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    _, _, test_x, test_y = build.load_split()
+    return test_x, test_y
+
+
+def shuffled(record: dict[str, float], seed: int) -> dict[str, float]:
+    keys = list(record)
+    random.Random(seed).shuffle(keys)
+    return {k: record[k] for k in keys}
+
+
+def predict(
+    server: Server, model: str, instances: list[object], **kwargs: object
+) -> httpx.Response:
+    return server.client.post(
+        f"/v1/models/{model}:predict", json={"instances": instances}, **kwargs
+    )  # type: ignore[arg-type]
+
+
+# -- wine: the tabular example --------------------------------------------------------------------
+
+
+def test_wine_held_out_accuracy_over_http_equals_the_offline_one_exactly(server: Server) -> None:
+    records, labels = wine_split()
+    manifest = json.loads((REPO_ROOT / "models/wine/1/manifest.json").read_text())
+    answers = []
+    for start in range(0, len(records), 8):  # fields in any order
+        chunk = [shuffled(r, i) for i, r in enumerate(records[start : start + 8], start)]
+        response = predict(server, "wine", chunk)
+        assert response.status_code == 200, response.text
+        answers.extend(response.json()["predictions"])
+    correct = sum(int(a["index"] == t) for a, t in zip(answers, labels, strict=True))
+    assert correct == manifest["metrics"]["heldout_correct"]
+    assert {a["class"] for a in answers} <= {"class_0", "class_1", "class_2"}
+
+
+def test_wine_over_v2_answers_json_texts_equal_to_v1(server: Server) -> None:
+    records, _ = wine_split()
+    v1 = predict(server, "wine", records[:3]).json()["predictions"]
+    body = {"inputs": [{"name": "record", "datatype": "BYTES", "shape": [3],
+                        "data": [json.dumps(r) for r in records[:3]]}]}  # fmt: skip
+    response = server.client.post("/v2/models/wine/infer", json=body)
+    assert response.status_code == 200, response.text
+    (output,) = response.json()["outputs"]
+    assert (output["name"], output["datatype"], output["shape"]) == ("answer", "BYTES", [3])
+    assert [json.loads(text) for text in output["data"]] == v1
+    # the model's own tensors are still there, by name
+    body["outputs"] = [{"name": "logits"}]
+    logits = server.client.post("/v2/models/wine/infer", json=body).json()["outputs"][0]
+    assert logits["shape"] == [3, 3]
+
+
+def test_wine_missing_fields_are_imputed_as_in_training_and_said(server: Server) -> None:
+    records, _ = wine_split()
+    gappy = {k: v for k, v in records[0].items() if k not in ("proline", "hue")}
+    gappy["ash"] = None
+    (answer,) = predict(server, "wine", [gappy]).json()["predictions"]
+    assert sorted(answer["imputed"]) == ["ash", "hue", "proline"]
+
+
+@pytest.mark.parametrize(
+    ("instance", "says"),
+    [
+        ({"alcohol": "strong"}, "field 'alcohol' must be a finite number, not 'strong'"),
+        ({"colour": 3}, "unknown fields ['colour']"),
+        ("a red", "a wine is a JSON object of its measurements, not str"),
+        ([1, 2, 3], "a wine is a JSON object of its measurements, not list"),
+    ],
+)
+def test_a_bad_record_is_a_400_naming_the_model_and_what_the_code_said(
+    server: Server, instance: object, says: str
+) -> None:
+    response = predict(server, "wine", [instance])
+    assert response.status_code == 400
+    assert response.json()["error"].startswith(f"model 'wine': {says}")
+
+
+def test_one_bad_record_among_concurrent_requests_fails_alone_and_they_batch(
+    server: Server,
+) -> None:
+    records, _ = wine_split()
+    expected = predict(server, "wine", records[:24]).json()["predictions"]
+    before = server.client.get("/v2/models/wine/stats").json()["model_stats"][0]
+
+    def one(index: int) -> httpx.Response:
+        if index == 12:
+            return predict(server, "wine", [{"alcohol": "lots"}])
+        return predict(server, "wine", [records[index]])
+
+    with ThreadPoolExecutor(24) as pool:
+        responses = list(pool.map(one, range(24)))
+    for index, response in enumerate(responses):
+        if index == 12:
+            assert response.status_code == 400
+            assert "field 'alcohol' must be a finite number, not 'lots'" in response.text
+        else:
+            assert response.status_code == 200, response.text
+            assert response.json()["predictions"] == [expected[index]]
+    after = server.client.get("/v2/models/wine/stats").json()["model_stats"][0]
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 23 and executions < inferences  # requests shared batches
+    timing = after["inference_stats"]
+    assert timing["compute_input"]["ns"] > 0 and timing["compute_output"]["ns"] > 0
+
+
+def test_preprocess_returns_what_the_training_adapter_makes_byte_for_byte(server: Server) -> None:
+    records, _ = wine_split()
+    response = server.client.post("/v1/models/wine:preprocess", json={"instances": records[:2]})
+    assert response.status_code == 200
+    import io
+
+    served = np.load(io.BytesIO(response.content))["features"]
+    config = yaml.safe_load((REPO_ROOT / "models/wine/config.yaml").read_text())
+    spec = PythonSpec.model_validate(config["preprocessing"])
+    import sys
+
+    sys.path.insert(0, str(REPO_ROOT / "models/wine"))
+    try:
+        from pipeline import WinePipeline  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(REPO_ROOT / "models/wine"))
+    dataset = PipelineDataset(WinePipeline(**spec.params), records[:2], [0, 0])
+    trained = np.stack([dataset[i][0]["features"].numpy() for i in range(2)])
+    assert served.dtype == trained.dtype and served.tobytes() == trained.tobytes()
+
+
+# -- the scorer: failures of the code, and the gates ----------------------------------------------
+
+
+def test_the_scorer_answers_through_its_code_and_a_local_module(server: Server) -> None:
+    (answer,) = predict(server, "scorer", [{"x": [1, 2, 3, 4]}]).json()["predictions"]
+    assert answer["label"] in ("left", "right") and answer["sent"] == [1, 2, 3, 4]
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4, 2)(torch.tensor([[0.5, 1.0, 1.5, 2.0]]))[0].tolist()
+    np.testing.assert_allclose(answer["y"], eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bug_in_the_code_is_a_500_with_the_traceback_in_the_log_only(server: Server) -> None:
+    response = predict(server, "scorer", [{"bug": 1}], headers={"X-Request-ID": "code-bug"})
+    assert response.status_code == 500
+    assert "a bug in the code" not in response.text and "code-bug" in response.text
+    server.wait_for(lambda: "KeyError: 'a bug in the code'" in server.log(), timeout=10)
+    assert predict(server, "scorer", [{"x": [0, 0, 0, 1]}]).status_code == 200
+
+
+def test_a_hanging_step_is_a_504_at_the_deadline_and_the_server_serves_on(server: Server) -> None:
+    started = time.monotonic()
+    response = predict(
+        server, "scorer", [{"hang": 3, "x": [0, 0, 0, 0]}], headers={"X-Request-Timeout": "0.5"}
+    )
+    assert response.status_code == 504
+    assert "model 'scorer': its preprocessing code did not finish" in response.json()["error"]
+    assert time.monotonic() - started < 3  # answered at the deadline, not when the step ended
+    assert predict(server, "scorer", [{"x": [0, 1, 0, 0]}]).status_code == 200
+    assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200
+
+
+def test_metadata_offers_the_raw_input_and_the_answer_output(server: Server) -> None:
+    metadata = server.client.get("/v2/models/scorer").json()
+    assert {"name": "record", "datatype": "BYTES", "shape": [-1]} in metadata["inputs"]
+    assert {"name": "answer", "datatype": "BYTES", "shape": [-1]} in metadata["outputs"]
+
+
+def _load(server: Server, name: str) -> httpx.Response:
+    return server.client.post(
+        f"/v2/repository/models/{name}/load", headers={"Authorization": f"Bearer {ADMIN}"}
+    )
+
+
+def _reason(server: Server, name: str) -> str:
+    metadata = server.client.get(f"/v2/models/{name}").json()
+    assert metadata["state"] == "UNAVAILABLE", metadata
+    return str(metadata["reason"])
+
+
+def _change(folder: Path, change: str) -> None:
+    if change == "one byte of scorer.py":
+        path = folder / "scorer.py"
+        path.write_text(path.read_text().replace("* self.scale", "/ self.scale"))
+    elif change == "one byte of labels.py":
+        path = folder / "labels.py"
+        path.write_text(path.read_text().replace("NAMES[index]", "NAMES[~index]"))
+    elif change == "numpy's version":
+        manifest = folder / "1" / "manifest.json"
+        data = json.loads(manifest.read_text())
+        data["code"]["packages"]["numpy"] = "1.0.0"
+        manifest.write_text(json.dumps(data))
+    else:  # its data file, not code: only the end-to-end replay can see it
+        (folder / "labels.txt").write_text("right left\n")
+
+
+CHANGES = [
+    ("one byte of scorer.py", "preprocessing code: scorer.py changed since export"),
+    ("one byte of labels.py", "preprocessing code: labels.py changed since export"),
+    ("numpy's version", "preprocessing code imports numpy 2."),
+    ("its data file", "end-to-end golden replay of answers/0-"),
+]
+
+
+def _folder_name(change: str) -> str:
+    return "scorer_" + change.split()[-1].replace(".", "_").replace("'", "")
+
+
+@pytest.mark.parametrize(("change", "says"), CHANGES)
+def test_a_version_whose_pipeline_changed_since_export_is_unavailable_naming_what(
+    server: Server, change: str, says: str
+) -> None:
+    """Changed before the server started: the version never serves, and says why in a line."""
+    reason = _reason(server, "edited_" + _folder_name(change))
+    assert says in reason and "\n" not in reason
+    assert (
+        predict(server, "edited_" + _folder_name(change), [{"x": [1, 0, 0, 0]}]).status_code == 503
+    )
+
+
+@pytest.mark.parametrize(("change", "says"), CHANGES)
+def test_a_reload_of_a_changed_pipeline_is_refused_and_accepted_after_re_export(
+    server: Server, repository: Path, change: str, says: str
+) -> None:
+    """Changed while served: the repository API's load goes through the same gates (the
+    version already serving serves on), and a re-export makes the change the served one."""
+    name = _folder_name(change)
+    folder = repository / name
+    shutil.rmtree(folder, ignore_errors=True)
+    write_scorer(folder)
+    assert _load(server, name).status_code == 200
+    before = predict(server, name, [{"x": [1, 0, 0, 0]}]).json()["predictions"]
+    _change(folder, change)
+    refused = _load(server, name)
+    assert refused.status_code == 400 and says in refused.json()["error"], refused.text
+    assert predict(server, name, [{"x": [1, 0, 0, 0]}]).json()["predictions"] == before
+    shutil.rmtree(folder / "1")
+    export_scorer(folder)  # re-export: the code (or data) now is what the model ships with
+    assert _load(server, name).status_code == 200, _load(server, name).text
+    after = predict(server, name, [{"x": [1, 0, 0, 0]}])
+    assert after.status_code == 200
+    if change != "numpy's version":
+        assert after.json()["predictions"] != before  # the new code (or data) serves
+    assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200  # others serve on
+
+
+def test_code_that_cannot_be_imported_is_a_load_refusal_in_one_line(server: Server) -> None:
+    """(Without a manifest, the only way past the code gate: a bare model.onnx.)"""
+    reason = _reason(server, "unimportable")
+    assert "preprocessing code scorer.Scorer failed to load: ModuleNotFoundError" in reason
+    assert "No module named 'tiem'" in reason and "\n" not in reason
+    assert "Traceback" in server.log()
+
+
+def test_code_is_only_loaded_from_the_repository(server: Server) -> None:
+    """A request cannot name code: the spec lives in config.yaml, and a request that tries to
+    load a model from elsewhere is refused before any file is read."""
+    body = {"parameters": {"config": json.dumps({"preprocessing": SPEC})}}
+    response = server.client.post(
+        "/v2/repository/models/..%2F..%2Fetc/load",
+        json=body,
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
+    assert response.status_code in (400, 404)
+
+
+def test_export_records_the_code_and_its_answers(repository: Path) -> None:
+    manifest = json.loads((repository / "scorer/1/manifest.json").read_text())
+    assert sorted(manifest["code"]["files"]) == ["labels.py", "scorer.py"]
+    assert "numpy" in manifest["code"]["packages"]
+    (pair,) = manifest["answers"]
+    assert pair["content_type"] == "application/json"
+    assert (repository / "scorer/1" / pair["file"]).is_file()
+    assert pair["answer"]["sent"] == [1.0, -2.0, 3.0, 0.5]
+    assert Item((repository / "scorer/1" / pair["file"]).read_bytes()).json()["x"][0] == 1.0

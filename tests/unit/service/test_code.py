@@ -1,0 +1,127 @@
+"""A model's own code as part of its artifact: what export records of it, and the gates."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from preprocessing.pipeline import BadInput, Item, Pipeline, answer_one, stack
+from preprocessing.spec import PythonSpec, spec_hash
+from service.artifacts.code import AnswerPair, check_answers, check_code, code_facts
+from service.errors import ModelLoadError
+from service.pipelines.code import load_pipeline
+
+pytestmark = pytest.mark.unit
+
+SPEC = PythonSpec.model_validate({"kind": "python", "module": "main", "class": "Doubler"})
+
+
+def write_code(folder: Path) -> None:
+    (folder / "helpers").mkdir(parents=True)
+    (folder / "main.py").write_text(
+        "import numpy as np\nimport json, os.path\nfrom .util import twice\n"
+        "from .helpers import deep\nfrom preprocessing.pipeline import Pipeline\n\n"
+        "class Doubler(Pipeline):\n"
+        "    def preprocess(self, item, context):\n"
+        "        return {'x': np.asarray([twice(item.json())], dtype=np.float32)}\n"
+    )
+    (folder / "util.py").write_text("def twice(v):\n    return 2 * v\n")
+    (folder / "helpers" / "__init__.py").write_text("from . import deep\n")
+    (folder / "helpers" / "deep.py").write_text("DEPTH = 1\n")
+    (folder / "unused.py").write_text("raise SystemExit('never imported')\n")
+
+
+def test_code_facts_hash_the_module_and_the_local_modules_it_imports_only(tmp_path: Path) -> None:
+    write_code(tmp_path)
+    facts = code_facts(SPEC, tmp_path)
+    assert sorted(facts.files) == [
+        "helpers/__init__.py", "helpers/deep.py", "main.py", "util.py"
+    ]  # fmt: skip
+    # third-party distributions only: not the standard library, not tensorgate's own packages
+    assert facts.packages == {"numpy": importlib.metadata.version("numpy")}
+
+
+def test_the_code_gate_names_the_file_that_changed_or_the_distribution(tmp_path: Path) -> None:
+    write_code(tmp_path)
+    recorded = code_facts(SPEC, tmp_path)
+    check_code(recorded, code_facts(SPEC, tmp_path))
+    (tmp_path / "helpers" / "deep.py").write_text("DEPTH = 2\n")
+    with pytest.raises(ModelLoadError, match=r"helpers/deep.py changed since export"):
+        check_code(recorded, code_facts(SPEC, tmp_path))
+    older = type(recorded)(recorded.files, {"numpy": "1.0.0"})
+    write_code(tmp_path / "again")
+    with pytest.raises(ModelLoadError, match=r"imports numpy 2\..*exported with numpy 1\.0\.0"):
+        check_code(older, code_facts(SPEC, tmp_path / "again"))
+
+
+def test_a_pipeline_loads_from_its_folder_and_relative_imports_work(tmp_path: Path) -> None:
+    write_code(tmp_path)
+    pipeline = load_pipeline(SPEC, tmp_path, "doubler")
+    assert pipeline.preprocess(Item(value=3), {})["x"].tolist() == [6.0]
+    (tmp_path / "util.py").write_text(
+        "def twice(v):\n    return 20 * v\n"
+    )  # same size, same second
+    again = load_pipeline(SPEC, tmp_path, "doubler")
+    assert again.preprocess(Item(value=3), {})["x"].tolist() == [60.0]  # sources, never stale .pyc
+
+
+def test_a_class_that_is_not_a_pipeline_or_fails_to_build_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "main.py").write_text("class Doubler:\n    pass\n")
+    with pytest.raises(ModelLoadError, match="not a subclass of preprocessing.pipeline.Pipeline"):
+        load_pipeline(SPEC, tmp_path, "m")
+    (tmp_path / "main.py").write_text(
+        "from preprocessing.pipeline import Pipeline\nclass Doubler(Pipeline):\n"
+        "    def __init__(self):\n        raise ValueError('no stats')\n"
+    )
+    with pytest.raises(ModelLoadError, match=r"ValueError: no stats at main.py:4"):
+        load_pipeline(SPEC, tmp_path, "m")
+
+
+def test_the_spec_hash_covers_the_params() -> None:
+    other = SPEC.model_copy(update={"params": {"scale": 2}})
+    assert spec_hash(other) != spec_hash(SPEC)
+
+
+def test_answers_compare_numbers_within_tolerance_and_the_rest_exactly() -> None:
+    pair = AnswerPair("a.json", None, {"label": "cat", "scores": [0.5, 0.25], "n": 2})
+    check_answers([pair], lambda _: {"label": "cat", "scores": [0.50001, 0.25], "n": 2}, 1e-3, 1e-4)
+    for wrong, where in [
+        ({"label": "dog", "scores": [0.5, 0.25], "n": 2}, "answer.label is 'dog'"),
+        ({"label": "cat", "scores": [0.6, 0.25], "n": 2}, r"answer.scores\[0\] is 0.6"),
+        ({"label": "cat", "scores": [0.5], "n": 2}, "answer.scores has 1 entries, exported 2"),
+    ]:
+        with pytest.raises(ModelLoadError, match=where):
+            check_answers([pair], lambda _, w=wrong: w, 1e-3, 1e-4)
+
+
+class _Rows(Pipeline):
+    def preprocess(self, item: Item, context: dict[str, object]) -> dict[str, np.ndarray]:
+        context["n"] = len(item.json())
+        return {"x": np.asarray(item.json(), dtype=np.float32)}
+
+    def postprocess(self, outputs: object, context: dict[str, object]) -> object:
+        return {"sum": float(outputs["x"].sum()), "n": context["n"]}  # type: ignore[index]
+
+
+def test_answer_one_is_preprocess_run_postprocess_with_the_context_carried() -> None:
+    answer = answer_one(_Rows(), Item(b"[1, 2, 3]", "application/json"), lambda batch: batch)
+    assert answer == {"sum": 6.0, "n": 3}
+
+
+def test_stack_refuses_items_of_different_shapes_as_bad_input() -> None:
+    assert stack([{"x": np.zeros(2)}, {"x": np.ones(2)}])["x"].shape == (2, 2)
+    with pytest.raises(BadInput, match=r"items make 'x' of different shapes \(\[2\], \[3\]\)"):
+        stack([{"x": np.zeros(2)}, {"x": np.zeros(3)}])
+
+
+def test_an_item_is_bytes_text_or_json_as_sent() -> None:
+    assert Item(value={"a": 1}).bytes() == b'{"a":1}'
+    assert Item(value="héllo").text() == "héllo" and Item(value="s").json() == "s"
+    assert Item(b'{"a": 1}').json() == {"a": 1}
+    with pytest.raises(BadInput, match="not valid JSON"):
+        Item(b"{").json()
+    with pytest.raises(BadInput, match="UTF-8"):
+        Item(b"\xff").text()
