@@ -20,7 +20,7 @@ server's log.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -71,6 +71,31 @@ class Item:
             raise BadInput(f"item is not valid JSON: {exc}") from None
 
 
+class Models(Protocol):
+    """Other models, as pipeline code calls them: ``self.models.infer("rnet", {"input": x})``."""
+
+    def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
+    ) -> dict[str, np.ndarray]:
+        """``inputs`` (a batch) → ``model``'s outputs for it."""
+        ...
+
+
+class LocalModels:
+    """Models as plain functions (batch → outputs), for pipeline code outside a server: in
+    training, or at export (``export_model(models=...)``), where eager modules stand in."""
+
+    def __init__(self, models: Mapping[str, Callable[[Arrays], Arrays]]) -> None:
+        self._models = dict(models)
+
+    def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
+    ) -> dict[str, np.ndarray]:
+        if model not in self._models:
+            raise KeyError(f"no model '{model}' here (LocalModels has {sorted(self._models)})")
+        return self._models[model](dict(inputs))
+
+
 class Pipeline:
     """Raw items → a model's batch, and the model's outputs for each item → its answer.
 
@@ -81,6 +106,9 @@ class Pipeline:
 
     raw_input: str = "raw"
     """The BYTES input that carries raw items over v2 REST and gRPC (v1 takes the body)."""
+    models: Models = LocalModels({})
+    """The server's other models (set by the server when it loads the pipeline); pipeline code
+    calls them by name, and each call joins that model's batches (:mod:`service.core.steps`)."""
     json_items: bool = True
     """Whether v1's JSON ``instances`` (records, strings, numbers) are items for
     :meth:`preprocess`, as JSON values. ``{"b64": ...}`` objects always are items, as their

@@ -25,6 +25,7 @@ from service import PROCESS_STARTED, __version__
 from service.artifacts.pins import check_pinned
 from service.cluster.workers import Cluster, ControlServer, Siblings, Worker
 from service.core.dataplane import DataPlane
+from service.core.steps import Steps
 from service.errors import TensorgateError
 from service.grpc.server import start_grpc
 from service.http import routers
@@ -49,6 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_pinned(settings)
         repository = ModelRepository(settings)
+        repository.steps = Steps(repository, asyncio.get_running_loop(), settings.request_timeout_s)
         repository.scan()
         pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
         drain = Drain()

@@ -31,6 +31,10 @@ TO_NUMPY: dict[str, np.dtype[np.generic]] = {
     "BF16": np.dtype(np.uint16),  # bit patterns: see the module's docstring
     "BYTES": np.dtype(np.object_),
 }
+FROM_NUMPY: dict[np.dtype[np.generic], str] = {
+    dtype: name for name, dtype in TO_NUMPY.items() if name != "BF16"
+}
+"""A numpy array's datatype (uint16 is UINT16: BF16 bit patterns say so themselves)."""
 
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:

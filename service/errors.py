@@ -84,6 +84,10 @@ class ModelLoadError(Exception):
     """A model version cannot be served; the message is its UNAVAILABLE reason. Never sent raw."""
 
 
+class StepNotReady(ModelLoadError):
+    """A pipeline's end-to-end replay called a model that is not ready yet: load it after."""
+
+
 class ModelExecutionError(TensorgateError):
     """The model itself failed or broke its contract (e.g. returned the wrong number of rows)."""
 

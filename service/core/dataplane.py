@@ -17,6 +17,7 @@ lookup; it is neither counted in a model's statistics nor logged (it never reach
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ import orjson
 from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, overrides, stack
 from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
+from service.core.steps import DEADLINE
 from service.core.validation import (
     check_inputs,
     check_made,
@@ -166,7 +168,10 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         if not isinstance(pipeline, BUILT_IN):
             batch = await _within(
-                loop.run_in_executor(self.pool, make), deadline, model.name, "preprocessing"
+                loop.run_in_executor(self.pool, _with_deadline(deadline), make),
+                deadline,
+                model.name,
+                "preprocessing",
             )
             check_made(batch, model.signature, model.config, model.name)
             if not model.shapes.axes:
@@ -341,14 +346,16 @@ class Call:
             parameters.update(pipeline.parameters(prepared.contexts))
             if overrides(pipeline, "postprocess"):
                 started = time.perf_counter_ns()
+                until = self.dataplane.deadline(request.timeout_s, request.parameters)
+                done = partial(_postprocess, pipeline, outputs, prepared.contexts, loaded)
                 answers = await _within(
                     asyncio.get_running_loop().run_in_executor(
-                        self.dataplane.pool, _postprocess, pipeline, outputs, prepared.contexts,
-                        loaded,
+                        self.dataplane.pool, _with_deadline(until), done
                     ),
-                    self.dataplane.deadline(request.timeout_s, request.parameters), loaded.name,
+                    until,
+                    loaded.name,
                     "postprocessing",
-                )  # fmt: skip
+                )
                 timing.compute_output_ns += time.perf_counter_ns() - started
         tensors = _outputs(loaded, request.outputs, outputs, answers)
         return InferenceResult(
@@ -396,6 +403,14 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
             f"alone, not with {[t.name for t in request.inputs if t is not named[0]]}"
         )
     return [Item(item) for item in encoded_items(named[0], model.name)]
+
+
+def _with_deadline(deadline: float) -> Callable[[Callable[[], T]], T]:
+    """A runner of a model's own code in a context that knows the request's deadline, so that
+    the steps it calls (:mod:`service.core.steps`) carry it."""
+    context = contextvars.copy_context()
+    context.run(DEADLINE.set, deadline)
+    return context.run
 
 
 async def _within(work: Awaitable[T], deadline: float, model: str, step: str) -> T:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.export import Dim, ExportedProgram
 
-from preprocessing.pipeline import BadInput, Item, Pipeline, answer_one
+from preprocessing.pipeline import BadInput, Item, Models, Pipeline, answer_one
 from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec, spec_hash
 from service.artifacts import cpu_targets
 from service.artifacts.code import CodeFacts, code_facts, plain
@@ -104,6 +104,7 @@ def export_model(
     preprocessing: PreprocessingSpec | None = None,
     answer_items: Sequence[Path] = (),
     code_folder: Path | None = None,
+    models: Models | None = None,
     opset: int = DEFAULT_OPSET,
     tolerance: Tolerance | None = None,
     metrics: Mapping[str, float] | None = None,
@@ -127,7 +128,9 @@ def export_model(
     ``out_dir``'s parent by default) is hashed into the manifest, and each of ``answer_items``
     (raw item files, at least one) is copied into the version folder with the answer the eager
     pipeline gives it, which the server replays at load. ``golden_inputs`` may then be None:
-    the items' preprocessed batch is the golden input.
+    the items' preprocessed batch is the golden input. ``models``: what the pipeline's
+    ``self.models`` calls at export (e.g. :class:`~preprocessing.pipeline.LocalModels` over the
+    eager step modules); the server replays the answers against its own served models.
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
@@ -161,6 +164,8 @@ def export_model(
     code = None
     if isinstance(preprocessing, PythonSpec):
         code = _code(preprocessing, code_folder or out_dir.parent, name, answer_items)
+        if models is not None:
+            code.pipeline.models = models
         if golden_inputs is None:
             golden_inputs = code.golden_inputs(max_batch_size > 0)
     if golden_inputs is None:

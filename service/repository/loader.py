@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from preprocessing.pipeline import Item, Pipeline, answer_one, overrides
+from preprocessing.pipeline import Item, Models, Pipeline, answer_one, overrides
 from preprocessing.spec import PythonSpec
 from service.artifacts.code import (
     AnswerPair,
@@ -46,7 +46,7 @@ from service.artifacts.manifest import (
 from service.artifacts.shapes import ShapePolicy
 from service.batching.scheduler import BatchShape, batch_shape
 from service.datatypes import TO_NUMPY
-from service.errors import ModelLoadError
+from service.errors import ModelLoadError, ModelNotReady, StepNotReady, TensorgateError
 from service.model_config import ModelConfig, TensorConfig
 from service.pipelines.classification import ANSWER, CLASSIFICATION, Classifier
 from service.pipelines.inputs import bounded_signature, pipeline_for
@@ -154,7 +154,9 @@ class LoadedVersion:
             runtime.close()
 
 
-def load_version(name: str, path: Path, config: ModelConfig, settings: Settings) -> LoadedVersion:
+def load_version(
+    name: str, path: Path, config: ModelConfig, settings: Settings, models: Models | None = None
+) -> LoadedVersion:
     """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal."""
     started = time.perf_counter()
     manifest = read_manifest(path)
@@ -165,6 +167,8 @@ def load_version(name: str, path: Path, config: ModelConfig, settings: Settings)
     shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
     _check_code(config, path, manifest, warnings)
     pipeline = pipeline_for(config, signature, path, name)
+    if pipeline is not None and models is not None and isinstance(config.preprocessing, PythonSpec):
+        pipeline.models = models  # before the replay: its steps may call other models
     if pipeline is not None:
         signature = bounded_signature(pipeline, signature)
         pipeline.warm()
@@ -300,7 +304,12 @@ def _replay_answers(
             item = Item((path / pair.file).read_bytes(), pair.content_type)
             return answer_one(pipeline, item, run, config.max_batch_size > 0)
 
-        check_answers(pairs, answer, tolerance.rtol, tolerance.atol)
+        try:
+            check_answers(pairs, answer, tolerance.rtol, tolerance.atol)
+        except ModelNotReady as exc:  # a step model not loaded yet: the repository retries
+            raise StepNotReady(f"end-to-end golden replay: {exc.message}") from None
+        except TensorgateError as exc:
+            raise ModelLoadError(f"end-to-end golden replay: {exc.message}") from None
 
 
 def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:

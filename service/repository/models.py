@@ -18,7 +18,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from service.errors import ModelLoadError, ModelLoadRefused, ModelNotFound, ModelNotReady
+from preprocessing.pipeline import Models
+from preprocessing.spec import PythonSpec
+from service.errors import (
+    ModelLoadError,
+    ModelLoadRefused,
+    ModelNotFound,
+    ModelNotReady,
+    StepNotReady,
+)
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
 from service.repository.loader import load_version
 from service.repository.serving import ServedVersion
@@ -46,6 +54,8 @@ class ModelVersion:
     state: ModelState = ModelState.LOADING
     reason: str = ""
     served: ServedVersion | None = None
+    waits_for_step: bool = False
+    """Refused because its replay called a model not loaded yet: tried again after them."""
 
 
 @dataclass(eq=False)
@@ -73,6 +83,8 @@ class ModelRepository:
         self.loading_done = threading.Event()
         self._change = threading.Lock()  # one load/unload at a time
         self._fingerprints: dict[str, tuple[object, ...]] = {}
+        self.steps: Models | None = None
+        """The server's models, for pipeline code that calls them (set by the app)."""
 
     # -- discovery and loading --------------------------------------------------------------
 
@@ -119,9 +131,22 @@ class ModelRepository:
 
     def load_all(self) -> None:
         """Load every discovered version, one after another (called off the event loop)."""
+        # Models with their own code last, and again while that loads more of them: their
+        # end-to-end replay may call other models (steps), which must be loaded first.
+        order = sorted(self.models.values(), key=lambda e: _has_code(e.config))
         try:
-            for entry in self.models.values():
+            for entry in order:
                 self._load_entry(entry)
+            waiting = [v for e in order for v in e.versions.values() if v.waits_for_step]
+            while waiting:
+                for version in waiting:
+                    entry = self.models[version.name]
+                    assert entry.config is not None
+                    self._load_version(entry.config, version)
+                still = [v for v in waiting if v.waits_for_step]
+                if len(still) == len(waiting):
+                    break
+                waiting = still
         finally:
             self.loading_done.set()
 
@@ -132,9 +157,10 @@ class ModelRepository:
 
     def _load_version(self, config: ModelConfig, version: ModelVersion) -> None:
         try:
-            loaded = load_version(version.name, version.path, config, self.settings)
+            loaded = load_version(version.name, version.path, config, self.settings, self.steps)
         except ModelLoadError as exc:
             version.state, version.reason = ModelState.UNAVAILABLE, str(exc)
+            version.waits_for_step = isinstance(exc, StepNotReady)
             log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
             return
         except Exception as exc:
@@ -142,6 +168,7 @@ class ModelRepository:
             version.reason = f"unexpected error while loading: {type(exc).__name__}: {exc}"
             log.exception("model %s version %d failed to load", version.name, version.version)
             return
+        version.waits_for_step = False
         version.served = ServedVersion(loaded, partial(self._broken, version))
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
@@ -358,3 +385,7 @@ def select_versions(found: list[int], policy: VersionPolicy) -> list[int]:
     if policy.specific is not None:
         return [v for v in found if v in policy.specific]
     return found[-(policy.latest or 1) :]
+
+
+def _has_code(config: ModelConfig | None) -> bool:
+    return config is not None and isinstance(config.preprocessing, PythonSpec)

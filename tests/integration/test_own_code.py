@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from preprocessing.pipeline import Item
+from preprocessing.pipeline import Item, LocalModels
 from preprocessing.spec import PythonSpec
 from preprocessing.torch import PipelineDataset
 from service.export.exporter import export_model
@@ -91,6 +91,65 @@ def write_scorer(folder: Path, version: str = "1") -> None:
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
 
 
+CHAIN = '''
+"""A pipeline over two models: its own, then the scorer's, called from postprocess."""
+import numpy as np
+
+from preprocessing.pipeline import Pipeline
+
+
+class Chain(Pipeline):
+    raw_input = "record"
+
+    def preprocess(self, item, context):
+        record = item.json()
+        context["step"] = record.get("step", "scorer")
+        return {"x": np.asarray(record["x"], dtype=np.float32)}
+
+    def postprocess(self, outputs, context):
+        first = outputs["y"]
+        again = np.concatenate([first, first]).astype(np.float32)[None]
+        second = self.models.infer(context["step"], {"x": again})["y"][0]
+        return {"first": first.tolist(), "second": second.tolist()}
+'''
+CHAIN_SPEC = {"kind": "python", "module": "chain", "class": "Chain"}
+
+
+def linear(seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 2)
+
+
+def eager(module: torch.nn.Module, x: list[float]) -> list[float]:
+    with torch.inference_mode():
+        return list(module(torch.tensor([x], dtype=torch.float32))[0].tolist())
+
+
+def write_chain(folder: Path) -> None:
+    """A model whose pipeline calls the scorer model: exported against the eager scorer."""
+    folder.mkdir(parents=True)
+    (folder / "chain.py").write_text(CHAIN)
+    item = folder.parent / "chain-item.json"
+    item.write_text(json.dumps({"x": [0.5, 1.0, -1.0, 2.0]}))
+    scorer = linear(0)
+
+    def run_scorer(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            return {"y": scorer(torch.from_numpy(batch["x"])).numpy()}
+
+    export_model(
+        linear(1), folder / "1", name="chain",
+        inputs=[TensorConfig(name="x", datatype="FP32", shape=(4,))],
+        outputs=[TensorConfig(name="y", datatype="FP32", shape=(2,))],
+        golden_inputs=None, max_batch_size=8,
+        preprocessing=PythonSpec.model_validate(CHAIN_SPEC), answer_items=[item],
+        formats=("onnx",), models=LocalModels({"scorer": run_scorer}),
+    )  # fmt: skip
+    config = {"backend": "onnx", "max_batch_size": 8, "preprocessing": CHAIN_SPEC,
+              "warmup": {"batch_sizes": "all"}}  # fmt: skip
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+
 def export_scorer(folder: Path, version: str = "1") -> None:
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 2)
@@ -115,6 +174,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("own-code")
     copy_model("wine", root / "wine")
     write_scorer(root / "scorer")
+    write_chain(root / "chain")  # loads before the scorer it calls by name: the server waits
     for change, _ in CHANGES:
         folder = root / ("edited_" + _folder_name(change))
         write_scorer(folder)
@@ -426,3 +486,48 @@ def test_export_records_the_code_and_its_answers(repository: Path) -> None:
     assert (repository / "scorer/1" / pair["file"]).is_file()
     assert pair["answer"]["sent"] == [1.0, -2.0, 3.0, 0.5]
     assert Item((repository / "scorer/1" / pair["file"]).read_bytes()).json()["x"][0] == 1.0
+
+
+# -- a pipeline over several models ---------------------------------------------------------------
+
+
+def test_a_pipeline_step_calls_another_served_model_and_answers_as_eager(server: Server) -> None:
+    x = [0.5, -1.0, 2.0, 0.25]
+    (answer,) = predict(server, "chain", [{"x": x}]).json()["predictions"]
+    first = eager(linear(1), x)
+    np.testing.assert_allclose(answer["first"], first, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(answer["second"], eager(linear(0), first * 2), rtol=1e-5, atol=1e-5)
+
+
+def test_steps_of_concurrent_requests_batch_at_the_step_model(server: Server) -> None:
+    def stats() -> dict[str, int]:
+        found = server.client.get("/v2/models/scorer/stats").json()["model_stats"][0]
+        return {k: found[k] for k in ("inference_count", "execution_count")}
+
+    before = stats()
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(
+            pool.map(lambda i: predict(server, "chain", [{"x": [i, 0, 0, 1]}]), range(32))
+        )
+    assert all(r.status_code == 200 for r in responses)
+    after = stats()
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 32 and executions < inferences
+
+
+@pytest.mark.parametrize(
+    ("step", "status", "says"),
+    [
+        ("nosuch", 404, "pipeline step 'nosuch': unknown model 'nosuch'"),
+        ("edited_scorer_scorer_py", 503, "pipeline step 'edited_scorer_scorer_py': model "),
+        ("wine", 400, "pipeline step 'wine': model 'wine' has no input ['x']"),
+    ],
+)
+def test_a_step_that_fails_fails_the_request_naming_the_step(
+    server: Server, step: str, status: int, says: str
+) -> None:
+    response = predict(server, "chain", [{"x": [1, 2, 3, 4], "step": step}])
+    assert response.status_code == status
+    assert says in response.json()["error"]
+    assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200

@@ -1,0 +1,109 @@
+"""Other models of the same server, as a model's own pipeline code calls them.
+
+``self.models.infer("rnet", {"input": crops})`` in a pipeline's ``preprocess`` or
+``postprocess`` (which run in the thread pool) joins that model's own scheduler on the event
+loop, so the step batches with every other request for it, as Triton's BLS does: one
+request's crops and another client's requests share a batch. What carries through:
+
+- the request's deadline (a step that has not started by then is a 504, and the calling thread
+  stops waiting for it then);
+- the step model's in-use count (unloading it, or the server's drain, waits for the step),
+  and its statistics (a step counts as a request of its own);
+- failures: a step that fails fails the request with the step named (``pipeline step
+  'rnet': ...``), with the step's own status (404 for a model that is not there, 503 for one
+  not ready, 400 for inputs it does not take).
+
+A step sends tensors to the step model itself (its own pipeline, if any, is not run), so a
+pipeline never waits on the pool it runs in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from service.batching.scheduler import rows_of
+from service.batching.stats import RequestTiming
+from service.core.validation import check_inputs
+from service.datatypes import FROM_NUMPY
+from service.errors import DeadlineExceeded, InvalidInput, TensorgateError
+from service.inference import InputTensor
+from service.repository.models import ModelRepository
+from service.repository.serving import ServedVersion
+
+DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "tensorgate_step_deadline", default=None
+)
+"""The deadline of the request whose code is running (set by the core around each call)."""
+
+
+class Steps:
+    """The server's models, for pipeline code: :meth:`infer` from any thread but the loop's."""
+
+    def __init__(
+        self, repository: ModelRepository, loop: asyncio.AbstractEventLoop, default_s: float
+    ) -> None:
+        self.repository, self.loop, self.default_s = repository, loop, default_s
+
+    def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run ``inputs`` (a batch, batch dim first for a batching model) on ``model``."""
+        if _on_loop(self.loop):
+            raise RuntimeError("models.infer() blocks: call it from pipeline code, not the loop")
+        deadline = DEADLINE.get() or time.monotonic() + self.default_s
+        try:
+            _, served = self.repository.ready_model(model, version)
+            loaded = served.loaded
+            tensors = [_tensor(name, array) for name, array in inputs.items()]
+            batch = check_inputs(tensors, loaded.signature, loaded.config, model)
+            future = asyncio.run_coroutine_threadsafe(_run(served, batch, deadline), self.loop)
+            try:
+                return future.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
+            except FutureTimeout:
+                future.cancel()
+                raise DeadlineExceeded("did not finish within the request's deadline") from None
+        except TensorgateError as exc:
+            raise _named(exc, model) from None
+
+
+async def _run(
+    served: ServedVersion, batch: dict[str, np.ndarray], deadline: float
+) -> dict[str, np.ndarray]:
+    """The step on the loop, counted in the step model's statistics as a request of its own."""
+    timing = RequestTiming()
+    with served.use():
+        try:
+            outputs = await served.execute(batch, timing, deadline)
+        except BaseException:
+            served.stats.record_failure(timing)
+            raise
+    served.stats.record_success(rows_of(batch, served.loaded.batched), timing)
+    return outputs
+
+
+def _tensor(name: str, array: np.ndarray) -> InputTensor:
+    array = np.asarray(array)
+    datatype = FROM_NUMPY.get(array.dtype)
+    if datatype is None:
+        raise InvalidInput(f"input '{name}': numpy {array.dtype} has no tensor datatype")
+    return InputTensor(name, datatype, array.shape, array)
+
+
+def _named(exc: TensorgateError, model: str) -> TensorgateError:
+    """``exc`` with the step named first: the request fails with it."""
+    exc.message = f"pipeline step '{model}': {exc.message}"
+    exc.args = (exc.message,)
+    return exc
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
