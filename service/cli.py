@@ -85,8 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     export.add_argument(
         "--preprocessing", type=Path,
-        help="a YAML/JSON file with the image or text spec (a text spec's tokenizer file is "
-        "read beside it and copied into the version folder)",
+        help="a YAML/JSON file with the image, text or python spec (a text spec's tokenizer "
+        "is read beside it and copied into the version folder; a python spec's module and the "
+        "local modules it imports, into the model's folder)",
+    )  # fmt: skip
+    export.add_argument(
+        "--answer-items", type=Path, nargs="+", default=[], metavar="FILE",
+        help="raw items (a JSON record, an image...) a python spec's pipeline is run on end to "
+        "end at export; the server replays their answers at load (needed with a python spec)",
     )  # fmt: skip
     export.add_argument("--opset", type=int, default=None)
     export.add_argument(

@@ -146,3 +146,9 @@ def make_shifted() -> nn.Module:
 
 def make_text() -> nn.Module:
     return TextEncoder().train()
+
+
+def make_linear() -> nn.Module:
+    """Linear(4, 2) as the own-code tests build it (seed 0): the model of a pipeline's code."""
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)

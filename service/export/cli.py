@@ -16,10 +16,12 @@ import pydantic
 import torch
 import yaml
 
-from preprocessing.spec import PreprocessingSpec, TextSpec
+from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec
 from preprocessing.text import TextPipeline
+from service.artifacts.code import code_facts
 from service.artifacts.manifest import Manifest
 from service.datatypes import TO_NUMPY
+from service.errors import ModelLoadError
 from service.export.exporter import DEFAULT_OPSET, FORMATS, ExportError, export_model
 from service.model_config import TensorConfig, describe_validation_error
 
@@ -55,9 +57,12 @@ def run_export(args: argparse.Namespace) -> int:
         return 2
     buckets = [int(b) for b in args.buckets.split(",") if b.strip()]
     rows = min(GOLDEN_ROWS, args.max_batch_size) if args.max_batch_size > 0 else 0
+    golden: dict[str, np.ndarray] | None
     if isinstance(preprocessing, TextSpec):
         tokens = TextPipeline(preprocessing, out_dir)(list(GOLDEN_TEXTS[: max(rows, 1)]))
         golden = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+    elif isinstance(preprocessing, PythonSpec):
+        golden = None  # the answer items, preprocessed by the code
     else:
         # Dynamic dims below the smallest bucket, so that export can see what padding does.
         length = max(1, 3 * min(buckets) // 4) if buckets else 8
@@ -66,7 +71,8 @@ def run_export(args: argparse.Namespace) -> int:
         manifest = export_model(
             module, out_dir, name=args.name, inputs=inputs, outputs=outputs,
             golden_inputs=golden, max_batch_size=args.max_batch_size,
-            preprocessing=preprocessing, opset=args.opset or DEFAULT_OPSET, formats=formats,
+            preprocessing=preprocessing, answer_items=args.answer_items, code_folder=model_dir,
+            opset=args.opset or DEFAULT_OPSET, formats=formats,
             required=[args.backend] if args.backend else [], buckets=buckets,
             pt2_cpu=args.pt2_cpu,
         )  # fmt: skip
@@ -81,8 +87,10 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def read_spec(path: Path, out_dir: Path) -> PreprocessingSpec:
-    """The image or text spec in ``path``; a text spec's tokenizer is copied from beside it
-    into the version folder, where the server reads it (its sha256 checked first)."""
+    """The image, text or python spec in ``path``. A text spec's tokenizer is copied from
+    beside it into the version folder, where the server reads it (its sha256 checked first); a
+    python spec's module and the local modules it imports, from beside it into the model's
+    folder (``out_dir``'s parent), where the server imports them."""
     try:
         spec = SPEC.validate_python(yaml.safe_load(path.read_text()))
     except (OSError, yaml.YAMLError) as exc:
@@ -100,6 +108,16 @@ def read_spec(path: Path, out_dir: Path) -> PreprocessingSpec:
             )
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, out_dir / spec.tokenizer)
+    if isinstance(spec, PythonSpec) and spec.package is None:
+        model_dir = out_dir.parent
+        try:
+            files = code_facts(spec, path.parent).files
+        except ModelLoadError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if path.parent.resolve() != model_dir.resolve():
+            for name in files:
+                (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path.parent / name, model_dir / name)
     return spec
 
 
@@ -118,7 +136,10 @@ def served_config(
     if manifest.max_batch_size > 0:
         content["warmup"] = warmup(manifest.max_batch_size, dynamic=shapes is not None)
     if preprocessing is not None:
-        content["preprocessing"] = preprocessing.model_dump(mode="json")
+        python = isinstance(preprocessing, PythonSpec)  # written as users write it: class:
+        content["preprocessing"] = preprocessing.model_dump(
+            mode="json", by_alias=python, exclude_none=python
+        )
     return content
 
 

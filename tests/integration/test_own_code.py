@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -150,6 +152,27 @@ def write_chain(folder: Path) -> None:
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
 
 
+def export_with_the_cli(repository: Path, source: Path) -> None:
+    """As the README shows: the code beside a spec file, `tensorgate export --preprocessing
+    spec.yaml --answer-items ...`; export copies the code into the model's folder."""
+    (source / "scorer.py").write_text(SCORER)
+    (source / "labels.py").write_text(LABELS)
+    (source / "labels.txt").write_text("left right\n")
+    (source / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    (source / "item.json").write_text(json.dumps({"x": [3, 2, 1, 0]}))
+    # labels.txt is data, not code: export copies the code it finds; data is the user's to place
+    (repository / "from_cli").mkdir()
+    shutil.copyfile(source / "labels.txt", repository / "from_cli" / "labels.txt")
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "export", "tests.user_models:make_linear",
+         "--name", "from_cli", "--repository", str(repository), "--input", "x:FP32:4",
+         "--output", "y:FP32:2", "--max-batch-size", "4", "--formats", "onnx",
+         "--preprocessing", str(source / "spec.yaml"), "--answer-items", str(source / "item.json")],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
 def export_scorer(folder: Path, version: str = "1") -> None:
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 2)
@@ -175,6 +198,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     copy_model("wine", root / "wine")
     write_scorer(root / "scorer")
     write_chain(root / "chain")  # loads before the scorer it calls by name: the server waits
+    export_with_the_cli(root, tmp_path_factory.mktemp("user-src"))
     for change, _ in CHANGES:
         folder = root / ("edited_" + _folder_name(change))
         write_scorer(folder)
@@ -531,3 +555,14 @@ def test_a_step_that_fails_fails_the_request_naming_the_step(
     assert response.status_code == status
     assert says in response.json()["error"]
     assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
+
+
+def test_a_model_exported_with_the_cli_and_its_written_config_serves_its_code(
+    server: Server, repository: Path
+) -> None:
+    folder = repository / "from_cli"
+    assert sorted(p.name for p in folder.glob("*.py")) == ["labels.py", "scorer.py"]
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    assert config["preprocessing"] == SPEC
+    (answer,) = predict(server, "from_cli", [{"x": [1, 2, 3, 4]}]).json()["predictions"]
+    assert answer["sent"] == [1, 2, 3, 4] and answer["label"] in ("left", "right")
