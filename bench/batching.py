@@ -62,19 +62,39 @@ def mlp_models(root: Path) -> None:
     x = TensorConfig(name="x", datatype="FP32", shape=(64,))
     y = TensorConfig(name="y", datatype="FP32", shape=(10,))
     golden = {"x": np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)}
-    export_model(Mlp().eval(), root / "mlp" / "1", name="mlp", inputs=[x], outputs=[y],
-                 golden_inputs=golden, max_batch_size=64, formats=("onnx",))  # fmt: skip
-    (root / "mlp" / "config.yaml").write_text(yaml.safe_dump({
-        "backend": "onnx", "max_batch_size": 64, "warmup": {"batch_sizes": [1, 8, 64]},
-        "batching": {"max_queue_delay_ms": 0, "max_queue_size": 1024},
-    }))  # fmt: skip
+    export_model(
+        Mlp().eval(),
+        root / "mlp" / "1",
+        name="mlp",
+        inputs=[x],
+        outputs=[y],
+        golden_inputs=golden,
+        max_batch_size=64,
+        formats=("onnx",),
+    )
+    (root / "mlp" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "backend": "onnx",
+                "max_batch_size": 64,
+                "warmup": {"batch_sizes": [1, 8, 64]},
+                "batching": {"max_queue_delay_ms": 0, "max_queue_size": 1024},
+            }
+        )
+    )
     naive = root / "mlp_naive"
     naive.mkdir()
     (naive / "1").symlink_to(root / "mlp" / "1")
-    (naive / "config.yaml").write_text(yaml.safe_dump({
-        "backend": "onnx", "max_batch_size": 1, "warmup": {"batch_sizes": [1]},
-        "batching": {"max_queue_size": 1024},
-    }))  # fmt: skip
+    (naive / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "backend": "onnx",
+                "max_batch_size": 1,
+                "warmup": {"batch_sizes": [1]},
+                "batching": {"max_queue_size": 1024},
+            }
+        )
+    )
 
 
 def pipelined(
@@ -142,8 +162,15 @@ def in_process_ceiling(
         overlapped = pipelined(image, pipeline, runtime, size, preprocess_threads, 1.5)
         if overlapped > best:
             best, best_size = overlapped, size
-        rows.append([str(size), f"{preprocess_s * 1000:.2f}", f"{model_s * 1000:.2f}",
-                     f"{1 / per_image:.1f}", f"{overlapped:.1f}"])  # fmt: skip
+        rows.append(
+            [
+                str(size),
+                f"{preprocess_s * 1000:.2f}",
+                f"{model_s * 1000:.2f}",
+                f"{1 / per_image:.1f}",
+                f"{overlapped:.1f}",
+            ]
+        )
     return rows, best_size
 
 
@@ -162,8 +189,10 @@ def one_image_pairs(
 
     The client is a keep-alive socket with the request's bytes made once, which costs the
     served side what sending and receiving the bytes costs (counted against the server)."""
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/jpeg\r\n"
-            f"Content-Length: {len(image)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/jpeg\r\n"
+        f"Content-Length: {len(image)}\r\n\r\n"
+    ).encode()
     request = head + image
     singles, served = [], []
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -223,8 +252,15 @@ def snapshot(server: Server, model: str) -> dict[str, int]:
     return stats
 
 
-def measure(server: Server, model: str, url: str, body: bytes, content_type: str,
-            connections: int, seconds: int) -> tuple[WrkResult, float]:  # fmt: skip
+def measure(
+    server: Server,
+    model: str,
+    url: str,
+    body: bytes,
+    content_type: str,
+    connections: int,
+    seconds: int,
+) -> tuple[WrkResult, float]:
     before = snapshot(server, model)
     result = wrk(url, body, content_type, connections=connections, seconds=seconds)
     return result, mean_batch(server, model, before)
@@ -236,8 +272,13 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
     classifier = top5()
     ceiling_rows, best_size = in_process_ceiling(image, pipeline, runtime, preprocess_threads)
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
-    mlp_body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
-                                         "data": x.ravel().tolist()}]})  # fmt: skip
+    mlp_body = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
+            ]
+        }
+    )
     figures: dict[str, float] = {}
     w1_rows, w2_rows, paired_rows = [], [], []
     ratios: dict[str, list[float]] = {name: [] for name in RATIOS}
@@ -246,8 +287,11 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
         root.mkdir()
         (root / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
         mlp_models(root)
-        env = {**SERVER_ENV, "TG_INTRA_OP_THREADS": str(threads),
-               "TG_PREPROCESS_THREADS": str(preprocess_threads)}  # fmt: skip
+        env = {
+            **SERVER_ENV,
+            "TG_INTRA_OP_THREADS": str(threads),
+            "TG_PREPROCESS_THREADS": str(preprocess_threads),
+        }
         server = Server(root, env=env)
         noop_port = free_port()
         noop = subprocess.Popen([sys.executable, "bench/noop_server.py", str(noop_port)])
@@ -255,22 +299,52 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
         try:
             server.wait_until(timeout=300)
             wait_until_up(f"http://127.0.0.1:{noop_port}/noop", "POST")
-            noop_result = wrk(f"http://127.0.0.1:{noop_port}/noop", image, "image/jpeg",
-                              connections=16, seconds=seconds)  # fmt: skip
+            noop_result = wrk(
+                f"http://127.0.0.1:{noop_port}/noop",
+                image,
+                "image/jpeg",
+                connections=16,
+                seconds=seconds,
+            )
             figures["ceiling_b"] = noop_result.requests_per_s
             for c in (1, 4, 16, 64):
-                result, batch = measure(server, "efficientnet_lite0", w1_url, image,
-                                        "image/jpeg", c, seconds)  # fmt: skip
-                w1_rows.append([str(c), f"{result.requests_per_s:.1f}", f"{result.p50_ms:.1f}",
-                                f"{result.p90_ms:.1f}", f"{result.p99_ms:.1f}", f"{batch:.2f}",
-                                str(result.errors)])  # fmt: skip
+                result, batch = measure(
+                    server, "efficientnet_lite0", w1_url, image, "image/jpeg", c, seconds
+                )
+                w1_rows.append(
+                    [
+                        str(c),
+                        f"{result.requests_per_s:.1f}",
+                        f"{result.p50_ms:.1f}",
+                        f"{result.p90_ms:.1f}",
+                        f"{result.p99_ms:.1f}",
+                        f"{batch:.2f}",
+                        str(result.errors),
+                    ]
+                )
             for model in ("mlp", "mlp_naive"):
                 for c in (1, 64):
-                    result, batch = measure(server, model, f"{server.url}/v2/models/{model}/infer",
-                                            mlp_body, "application/json", c, seconds)  # fmt: skip
+                    result, batch = measure(
+                        server,
+                        model,
+                        f"{server.url}/v2/models/{model}/infer",
+                        mlp_body,
+                        "application/json",
+                        c,
+                        seconds,
+                    )
                     figures[f"{model}_c{c}"] = result.requests_per_s
-                    w2_rows.append([model, str(c), f"{result.requests_per_s:.0f}", f"{result.p50_ms:.2f}",
-                                    f"{result.p99_ms:.2f}", f"{batch:.2f}", str(result.errors)])  # fmt: skip
+                    w2_rows.append(
+                        [
+                            model,
+                            str(c),
+                            f"{result.requests_per_s:.0f}",
+                            f"{result.p50_ms:.2f}",
+                            f"{result.p99_ms:.2f}",
+                            f"{batch:.2f}",
+                            str(result.errors),
+                        ]
+                    )
             # The ratios: each from a pair of runs made one right after the other, in rounds,
             # so that the machine's drift (it is shared) hits both sides of a ratio alike. The
             # server idles while this process runs the in-process side.
@@ -287,16 +361,28 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
                 naive = wrk(naive_url, mlp_body, "application/json", connections=64, seconds=half)
                 mlp_one, naive_one = alternating_p50(mlp_url, naive_url, mlp_body, half)
                 measured = [
-                    w1.requests_per_s / ceiling, w1.p99_ms / w1.p50_ms, w1_one_p50 / single,
-                    mlp.requests_per_s / naive.requests_per_s, mlp_one / naive_one,
-                ]  # fmt: skip
+                    w1.requests_per_s / ceiling,
+                    w1.p99_ms / w1.p50_ms,
+                    w1_one_p50 / single,
+                    mlp.requests_per_s / naive.requests_per_s,
+                    mlp_one / naive_one,
+                ]
                 for name, value in zip(RATIOS, measured, strict=True):
                     ratios[name].append(value)
-                paired_rows.append([str(round_), f"{ceiling:.1f}", f"{w1.requests_per_s:.1f}",
-                                    f"{w1.p50_ms:.1f} / {w1.p99_ms:.1f}", f"{single:.2f}",
-                                    f"{w1_one_p50:.2f}", f"{mlp.requests_per_s:.0f}",
-                                    f"{naive.requests_per_s:.0f}", f"{mlp_one:.3f}",
-                                    f"{naive_one:.3f}"])  # fmt: skip
+                paired_rows.append(
+                    [
+                        str(round_),
+                        f"{ceiling:.1f}",
+                        f"{w1.requests_per_s:.1f}",
+                        f"{w1.p50_ms:.1f} / {w1.p99_ms:.1f}",
+                        f"{single:.2f}",
+                        f"{w1_one_p50:.2f}",
+                        f"{mlp.requests_per_s:.0f}",
+                        f"{naive.requests_per_s:.0f}",
+                        f"{mlp_one:.3f}",
+                        f"{naive_one:.3f}",
+                    ]
+                )
         finally:
             noop.terminate()
             noop.wait(timeout=30)
@@ -308,20 +394,39 @@ def run(seconds: int, threads: int, preprocess_threads: int) -> tuple[str, dict[
         ratio_rows.append(
             [name, f"{values[0]:.2f}", f"**{figures[name]:.2f}**", f"{values[-1]:.2f}", target]
         )
-    report = "\n".join([
-        f"Threads: intra-op {threads}, preprocess {preprocess_threads}; wrk {seconds} s per row.",
-        "", "### In-process scan: decode + preprocess + model, per image", "",
-        table(ceiling_rows, CEILING_HEADER),
-        "", f"(b) no-op endpoint, same JPEG body, 16 connections: {figures['ceiling_b']:.0f} req/s",
-        "", "### W1: 640×480 JPEG → efficientnet_lite0 top-5", "",
-        table(w1_rows, ["concurrency", "req/s", "p50 ms", "p90 ms", "p99 ms", "mean batch", "errors"]),
-        "", "### W2: 64→256→10 MLP, JSON tensor", "",
-        table(w2_rows, ["model", "concurrency", "req/s", "p50 ms", "p99 ms", "mean batch", "errors"]),
-        "", f"### Paired rounds ({half} s per run; ceiling (a) at batch {best_size}, the scan's best)",
-        "", table(paired_rows, PAIRED_HEADER),
-        "", f"### Ratios (min / median / max over the {ROUNDS} rounds)", "",
-        table(ratio_rows, ["ratio", "min", "median", "max", "target"]),
-    ])  # fmt: skip
+    report = "\n".join(
+        [
+            f"Threads: intra-op {threads}, preprocess {preprocess_threads}; wrk {seconds} s per row.",
+            "",
+            "### In-process scan: decode + preprocess + model, per image",
+            "",
+            table(ceiling_rows, CEILING_HEADER),
+            "",
+            f"(b) no-op endpoint, same JPEG body, 16 connections: {figures['ceiling_b']:.0f} req/s",
+            "",
+            "### W1: 640×480 JPEG → efficientnet_lite0 top-5",
+            "",
+            table(
+                w1_rows,
+                ["concurrency", "req/s", "p50 ms", "p90 ms", "p99 ms", "mean batch", "errors"],
+            ),
+            "",
+            "### W2: 64→256→10 MLP, JSON tensor",
+            "",
+            table(
+                w2_rows,
+                ["model", "concurrency", "req/s", "p50 ms", "p99 ms", "mean batch", "errors"],
+            ),
+            "",
+            f"### Paired rounds ({half} s per run; ceiling (a) at batch {best_size}, the scan's best)",
+            "",
+            table(paired_rows, PAIRED_HEADER),
+            "",
+            f"### Ratios (min / median / max over the {ROUNDS} rounds)",
+            "",
+            table(ratio_rows, ["ratio", "min", "median", "max", "target"]),
+        ]
+    )
     return report, figures
 
 
@@ -334,13 +439,24 @@ RATIOS = {  # name: target
     "W2 c=1 p50 / naive c=1 p50": "≤ 1.0",
 }
 PAIRED_HEADER = [
-    "round", "(a) in-process img/s", "W1 c=16 req/s", "W1 c=16 p50 / p99 ms",
-    "one image in process ms", "W1 c=1 p50 ms", "W2 c=64 req/s", "naive c=64 req/s",
-    "W2 c=1 p50 ms", "naive c=1 p50 ms",
-]  # fmt: skip
+    "round",
+    "(a) in-process img/s",
+    "W1 c=16 req/s",
+    "W1 c=16 p50 / p99 ms",
+    "one image in process ms",
+    "W1 c=1 p50 ms",
+    "W2 c=64 req/s",
+    "naive c=64 req/s",
+    "W2 c=1 p50 ms",
+    "naive c=1 p50 ms",
+]
 CEILING_HEADER = [
-    "batch", "preprocess ms", "model ms", "images/s sequential", "images/s preprocessing overlapped"
-]  # fmt: skip
+    "batch",
+    "preprocess ms",
+    "model ms",
+    "images/s sequential",
+    "images/s preprocessing overlapped",
+]
 
 
 def main() -> None:

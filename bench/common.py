@@ -66,9 +66,17 @@ def wrk(
             "PATH": "/usr/bin:/bin",
         }
         command = [
-            require_wrk(), "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
-            "--timeout", "30s", "-s", str(script), url,
-        ]  # fmt: skip
+            require_wrk(),
+            "-t1",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "--latency",
+            "--timeout",
+            "30s",
+            "-s",
+            str(script),
+            url,
+        ]
         out = subprocess.run(
             command, env=env, capture_output=True, text=True, timeout=seconds + 60, check=True
         ).stdout
@@ -92,9 +100,12 @@ def parse_wrk(out: str) -> WrkResult:
         errors += sum(int(g) for g in socket.groups())
     return WrkResult(
         float(rps.group(1)) if rps else 0.0,
-        latency("50"), latency("90"), latency("99"),
-        int(total.group(1)) if total else 0, errors,
-    )  # fmt: skip
+        latency("50"),
+        latency("90"),
+        latency("99"),
+        int(total.group(1)) if total else 0,
+        errors,
+    )
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -136,10 +147,18 @@ def worktree(revision: str, folder: Path) -> Iterator[Path]:
     """``revision`` checked out at ``folder`` (a detached git worktree of this repository),
     removed afterwards: the old side of an old-vs-new benchmark."""
     root = Path(__file__).resolve().parent.parent
-    subprocess.run(["git", "worktree", "add", "--detach", str(folder), revision],
-                   cwd=root, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(folder), revision],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
     try:
         yield folder
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(folder)],
-                       cwd=root, check=False, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(folder)],
+            cwd=root,
+            check=False,
+            capture_output=True,
+        )

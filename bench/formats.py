@@ -79,8 +79,9 @@ def loaded(model: str, threads: int) -> dict[str, Runtime]:
         runtime = create_runtime(backend, RuntimeOptions("cpu", threads))
         runtime.load(
             MODELS / model / "1" / runtime.artifact,
-            Signature(manifest.inputs, manifest.outputs), manifest.max_batch_size,
-        )  # fmt: skip
+            Signature(manifest.inputs, manifest.outputs),
+            manifest.max_batch_size,
+        )
         runtimes[backend] = runtime
     return runtimes
 
@@ -117,8 +118,17 @@ def lengths(args: argparse.Namespace) -> None:
 
 def served_call(server: Server, model: str, batch: dict[str, np.ndarray]) -> Callable[[], object]:
     datatypes = {"float32": "FP32", "int64": "INT64"}
-    body = {"inputs": [{"name": n, "datatype": datatypes[str(a.dtype)], "shape": list(a.shape),
-                        "data": a.ravel().tolist()} for n, a in batch.items()]}  # fmt: skip
+    body = {
+        "inputs": [
+            {
+                "name": n,
+                "datatype": datatypes[str(a.dtype)],
+                "shape": list(a.shape),
+                "data": a.ravel().tolist(),
+            }
+            for n, a in batch.items()
+        ]
+    }
 
     def call() -> object:
         response = server.client.post(f"/v2/models/{model}/infer", json=body)
@@ -152,8 +162,9 @@ def main() -> None:
                 (root / model / "config.yaml").write_text(yaml.safe_dump(config))
                 if (MODELS / model / "labels.txt").exists():
                     (root / model / "labels.txt").symlink_to(MODELS / model / "labels.txt")
-            servers[backend] = Server(root, env={"TG_LOG_LEVEL": "warning",
-                                                 "TG_INTRA_OP_THREADS": str(args.threads)})  # fmt: skip
+            servers[backend] = Server(
+                root, env={"TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": str(args.threads)}
+            )
         runtimes = {
             (model, backend): runtime
             for model in PREFERRED

@@ -41,8 +41,10 @@ def gpu_memory() -> str:
         return "no nvidia-smi (no GPU)"
     out = subprocess.run(
         ["nvidia-smi", "--query-gpu=name,memory.used,memory.total", "--format=csv,noheader"],
-        capture_output=True, text=True, check=False,
-    ).stdout.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     return out or "nvidia-smi answered nothing"
 
 
@@ -109,9 +111,19 @@ def main() -> None:
     pipeline = ImagePipeline(ImageSpec.model_validate(config["preprocessing"]))
     image = jpeg_640x480()
     tensor = pipeline(image)[None]
-    header = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": list(tensor.shape),
-                                       "parameters": {"binary_data_size": tensor.nbytes}}],
-                           "outputs": [{"name": "classification", "parameters": {"binary_data": True}}]})  # fmt: skip
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": list(tensor.shape),
+                    "parameters": {"binary_data_size": tensor.nbytes},
+                }
+            ],
+            "outputs": [{"name": "classification", "parameters": {"binary_data": True}}],
+        }
+    )
     binary = header + tensor.tobytes()
     rows, parity = [], []
     server = Server(MODELS, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"})
@@ -122,16 +134,35 @@ def main() -> None:
             parity.append([name, meta["state"], meta.get("device", "?"), str(meta.get("verified"))])
         memory_loaded = gpu_memory()
         for label, url, body, ctype, length in (
-            ("JPEG, v1 predict", f"{server.url}/v1/models/efficientnet_lite0:predict", image, "image/jpeg", None),
-            ("FP32 tensor, v2 binary", f"{server.url}/v2/models/efficientnet_lite0/infer", binary,
-             "application/octet-stream", len(header)),
-        ):  # fmt: skip
+            (
+                "JPEG, v1 predict",
+                f"{server.url}/v1/models/efficientnet_lite0:predict",
+                image,
+                "image/jpeg",
+                None,
+            ),
+            (
+                "FP32 tensor, v2 binary",
+                f"{server.url}/v2/models/efficientnet_lite0/infer",
+                binary,
+                "application/octet-stream",
+                len(header),
+            ),
+        ):
             for c in (1, 16, 64):
                 result = wrk(
                     url, body, ctype, connections=c, seconds=args.seconds, header_length=length
                 )
-                rows.append([label, str(c), f"{result.requests_per_s:.1f}", f"{result.p50_ms:.1f}",
-                             f"{result.p99_ms:.1f}", str(result.errors)])  # fmt: skip
+                rows.append(
+                    [
+                        label,
+                        str(c),
+                        f"{result.requests_per_s:.1f}",
+                        f"{result.p50_ms:.1f}",
+                        f"{result.p99_ms:.1f}",
+                        str(result.errors),
+                    ]
+                )
         memory_loaded_after = gpu_memory()
     finally:
         server.stop()
@@ -142,20 +173,36 @@ def main() -> None:
     else:
         binding = "IO binding is for CUDA (`gpu.io_binding: auto`): not compared on the CPU."
     graphs = cuda_graphs_check(args.seconds)
-    report = "\n".join([
-        "# GPU check", "",
-        f"Device chosen by `device: auto`: **{device}**; onnxruntime providers available: "
-        f"{', '.join(ort.get_available_providers())}; GPU: {gpu_memory()}.", "",
-        "## Parity (golden replay at load, on the serving device)", "",
-        table(parity, ["model", "state", "device", "verified (gates passed)"]), "",
-        "## W1: efficientnet_lite0 served (wrk)", "",
-        table(rows, ["input", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"]), "",
-        f"GPU memory after load: {memory_loaded}; after the load runs: {memory_loaded_after}.", "",
-        "## In-process ceiling, same model and device", "",
-        f"{best:.1f} images/s at batch 32 (model only, random inputs); one image: {single_ms:.2f} ms.",
-        binding, "",
-        "## CUDA graphs (TorchScript)", "", graphs,
-    ]) + "\n"  # fmt: skip
+    report = (
+        "\n".join(
+            [
+                "# GPU check",
+                "",
+                f"Device chosen by `device: auto`: **{device}**; onnxruntime providers available: "
+                f"{', '.join(ort.get_available_providers())}; GPU: {gpu_memory()}.",
+                "",
+                "## Parity (golden replay at load, on the serving device)",
+                "",
+                table(parity, ["model", "state", "device", "verified (gates passed)"]),
+                "",
+                "## W1: efficientnet_lite0 served (wrk)",
+                "",
+                table(rows, ["input", "concurrency", "req/s", "p50 ms", "p99 ms", "errors"]),
+                "",
+                f"GPU memory after load: {memory_loaded}; after the load runs: {memory_loaded_after}.",
+                "",
+                "## In-process ceiling, same model and device",
+                "",
+                f"{best:.1f} images/s at batch 32 (model only, random inputs); one image: {single_ms:.2f} ms.",
+                binding,
+                "",
+                "## CUDA graphs (TorchScript)",
+                "",
+                graphs,
+            ]
+        )
+        + "\n"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)

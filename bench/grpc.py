@@ -52,18 +52,36 @@ GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 def bodies(model: str, shape: tuple[int, ...], name: str) -> dict[str, tuple[bytes, int | None]]:
     """The same tensor as a REST JSON body, a REST binary body, and a gRPC frame."""
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-    json_body = orjson.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": list(shape),
-                                          "data": x.ravel().tolist()}]})  # fmt: skip
-    header = orjson.dumps({"inputs": [{"name": name, "datatype": "FP32", "shape": list(shape),
-                                       "parameters": {"binary_data_size": x.nbytes}}]})  # fmt: skip
+    json_body = orjson.dumps(
+        {
+            "inputs": [
+                {"name": name, "datatype": "FP32", "shape": list(shape), "data": x.ravel().tolist()}
+            ]
+        }
+    )
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": name,
+                    "datatype": "FP32",
+                    "shape": list(shape),
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ]
+        }
+    )
     request = pb.ModelInferRequest(model_name=model, raw_input_contents=[x.tobytes()])
     tensor = request.inputs.add()
     tensor.name, tensor.datatype = name, "FP32"
     tensor.shape.extend(shape)
     message = request.SerializeToString()
     frame = b"\x00" + struct.pack(">I", len(message)) + message  # gRPC's length prefix
-    return {"REST JSON": (json_body, None), "REST binary": (header + x.tobytes(), len(header)),
-            "gRPC": (frame, None)}  # fmt: skip
+    return {
+        "REST JSON": (json_body, None),
+        "REST binary": (header + x.tobytes(), len(header)),
+        "gRPC": (frame, None),
+    }
 
 
 def h2load(url: str, frame: bytes, streams: int, seconds: int) -> tuple[float, float]:
@@ -76,10 +94,27 @@ def h2load(url: str, frame: bytes, streams: int, seconds: int) -> tuple[float, f
         body.write(frame)
         body.flush()
         out = subprocess.run(
-            [binary, "-D", str(seconds), "-c", "1", "-m", str(streams), "-d", body.name,
-             "-H", "content-type: application/grpc", "-H", "te: trailers", url + GRPC_PATH],
-            capture_output=True, text=True, timeout=seconds + 60, check=True,
-        ).stdout  # fmt: skip
+            [
+                binary,
+                "-D",
+                str(seconds),
+                "-c",
+                "1",
+                "-m",
+                str(streams),
+                "-d",
+                body.name,
+                "-H",
+                "content-type: application/grpc",
+                "-H",
+                "te: trailers",
+                url + GRPC_PATH,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+            check=True,
+        ).stdout
     rate = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
     failed = re.search(r"requests: .* (\d+) failed", out)
     mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out)
@@ -190,8 +225,11 @@ def check_grpc(server: Server, model: str, frame: bytes) -> None:
     """One call through the real client stack: the frame must be a valid request."""
     request = pb.ModelInferRequest.FromString(frame[5:])
     with grpc.insecure_channel(server.grpc_url) as channel:
-        call = channel.unary_unary(GRPC_PATH, request_serializer=pb.ModelInferRequest.SerializeToString,
-                                   response_deserializer=pb.ModelInferResponse.FromString)  # fmt: skip
+        call = channel.unary_unary(
+            GRPC_PATH,
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
         answer = call(request, timeout=30)
     assert answer.model_name == model and answer.raw_output_contents, answer
 
@@ -213,9 +251,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     seconds = args.seconds
-    cells = [("W2", "mlp", (1, 64), "x", 1), ("W2", "mlp", (1, 64), "x", 64),
-             ("efficientnet_lite0", "efficientnet_lite0", (1, 3, 224, 224), "input", 1),
-             ("efficientnet_lite0", "efficientnet_lite0", (1, 3, 224, 224), "input", 16)]  # fmt: skip
+    cells = [
+        ("W2", "mlp", (1, 64), "x", 1),
+        ("W2", "mlp", (1, 64), "x", 64),
+        ("efficientnet_lite0", "efficientnet_lite0", (1, 3, 224, 224), "input", 1),
+        ("efficientnet_lite0", "efficientnet_lite0", (1, 3, 224, 224), "input", 16),
+    ]
     results: dict[tuple[str, int, str], list[Figure]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "models"
@@ -229,8 +270,7 @@ def main() -> None:
 
         def rest(url: str, body: bytes, header_length: int | None, n: int) -> tuple[float, float]:
             ct = "application/json" if header_length is None else "application/octet-stream"
-            result = wrk(url, body, ct, connections=n, seconds=seconds,
-                         header_length=header_length)  # fmt: skip
+            result = wrk(url, body, ct, connections=n, seconds=seconds, header_length=header_length)
             assert result.errors == 0, (url, result)
             return result.requests_per_s, result.p50_ms
 
@@ -287,19 +327,36 @@ def report(
         binary = median(label, n, "REST binary", 0)
         row.append(f"{median(label, n, 'gRPC', 0) / binary:.2f}")
         for kind in ("ceiling", "REST ceiling"):
-            row.append(f"{median(label, n, kind, 0) / binary:.2f}" if (label, n, kind) in results
-                       else "")  # fmt: skip
+            row.append(
+                f"{median(label, n, kind, 0) / binary:.2f}" if (label, n, kind) in results else ""
+            )
         rows.append(row)
         if label == "W2":
-            loop_rows.append([label, str(n)] + [
-                f"{median(label, n, kind, 2):.0f}"
-                for kind in ("REST binary", "gRPC", "REST ceiling", "ceiling")
-            ])  # fmt: skip
-    header = ["workload", "concurrent", "REST JSON req/s", "REST binary req/s", "gRPC req/s",
-              "gRPC / REST binary", "empty grpc.aio server / REST binary",
-              "empty REST server / REST binary"]  # fmt: skip
-    loop_header = ["workload", "concurrent", "REST binary", "gRPC", "empty REST server",
-                   "empty grpc.aio server"]  # fmt: skip
+            loop_rows.append(
+                [label, str(n)]
+                + [
+                    f"{median(label, n, kind, 2):.0f}"
+                    for kind in ("REST binary", "gRPC", "REST ceiling", "ceiling")
+                ]
+            )
+    header = [
+        "workload",
+        "concurrent",
+        "REST JSON req/s",
+        "REST binary req/s",
+        "gRPC req/s",
+        "gRPC / REST binary",
+        "empty grpc.aio server / REST binary",
+        "empty REST server / REST binary",
+    ]
+    loop_header = [
+        "workload",
+        "concurrent",
+        "REST binary",
+        "gRPC",
+        "empty REST server",
+        "empty grpc.aio server",
+    ]
     return (
         f"# gRPC vs REST, {rounds} alternating rounds of {seconds} s\n\n"
         f"Requests/s, median (min–max)\n\n{table(rows, header)}\n\n"

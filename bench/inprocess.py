@@ -100,8 +100,11 @@ def loop_us(tree: Path, repository: Path, rounds: int) -> float:
     """The least event-loop CPU µs per request over the sets of one fresh process on ``tree``."""
     out = subprocess.run(
         [sys.executable, "-c", DRIVER, str(tree), str(repository), str(rounds), str(SETS)],
-        capture_output=True, text=True, timeout=900, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    ).stdout
     return float(next(line for line in out.splitlines() if line.startswith("LOOP_US")).split()[1])
 
 
@@ -122,11 +125,19 @@ def main() -> None:
                 figures[side].append(loop_us(trees[side], repository, args.rounds))
                 print(side, f"{figures[side][-1]:.1f} µs", flush=True)
     ratios = [n / o for o, n in zip(figures["old"], figures["new"], strict=True)]
-    rows = [[spread(figures["old"], "{:.1f}"), spread(figures["new"], "{:.1f}"),
-             spread(ratios, "{:.3f}")]]  # fmt: skip
+    rows = [
+        [
+            spread(figures["old"], "{:.1f}"),
+            spread(figures["new"], "{:.1f}"),
+            spread(ratios, "{:.3f}"),
+        ]
+    ]
     header = [f"old ({args.old}) µs/request", "new µs/request", "new / old"]
-    publish("inprocess", f"# Event-loop CPU per W2 request in process, {args.runs} runs "
-                         f"(median, min–max)\n\n{table(rows, header)}\n")  # fmt: skip
+    publish(
+        "inprocess",
+        f"# Event-loop CPU per W2 request in process, {args.runs} runs "
+        f"(median, min–max)\n\n{table(rows, header)}\n",
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ async def noop(request: Request) -> Response:
 
 if __name__ == "__main__":
     uvicorn.run(
-        app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False,
-        loop="auto", http="auto",
-    )  # fmt: skip
+        app,
+        host="127.0.0.1",
+        port=int(sys.argv[1]),
+        log_level="warning",
+        access_log=False,
+        loop="auto",
+        http="auto",
+    )

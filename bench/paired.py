@@ -29,19 +29,34 @@ from bench.batching import W1_PATH, jpeg_640x480, mlp_models
 from bench.common import publish, spread, table, wait_until_up, worktree, wrk
 from tests.server import MODELS, REPO_ROOT, free_port
 
-ENV = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2",
-       "TG_PREPROCESS_THREADS": "2"}  # fmt: skip
+ENV = {
+    "TG_ACCESS_LOG": "false",
+    "TG_LOG_LEVEL": "warning",
+    "TG_INTRA_OP_THREADS": "2",
+    "TG_PREPROCESS_THREADS": "2",
+}
 
 
 def serve(
     tree: Path, repository: Path, extra: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**os.environ, **ENV, "TG_PORT": str(port), "TG_HOST": "127.0.0.1",
-           "TG_GRPC_PORT": str(free_port()), "TG_MODEL_REPOSITORY": str(repository),
-           **(extra or {})}  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=tree, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    env = {
+        **os.environ,
+        **ENV,
+        "TG_PORT": str(port),
+        "TG_HOST": "127.0.0.1",
+        "TG_GRPC_PORT": str(free_port()),
+        "TG_MODEL_REPOSITORY": str(repository),
+        **(extra or {}),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve"],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -50,14 +65,24 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="the git revision to compare against")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--new-env", action="append", default=[], metavar="TG_NAME=VALUE",
-                        help="a setting for the new side only (e.g. TG_GRPC_PORT=0)")  # fmt: skip
+    parser.add_argument(
+        "--new-env",
+        action="append",
+        default=[],
+        metavar="TG_NAME=VALUE",
+        help="a setting for the new side only (e.g. TG_GRPC_PORT=0)",
+    )
     args = parser.parse_args()
     new_env = dict(item.split("=", 1) for item in args.new_env)
     image = jpeg_640x480()
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
-    mlp = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
-                                    "data": x.ravel().tolist()}]})  # fmt: skip
+    mlp = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
+            ]
+        }
+    )
     workloads = {
         "W1 c=16": (W1_PATH, image, "image/jpeg", 16),
         "W2 c=64": ("/v2/models/mlp/infer", mlp, "application/json", 64),
@@ -77,8 +102,13 @@ def main() -> None:
                 sides = ("old", "new") if pair % 2 == 0 else ("new", "old")
                 for name, (path, body, content_type, connections) in workloads.items():
                     for side in sides:
-                        result = wrk(servers[side][1] + path, body, content_type,
-                                     connections=connections, seconds=args.seconds)  # fmt: skip
+                        result = wrk(
+                            servers[side][1] + path,
+                            body,
+                            content_type,
+                            connections=connections,
+                            seconds=args.seconds,
+                        )
                         assert result.errors == 0, (side, name, result)
                         results.setdefault((name, side), []).append(
                             (result.requests_per_s, result.p50_ms)
@@ -91,14 +121,22 @@ def main() -> None:
     for name in workloads:
         old, new = results[(name, "old")], results[(name, "new")]
         ratios = sorted(n[0] / o[0] for o, n in zip(old, new, strict=True))
-        rows.append([
-            name, spread([r for r, _ in old], "{:.0f}"), spread([r for r, _ in new], "{:.0f}"),
-            spread([p for _, p in old], "{:.2f}"), spread([p for _, p in new], "{:.2f}"),
-            spread(ratios, "{:.3f}"),
-        ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                spread([r for r, _ in old], "{:.0f}"),
+                spread([r for r, _ in new], "{:.0f}"),
+                spread([p for _, p in old], "{:.2f}"),
+                spread([p for _, p in new], "{:.2f}"),
+                spread(ratios, "{:.3f}"),
+            ]
+        )
     header = ["workload", "old req/s", "new req/s", "old p50 ms", "new p50 ms", "new/old req/s"]
-    publish("paired", f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "
-                      f"of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n")  # fmt: skip
+    publish(
+        "paired",
+        f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "
+        f"of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n",
+    )
 
 
 if __name__ == "__main__":

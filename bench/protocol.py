@@ -43,10 +43,18 @@ def bodies() -> dict[str, tuple[bytes, int | None]]:
         }
     )
     header = orjson.dumps(
-        {"inputs": [{"name": "input", "datatype": "FP32", "shape": SHAPE,
-                     "parameters": {"binary_data_size": x.nbytes}}],
-         "parameters": {"binary_data_output": True}}
-    )  # fmt: skip
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": SHAPE,
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    )
     return {"json": (json_body, None), "binary": (header + x.tobytes(), len(header))}
 
 
@@ -66,20 +74,25 @@ def codec_times(reps: int) -> list[list[str]]:
             encode_result(result, binary)
             encode.append(time.perf_counter() - decoded)
             decode.append(decoded - started)
-        rows.append([
-            kind, f"{len(body) / 1e6:.2f} MB", f"{statistics.median(decode) * 1e3:.3f}",
-            f"{statistics.median(encode) * 1e3:.3f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                kind,
+                f"{len(body) / 1e6:.2f} MB",
+                f"{statistics.median(decode) * 1e3:.3f}",
+                f"{statistics.median(encode) * 1e3:.3f}",
+            ]
+        )
     return rows
 
 
 def sink_model(root: Path) -> None:
     node = helper.make_node("ReduceSum", ["input"], ["total"], keepdims=0, axes=[1, 2, 3])
     graph = helper.make_graph(
-        [node], "sink",
+        [node],
+        "sink",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 224, 224])],
         [helper.make_tensor_value_info("total", TensorProto.FLOAT, ["batch"])],
-    )  # fmt: skip
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
     model.ir_version = 8
     (root / "sink" / "1").mkdir(parents=True)
@@ -106,23 +119,39 @@ def served(seconds: int, connections: int) -> list[list[str]]:
                 ("no-op endpoint, same bytes", f"http://127.0.0.1:{noop_port}/noop", binary, None),
                 ("sink model, binary", f"{server.url}/v2/models/sink/infer", binary, header_length),
                 ("sink model, JSON", f"{server.url}/v2/models/sink/infer", *payloads["json"]),
-                ("efficientnet_lite0, binary", f"{server.url}/v2/models/efficientnet_lite0/infer",
-                 binary, header_length),
-                ("efficientnet_lite0, JSON", f"{server.url}/v2/models/efficientnet_lite0/infer",
-                 *payloads["json"]),
-            ]  # fmt: skip
+                (
+                    "efficientnet_lite0, binary",
+                    f"{server.url}/v2/models/efficientnet_lite0/infer",
+                    binary,
+                    header_length,
+                ),
+                (
+                    "efficientnet_lite0, JSON",
+                    f"{server.url}/v2/models/efficientnet_lite0/infer",
+                    *payloads["json"],
+                ),
+            ]
             wait_until_up(f"http://127.0.0.1:{noop_port}/noop", "POST")
             results: dict[str, WrkResult] = {}
             for label, url, body, length in runs:
                 content_type = "application/octet-stream" if length else "application/json"
                 results[label] = result = wrk(
-                    url, body, content_type, connections=connections, seconds=seconds,
+                    url,
+                    body,
+                    content_type,
+                    connections=connections,
+                    seconds=seconds,
                     header_length=length,
-                )  # fmt: skip
-                rows.append([
-                    label, f"{result.requests_per_s:.1f}", f"{result.p50_ms:.2f}",
-                    f"{result.p99_ms:.2f}", str(result.errors),
-                ])  # fmt: skip
+                )
+                rows.append(
+                    [
+                        label,
+                        f"{result.requests_per_s:.1f}",
+                        f"{result.p50_ms:.2f}",
+                        f"{result.p99_ms:.2f}",
+                        str(result.errors),
+                    ]
+                )
             ceiling = results["no-op endpoint, same bytes"].requests_per_s
             sink = results["sink model, binary"].requests_per_s
             rows.append(["**sink binary / no-op**", f"**{sink / ceiling:.3f}**", "", "", ""])
@@ -148,8 +177,11 @@ def main() -> None:
         "",
         f"## Served (wrk, 1 thread, {args.connections} connections, {args.seconds} s each)",
         "",
-        table(served(args.seconds, args.connections), ["target", "req/s", "p50 ms", "p99 ms", "errors"]),
-    ]  # fmt: skip
+        table(
+            served(args.seconds, args.connections),
+            ["target", "req/s", "p50 ms", "p99 ms", "errors"],
+        ),
+    ]
     publish("protocol", "\n".join(report) + "\n")
 
 

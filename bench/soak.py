@@ -106,10 +106,23 @@ def main() -> None:
 
             def round_(seconds: int) -> tuple[int, int]:
                 out = subprocess.run(
-                    [require_wrk(), "-t1", "-c8", f"-d{seconds}s", "--timeout", "30s", "-s",
-                     str(folder / "soak.lua"), server.url],
-                    env=env, capture_output=True, text=True, check=True, timeout=seconds + 60,
-                ).stdout  # fmt: skip
+                    [
+                        require_wrk(),
+                        "-t1",
+                        "-c8",
+                        f"-d{seconds}s",
+                        "--timeout",
+                        "30s",
+                        "-s",
+                        str(folder / "soak.lua"),
+                        server.url,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=seconds + 60,
+                ).stdout
                 result = parse_wrk(out)
                 return result.requests, result.errors
 
@@ -132,12 +145,19 @@ def main() -> None:
         finally:
             server.stop()
     growth = (final - base) / base * 100
-    text = "\n".join([
-        "# Soak: mixed models and protocols", "",
-        table(rows, ["point", "requests", "RSS MB", "errors (non-2xx + socket)"]), "",
-        f"{total:,} requests in {elapsed:.0f} s after warm-up; RSS growth from warm-up to the end: "
-        f"{growth:+.1f} % (target within 5 %).",
-    ]) + "\n"  # fmt: skip
+    text = (
+        "\n".join(
+            [
+                "# Soak: mixed models and protocols",
+                "",
+                table(rows, ["point", "requests", "RSS MB", "errors (non-2xx + socket)"]),
+                "",
+                f"{total:,} requests in {elapsed:.0f} s after warm-up; RSS growth from warm-up to the end: "
+                f"{growth:+.1f} % (target within 5 %).",
+            ]
+        )
+        + "\n"
+    )
     publish("soak", text)
 
 

@@ -64,24 +64,36 @@ def measure(backend: str, warm: bool, steady: int) -> list[list[str]]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "models"
         repository(root, MODELS / "minilm", backend, warm)
-        server = Server(root, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning",
-                                   "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
+        server = Server(
+            root,
+            env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning", "TG_INTRA_OP_THREADS": "2"},
+        )
         try:
             server.wait_until(timeout=300)
             for texts, tokens in SHAPES:
                 batch = ["word " * (tokens - 2)] * texts  # + [CLS] and [SEP] = `tokens` tokens
                 first = latency(server.client, batch)
                 rest = statistics.median(latency(server.client, batch) for _ in range(steady))
-                rows.append([backend, "yes" if warm else "no", str(texts), str(tokens),
-                             f"{first:.1f}", f"{rest:.1f}", f"{first / rest:.2f}"])  # fmt: skip
+                rows.append(
+                    [
+                        backend,
+                        "yes" if warm else "no",
+                        str(texts),
+                        str(tokens),
+                        f"{first:.1f}",
+                        f"{rest:.1f}",
+                        f"{first / rest:.2f}",
+                    ]
+                )
         finally:
             server.stop()
     return rows
 
 
 IMAGE_BUCKETS = (128, 256, 512)
-IMAGE_SHAPES = [(1, h, w) for h, w in ((128, 128), (100, 150), (256, 256), (200, 300), (512, 512),
-                                       (360, 480))]  # fmt: skip
+IMAGE_SHAPES = [
+    (1, h, w) for h, w in ((128, 128), (100, 150), (256, 256), (200, 300), (512, 512), (360, 480))
+]
 IMAGE_SHAPES += [(rows, 200, 240) for rows in (2, 3, 4)]
 """(images in the request, H, W)"""
 
@@ -95,10 +107,16 @@ def export_heatmap(root: Path) -> None:
     image, heat = parse_tensor("image:FP32:3,-1,-1"), parse_tensor("heat:FP32:1,-1,-1")
     folder = root / "heatmap"
     manifest = export_model(
-        make_heatmap(), folder / "1", name="heatmap", inputs=[image], outputs=[heat],
-        golden_inputs={"image": golden_input(image, 4, 0, 96)}, max_batch_size=4,
-        buckets=IMAGE_BUCKETS, pt2_cpu="native",
-    )  # fmt: skip
+        make_heatmap(),
+        folder / "1",
+        name="heatmap",
+        inputs=[image],
+        outputs=[heat],
+        golden_inputs={"image": golden_input(image, 4, 0, 96)},
+        max_batch_size=4,
+        buckets=IMAGE_BUCKETS,
+        pt2_cpu="native",
+    )
     write_config(folder / "config.yaml", manifest, "onnx", None)
 
 
@@ -106,17 +124,28 @@ def image_latency(client: httpx.Client, rows: int, h: int, w: int) -> float:
     """One request in Triton's binary tensor extension (a JSON body of megapixels would time
     the JSON codec, not the shape)."""
     data = np.full((rows, 3, h, w), 0.5, np.float32).tobytes()
-    header = json.dumps({
-        "inputs": [{"name": "image", "datatype": "FP32", "shape": [rows, 3, h, w],
-                    "parameters": {"binary_data_size": len(data)}}],
-        "outputs": [{"name": "heat", "parameters": {"binary_data": True}}],
-    }).encode()  # fmt: skip
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [rows, 3, h, w],
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ],
+            "outputs": [{"name": "heat", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
     started = time.perf_counter()
     response = client.post(
-        "/v2/models/heatmap/infer", content=header + data,
-        headers={"Inference-Header-Content-Length": str(len(header)),
-                 "Content-Type": "application/octet-stream"},
-    )  # fmt: skip
+        "/v2/models/heatmap/infer",
+        content=header + data,
+        headers={
+            "Inference-Header-Content-Length": str(len(header)),
+            "Content-Type": "application/octet-stream",
+        },
+    )
     elapsed = time.perf_counter() - started
     response.raise_for_status()
     return elapsed * 1000
@@ -134,16 +163,24 @@ def measure_images(
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "models"
             repository(root, exported / "heatmap", backend, warm)
-            server = Server(root, env={"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning",
-                                       "TG_INTRA_OP_THREADS": "2"})  # fmt: skip
+            server = Server(
+                root,
+                env={
+                    "TG_ACCESS_LOG": "false",
+                    "TG_LOG_LEVEL": "warning",
+                    "TG_INTRA_OP_THREADS": "2",
+                },
+            )
             try:
                 server.wait_until(timeout=300)
                 server.client.get("/v2/models/heatmap").raise_for_status()  # the connection
                 for i, (images, h, w) in enumerate(IMAGE_SHAPES):
                     firsts[i].append(image_latency(server.client, images, h, w))
-                    rests[i].append(statistics.median(
-                        image_latency(server.client, images, h, w) for _ in range(steady)
-                    ))  # fmt: skip
+                    rests[i].append(
+                        statistics.median(
+                            image_latency(server.client, images, h, w) for _ in range(steady)
+                        )
+                    )
                 stats = server.client.get("/v2/models/heatmap/stats").json()["model_stats"][0]
                 unwarmed.append(stats["unwarmed_shape_count"])
             finally:
@@ -151,8 +188,17 @@ def measure_images(
     rows = []
     for (images, h, w), first, rest in zip(IMAGE_SHAPES, firsts, rests, strict=True):
         a, b = statistics.median(first), statistics.median(rest)
-        rows.append([backend, "export's" if warm else "none", str(images), f"{h}×{w}",
-                     f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                backend,
+                "export's" if warm else "none",
+                str(images),
+                f"{h}×{w}",
+                f"{a:.1f}",
+                f"{b:.1f}",
+                f"{a / b:.2f}",
+            ]
+        )
     rows[-1][1] += f" (unwarmed: {max(unwarmed)})"
     return rows
 
@@ -169,8 +215,15 @@ def main() -> None:
         for backend in ("onnx", "torchscript", "pt2"):
             for warm in (True, False):
                 rows += measure(backend, warm, args.steady)
-        header = ["backend", "warmup", "texts", "tokens", "first ms", "steady p50 ms",
-                  "first / steady"]  # fmt: skip
+        header = [
+            "backend",
+            "warmup",
+            "texts",
+            "tokens",
+            "first ms",
+            "steady p50 ms",
+            "first / steady",
+        ]
         text += "# Warmup benchmark: minilm, first request of each shape vs steady\n\n"
         text += table(rows, header) + "\n"
     if args.only != "text":
@@ -181,8 +234,15 @@ def main() -> None:
             for backend in ("onnx", "pt2"):
                 for warm in (True, False):
                     rows += measure_images(exported, backend, warm, args.steady, args.rounds)
-        header = ["backend", "config", "images", "H × W", "first ms", "steady p50 ms",
-                  "first / steady"]  # fmt: skip
+        header = [
+            "backend",
+            "config",
+            "images",
+            "H × W",
+            "first ms",
+            "steady p50 ms",
+            "first / steady",
+        ]
         text += "\n# Warmup benchmark: a dynamic H × W image model, first vs steady\n\n"
         text += table(rows, header) + "\n"
     publish("warmup", text)

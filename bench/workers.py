@@ -44,8 +44,13 @@ def main() -> None:
     args = parser.parse_args()
     image = jpeg_640x480()
     x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
-    mlp = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64],
-                                    "data": x.ravel().tolist()}]})  # fmt: skip
+    mlp = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
+            ]
+        }
+    )
     workloads = {
         "W1 c=16": ("efficientnet_lite0", W1_PATH, image, "image/jpeg", 16),
         "W1 c=1": ("efficientnet_lite0", W1_PATH, image, "image/jpeg", 1),
@@ -63,8 +68,10 @@ def main() -> None:
         # The settings a deployment gets by default, with the worker count set: threads are
         # the CPUs divided among the workers (TG_INTRA_OP_THREADS/TG_PREPROCESS_THREADS unset).
         unset = {"TG_INTRA_OP_THREADS": "0", "TG_PREPROCESS_THREADS": "0"}
-        servers = {side: serve(REPO_ROOT, repository, {**unset, "TG_WORKERS": count})
-                   for side, count in sides.items()}  # fmt: skip
+        servers = {
+            side: serve(REPO_ROOT, repository, {**unset, "TG_WORKERS": count})
+            for side, count in sides.items()
+        }
         try:
             for _, url in servers.values():
                 wait_until_up(f"{url}/v2/health/ready", timeout_s=300)
@@ -74,8 +81,13 @@ def main() -> None:
                     for side in order:
                         url = servers[side][1]
                         rows, runs = executions(url, model)
-                        result = wrk(url + path, body, content_type, connections=connections,
-                                     seconds=args.seconds)  # fmt: skip
+                        result = wrk(
+                            url + path,
+                            body,
+                            content_type,
+                            connections=connections,
+                            seconds=args.seconds,
+                        )
                         assert result.errors == 0, (side, name, result)
                         rows_after, runs_after = executions(url, model)
                         batch = (rows_after - rows) / max(1, runs_after - runs)
@@ -93,23 +105,40 @@ def main() -> None:
     for name in workloads:
         one, several = results[(name, "one")], results[(name, "several")]
         ratios = sorted(s[0] / o[0] for o, s in zip(one, several, strict=True))
-        rows_out.append([
-            name, spread([r[0] for r in one], "{:.0f}"), spread([r[0] for r in several], "{:.0f}"),
-            spread(ratios, "{:.2f}"), spread([r[1] for r in one], "{:.2f}"),
-            spread([r[1] for r in several], "{:.2f}"), spread([r[2] for r in one], "{:.1f}"),
-            spread([r[2] for r in several], "{:.1f}"),
-        ])  # fmt: skip
-    header = ["workload", "1 req/s", f"{args.workers} req/s", f"{args.workers}/1",
-              "1 p50 ms", f"{args.workers} p50 ms", "1 batch", f"{args.workers} batch"]  # fmt: skip
+        rows_out.append(
+            [
+                name,
+                spread([r[0] for r in one], "{:.0f}"),
+                spread([r[0] for r in several], "{:.0f}"),
+                spread(ratios, "{:.2f}"),
+                spread([r[1] for r in one], "{:.2f}"),
+                spread([r[1] for r in several], "{:.2f}"),
+                spread([r[2] for r in one], "{:.1f}"),
+                spread([r[2] for r in several], "{:.1f}"),
+            ]
+        )
+    header = [
+        "workload",
+        "1 req/s",
+        f"{args.workers} req/s",
+        f"{args.workers}/1",
+        "1 p50 ms",
+        f"{args.workers} p50 ms",
+        "1 batch",
+        f"{args.workers} batch",
+    ]
     rss = "\n".join(
         f"- {side} ({sides[side]} worker(s)): "
         + ", ".join(f"{mib:.0f}" for mib in values)
         + f" MiB (process first, then its workers; total {sum(values):.0f} MiB)"
         for side, values in memory.items()
     )
-    publish("workers", f"# 1 vs {args.workers} workers, {args.pairs} alternating pairs of "
-                       f"{args.seconds} s, {psutil.cpu_count()} CPUs\n\nmedian (min–max)\n\n"
-                       f"{table(rows_out, header)}\n\nRSS after the runs:\n{rss}\n")  # fmt: skip
+    publish(
+        "workers",
+        f"# 1 vs {args.workers} workers, {args.pairs} alternating pairs of "
+        f"{args.seconds} s, {psutil.cpu_count()} CPUs\n\nmedian (min–max)\n\n"
+        f"{table(rows_out, header)}\n\nRSS after the runs:\n{rss}\n",
+    )
 
 
 if __name__ == "__main__":

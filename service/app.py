@@ -151,8 +151,9 @@ async def _poll(dataplane: DataPlane, interval_s: float) -> None:
         try:
             await _poll_once(dataplane)
         except Exception:  # one bad folder must not end polling for good: log, try next time
-            log.exception("poll: the repository could not be read; trying again in %g s",
-                          interval_s)  # fmt: skip
+            log.exception(
+                "poll: the repository could not be read; trying again in %g s", interval_s
+            )
 
 
 async def _poll_once(dataplane: DataPlane) -> None:
@@ -209,9 +210,13 @@ def _load(repository: ModelRepository) -> None:
     log.info(
         "startup finished: %.2f s from process start to models loaded (load %.2f s, gates "
         "%.2f s, warmup %.2f s, the rest imports and server start): %s",
-        total, parts["load_s"], parts["gates_s"], parts["warmup_s"], states,
+        total,
+        parts["load_s"],
+        parts["gates_s"],
+        parts["warmup_s"],
+        states,
         extra={"startup_s": round(total, 3), **{k: round(v, 3) for k, v in parts.items()}},
-    )  # fmt: skip
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -34,27 +34,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-repository", type=Path, help="model repository (TG_MODEL_REPOSITORY, ./models)"
     )
     serve.add_argument(
-        "--workers", type=int, help="server processes on the same ports (TG_WORKERS; default: "
+        "--workers",
+        type=int,
+        help="server processes on the same ports (TG_WORKERS; default: "
         "one per two CPUs the process may use, at least one)",
-    )  # fmt: skip
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
-        "--poll", type=float, metavar="SECONDS", dest="poll_interval_s",
+        "--poll",
+        type=float,
+        metavar="SECONDS",
+        dest="poll_interval_s",
         help="watch the repository and load changed models every SECONDS (TG_POLL_INTERVAL_S)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--model-name", help="serve the repository's one model under this name; the repository "
+        "--model-name",
+        help="serve the repository's one model under this name; the repository "
         "may then be that model's own folder, as KServe's storageUri gives it (TG_MODEL_NAME)",
-    )  # fmt: skip
+    )
 
     health = commands.add_parser(
-        "health", help="probe the server this environment configures (a container HEALTHCHECK): "
+        "health",
+        help="probe the server this environment configures (a container HEALTHCHECK): "
         "exit 0 when it answers 200, 1 otherwise; sends the API token when the routes need it",
-    )  # fmt: skip
+    )
     health.add_argument(
-        "probe", nargs="?", default="ready", choices=["live", "ready", "startup"],
+        "probe",
+        nargs="?",
+        default="ready",
+        choices=["live", "ready", "startup"],
         help="which health route to ask (default: ready)",
-    )  # fmt: skip
+    )
 
     export = commands.add_parser("export", help="export a PyTorch module into a model repository")
     export.add_argument("factory", help="module:callable returning the torch.nn.Module")
@@ -62,44 +72,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument("--repository", type=Path, default=Path("models"))
     export.add_argument("--version", type=int, default=1, dest="model_version")
     export.add_argument(
-        "--input", action="append", required=True, metavar="NAME:DTYPE:D1,D2,...",
+        "--input",
+        action="append",
+        required=True,
+        metavar="NAME:DTYPE:D1,D2,...",
         help="an input without the batch dim, e.g. input:FP32:3,224,224 (-1 = dynamic)",
-    )  # fmt: skip
+    )
     export.add_argument("--output", action="append", required=True, metavar="NAME:DTYPE:D1,...")
     export.add_argument("--max-batch-size", type=int, default=32)
     export.add_argument(
-        "--formats", default="onnx,pt2", help="artifacts to write, of onnx, pt2 and torchscript "
+        "--formats",
+        default="onnx,pt2",
+        help="artifacts to write, of onnx, pt2 and torchscript "
         "(default onnx,pt2: portable ONNX and torch.export's compiled package; TorchScript is "
         "deprecated upstream)",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--backend", choices=["onnx", "pt2", "torchscript"], default=None,
+        "--backend",
+        choices=["onnx", "pt2", "torchscript"],
+        default=None,
         help="the backend the written config.yaml serves; export fails if it does not export "
         "(default: the first of onnx, pt2, torchscript that did)",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--buckets", default="", metavar="L1,L2,...",
+        "--buckets",
+        default="",
+        metavar="L1,L2,...",
         help="sizes of the dynamic (-1) dims, e.g. 16,32,64,128 (needed when an input has one): "
         "the server warms every combination, pads to them where export measured that padding "
         "leaves the answer unchanged, and refuses larger sizes",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--preprocessing", type=Path,
+        "--preprocessing",
+        type=Path,
         help="a YAML/JSON file with the image, text or python spec (a text spec's tokenizer "
         "is read beside it and copied into the version folder; a python spec's module and the "
         "local modules it imports, into the model's folder)",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--answer-items", type=Path, nargs="+", default=[], metavar="FILE",
+        "--answer-items",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="FILE",
         help="raw items (a JSON record, an image...) a python spec's pipeline is run on end to "
         "end at export; the server replays their answers at load (needed with a python spec)",
-    )  # fmt: skip
+    )
     export.add_argument("--opset", type=int, default=None)
     export.add_argument(
-        "--pt2-cpu", choices=cpu_targets.TARGETS, default=None,
+        "--pt2-cpu",
+        choices=cpu_targets.TARGETS,
+        default=None,
         help="the CPU model.pt2 is compiled for (default x86-64-v3 on x86-64: AVX2, which every "
         "x86-64 server CPU since 2013-2015 has; native: this machine's, refused on other CPUs)",
-    )  # fmt: skip
+    )
 
     commands.add_parser("schema", help="print the JSON Schema of config.yaml")
 

@@ -26,9 +26,21 @@ from preprocessing.spec import PreprocessingSpec
 from service.errors import ModelLoadError
 
 Datatype = Literal[
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64", "BF16", "BYTES",
-]  # fmt: skip
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BF16",
+    "BYTES",
+]
 
 
 PREPROCESSING_KINDS = ("image", "text", "python")

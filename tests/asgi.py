@@ -82,11 +82,19 @@ async def call(
     """One request straight to ``app``; with ``disconnect`` the client leaves once it has sent
     the body."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
         "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers],
-    }  # fmt: skip
+    }
     pending = [{"type": "http.request", "body": body, "more_body": False}]
     never = asyncio.Event()
 

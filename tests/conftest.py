@@ -55,8 +55,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     missing = [m for m in BUNDLED if not (MODELS / m / "1" / "manifest.json").exists()]
     if missing:
-        pytest.exit(f"bundled models {missing} are not built: run `make models` first (only "
-                    "`pytest -m unit` runs without them)", returncode=2)  # fmt: skip
+        pytest.exit(
+            f"bundled models {missing} are not built: run `make models` first (only "
+            "`pytest -m unit` runs without them)",
+            returncode=2,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -128,20 +131,40 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Exported]:
         return TensorConfig(name=name, datatype="FP32", shape=(width,))
 
     models = {
-        "mlp": (Mlp().eval(), {"x": rng.standard_normal((3, 64)).astype(np.float32)}, Exported(
-            root / "mlp", (floats("x", 64),), (floats("y", 10),), max_batch_size=8)),
-        "tiny_text": (TinyText().eval(), ids, Exported(
-            root / "tiny_text", text_inputs, (floats("embedding", 8),), max_batch_size=4,
-            buckets=(4, 8, 16))),
+        "mlp": (
+            Mlp().eval(),
+            {"x": rng.standard_normal((3, 64)).astype(np.float32)},
+            Exported(root / "mlp", (floats("x", 64),), (floats("y", 10),), max_batch_size=8),
+        ),
+        "tiny_text": (
+            TinyText().eval(),
+            ids,
+            Exported(
+                root / "tiny_text",
+                text_inputs,
+                (floats("embedding", 8),),
+                max_batch_size=4,
+                buckets=(4, 8, 16),
+            ),
+        ),
         # Handed over in training mode: every artifact must still answer as eval() does.
-        "train_mode": (TrainModeNet().train(), {"x": rng.standard_normal((3, 8)).astype(
-            np.float32)}, Exported(root / "train_mode", (floats("x", 8),), (floats("y", 4),),
-            max_batch_size=8)),
-    }  # fmt: skip
+        "train_mode": (
+            TrainModeNet().train(),
+            {"x": rng.standard_normal((3, 8)).astype(np.float32)},
+            Exported(root / "train_mode", (floats("x", 8),), (floats("y", 4),), max_batch_size=8),
+        ),
+    }
     for name, (module, golden, spec) in models.items():
         export_model(
-            module, spec.version, name=name, inputs=spec.inputs, outputs=spec.outputs,
-            golden_inputs=golden, max_batch_size=spec.max_batch_size, formats=FORMATS,
-            required=FORMATS, buckets=spec.buckets,
-        )  # fmt: skip
+            module,
+            spec.version,
+            name=name,
+            inputs=spec.inputs,
+            outputs=spec.outputs,
+            golden_inputs=golden,
+            max_batch_size=spec.max_batch_size,
+            formats=FORMATS,
+            required=FORMATS,
+            buckets=spec.buckets,
+        )
     return {name: spec for name, (_, _, spec) in models.items()}

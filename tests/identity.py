@@ -8,12 +8,20 @@ import onnx
 from onnx import TensorProto, helper
 
 ONNX_TYPES = {
-    "BOOL": TensorProto.BOOL, "UINT8": TensorProto.UINT8, "UINT16": TensorProto.UINT16,
-    "UINT32": TensorProto.UINT32, "UINT64": TensorProto.UINT64, "INT8": TensorProto.INT8,
-    "INT16": TensorProto.INT16, "INT32": TensorProto.INT32, "INT64": TensorProto.INT64,
-    "FP16": TensorProto.FLOAT16, "FP32": TensorProto.FLOAT, "FP64": TensorProto.DOUBLE,
+    "BOOL": TensorProto.BOOL,
+    "UINT8": TensorProto.UINT8,
+    "UINT16": TensorProto.UINT16,
+    "UINT32": TensorProto.UINT32,
+    "UINT64": TensorProto.UINT64,
+    "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16,
+    "INT32": TensorProto.INT32,
+    "INT64": TensorProto.INT64,
+    "FP16": TensorProto.FLOAT16,
+    "FP32": TensorProto.FLOAT,
+    "FP64": TensorProto.DOUBLE,
     "BYTES": TensorProto.STRING,
-}  # fmt: skip
+}
 """The datatypes of the every-datatype identity model: those numpy has."""
 BF16_TYPE = TensorProto.BFLOAT16
 """BF16 is in a model only when asked for: numpy has no bfloat16 (clients use ml_dtypes), and

@@ -37,10 +37,14 @@ class Heatmap(nn.Module):
         super().__init__()
         torch.manual_seed(12)
         self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(), nn.Dropout2d(0.2),
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2),
+            nn.ReLU(),
+            nn.Dropout2d(0.2),
             nn.Conv2d(8, 1, 1),
-        )  # fmt: skip
+        )
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.body(image)

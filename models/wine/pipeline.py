@@ -42,8 +42,9 @@ class WinePipeline(Pipeline):
         self._known = frozenset(self.fields)
 
     @classmethod
-    def fit(cls, records: Sequence[Mapping[str, float]], fields: Sequence[str],
-            classes: Sequence[str]) -> dict[str, Any]:  # fmt: skip
+    def fit(
+        cls, records: Sequence[Mapping[str, float]], fields: Sequence[str], classes: Sequence[str]
+    ) -> dict[str, Any]:
         """The params (JSON, six significant digits) for training records."""
         values = np.array([[r[f] for f in fields] for r in records], dtype=np.float64)
 

@@ -32,10 +32,32 @@ TARGETS = (*LEVELS, NATIVE)
 # The instruction-set extensions among /proc/cpuinfo's flags (not features such as ht or vmx):
 # what a native build may have used.
 _ISA_PREFIXES = (
-    "abm", "adx", "aes", "amx", "avx", "bmi", "clflushopt", "clwb", "cx16", "f16c", "fma", "gfni",
-    "lahf_lm", "movbe", "pclmulqdq", "pni", "popcnt", "rdrand", "rdseed", "sha_ni", "sse", "ssse",
-    "vaes", "vpclmulqdq", "xsave",
-)  # fmt: skip
+    "abm",
+    "adx",
+    "aes",
+    "amx",
+    "avx",
+    "bmi",
+    "clflushopt",
+    "clwb",
+    "cx16",
+    "f16c",
+    "fma",
+    "gfni",
+    "lahf_lm",
+    "movbe",
+    "pclmulqdq",
+    "pni",
+    "popcnt",
+    "rdrand",
+    "rdseed",
+    "sha_ni",
+    "sse",
+    "ssse",
+    "vaes",
+    "vpclmulqdq",
+    "xsave",
+)
 
 
 def default_target() -> str:

@@ -35,8 +35,15 @@ GOLDEN = "golden.npz"
 
 # Highest ai.onnx opset each onnxruntime release runs (from onnxruntime's compatibility table).
 # A release newer than the last entry runs at least that opset.
-_ORT_MAX_OPSET = ((1, 14, 18), (1, 15, 19), (1, 17, 20), (1, 18, 21), (1, 20, 21), (1, 21, 22),
-                  (1, 23, 23))  # fmt: skip
+_ORT_MAX_OPSET = (
+    (1, 14, 18),
+    (1, 15, 19),
+    (1, 17, 20),
+    (1, 18, 21),
+    (1, 20, 21),
+    (1, 21, 22),
+    (1, 23, 23),
+)
 MIN_OPSET = 7
 
 
@@ -150,8 +157,9 @@ def check_versions(manifest: Manifest, backend: str, runtime_versions: Mapping[s
         needs = {k: versions.get(f"pt2_{k}") for k in ("device", "cpu", "cpu_flags", "cpu_isa")}
         check_pt2(
             {**needs, "torch": versions.get("torch")},
-            runtime_versions["torch"], runtime_versions["devices"].split(","),
-        )  # fmt: skip
+            runtime_versions["torch"],
+            runtime_versions["devices"].split(","),
+        )
     if backend == "torchscript":
         exported = manifest.versions.get("torch") or "unknown"
         running = runtime_versions["torch"]

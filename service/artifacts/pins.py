@@ -61,9 +61,11 @@ def check_pinned(settings: Settings) -> dict[str, str | None]:
     }
     log.info(
         "running torch %s, onnxruntime %s, CUDA build %s",
-        running["torch"], onnxruntime, running["cuda"] or "none",
+        running["torch"],
+        onnxruntime,
+        running["cuda"] or "none",
         extra={"versions": running},
-    )  # fmt: skip
+    )
     drift = [
         f"{name} {have or 'missing'} (image pinned {want})"
         for name, (want, have) in expected.items()

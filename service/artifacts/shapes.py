@@ -122,8 +122,13 @@ class ShapePolicy:
         choices = [[b for b in self.buckets if axis.min <= b <= axis.max] for axis in self.axes]
         combos = []
         for sizes in itertools.product(*choices):
-            combos.append({dim: size for axis, size in zip(self.axes, sizes, strict=True)
-                           for dim in axis.dims})  # fmt: skip
+            combos.append(
+                {
+                    dim: size
+                    for axis, size in zip(self.axes, sizes, strict=True)
+                    for dim in axis.dims
+                }
+            )
         return combos
 
     def fit(self, batch: dict[str, np.ndarray], model: str) -> tuple[dict[str, np.ndarray], Crop]:

@@ -303,10 +303,17 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         pending = [
-            Pending(chunk, rows if callable(chunk) else rows_of(chunk, batched), key, now, deadline,
-                    loop.create_future(), timing)
+            Pending(
+                chunk,
+                rows if callable(chunk) else rows_of(chunk, batched),
+                key,
+                now,
+                deadline,
+                loop.create_future(),
+                timing,
+            )
             for chunk in chunks
-        ]  # fmt: skip
+        ]
         self.queue.extend(pending)
         self._arrived.set()
         try:
@@ -328,9 +335,12 @@ class Scheduler:
             self._expire(time.monotonic())
             entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
             decision = plan(
-                entries, self.config.max_batch_size, self.config.preferred_batch_sizes,
-                self.config.max_queue_delay_s, time.monotonic(),
-            )  # fmt: skip
+                entries,
+                self.config.max_batch_size,
+                self.config.preferred_batch_sizes,
+                self.config.max_queue_delay_s,
+                time.monotonic(),
+            )
             if decision.take:
                 chosen = [self.queue[i] for i in decision.take]
                 for index in sorted(decision.take, reverse=True):
@@ -440,17 +450,24 @@ class Scheduler:
         # once per shape (a log line per batch is a cost), for the first 1,000 shapes
         if shape not in self._warned and len(self._warned) < 1000:
             self._warned.add(shape)
-            log.warning("model %s met an unwarmed shape %s (logged once per shape; "
-                        "tensorgate_unwarmed_shape_requests counts every request)",
-                        self.model, shape)  # fmt: skip
+            log.warning(
+                "model %s met an unwarmed shape %s (logged once per shape; "
+                "tensorgate_unwarmed_shape_requests counts every request)",
+                self.model,
+                shape,
+            )
 
     async def _isolate(self, instance: Instance, items: list[Pending], error: Exception) -> None:
         """One bad input must not fail the other requests of its batch: run each request
         alone. One that still fails while another of the batch ran gets 400 (its own input is the
         cause); when every one fails, the golden replay decides (:meth:`_judge`)."""
         self.stats.record_isolated()
-        log.warning("model %s failed on a batch of %d requests (%s); running each alone",
-                    self.model, len(items), error)  # fmt: skip
+        log.warning(
+            "model %s failed on a batch of %d requests (%s); running each alone",
+            self.model,
+            len(items),
+            error,
+        )
         failures: list[tuple[Pending, Exception]] = []
         for p in items:
             if not p.future.done():  # a client that left while its batch ran
@@ -481,8 +498,13 @@ class Scheduler:
             reason = await loop.run_in_executor(instance.executor, replay, instance.run)
             if reason is None:
                 return self._bad_input(exc, "it still answers its golden inputs as exported")
-            log.error("model %s is broken: it failed on a request alone and then on its "
-                      "golden inputs (%s)", self.model, reason, exc_info=exc)  # fmt: skip
+            log.error(
+                "model %s is broken: it failed on a request alone and then on its "
+                "golden inputs (%s)",
+                self.model,
+                reason,
+                exc_info=exc,
+            )
             self._broken = f"failed its golden replay after a request failed: {reason}"
             if self.on_broken is not None:
                 self.on_broken(self._broken)
@@ -504,23 +526,31 @@ class Scheduler:
         self.stats.record_out_of_memory()
         if len(items) > 1:
             half = len(items) // 2
-            log.warning("model %s: out of memory on %d requests; retrying in halves",
-                        self.model, len(items))  # fmt: skip
+            log.warning(
+                "model %s: out of memory on %d requests; retrying in halves", self.model, len(items)
+            )
             await self._execute(instance, items[:half])
             await self._execute(instance, items[half:])
             return
         now = time.monotonic()
         others_busy = any(i.busy_for(now) is not None for i in self.instances if i is not instance)
         if others_busy:
-            _fail(items, ServerBusy(
-                f"model '{self.model}': out of device memory for this request while other "
-                "batches ran; retry", retry_after_s=1,
-            ))  # fmt: skip
+            _fail(
+                items,
+                ServerBusy(
+                    f"model '{self.model}': out of device memory for this request while other "
+                    "batches ran; retry",
+                    retry_after_s=1,
+                ),
+            )
         else:
-            _fail(items, PayloadTooLarge(
-                f"model '{self.model}': this request ({items[0].rows} rows) does not fit in "
-                "device memory even alone; send fewer rows or smaller inputs"
-            ))  # fmt: skip
+            _fail(
+                items,
+                PayloadTooLarge(
+                    f"model '{self.model}': this request ({items[0].rows} rows) does not fit in "
+                    "device memory even alone; send fewer rows or smaller inputs"
+                ),
+            )
 
     async def stop(self) -> None:
         """Answer what is still queued with 503, stop the workers, release the threads."""

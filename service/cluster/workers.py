@@ -134,9 +134,12 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._forward)
         log.info(
             "serving on %s:%d with %d workers of %d threads each (TG_WORKERS, TG_CPUS %d)",
-            self.settings.host, port, self.count, self.settings.intra_op_threads,
+            self.settings.host,
+            port,
+            self.count,
+            self.settings.intra_op_threads,
             self.settings.cpus,
-        )  # fmt: skip
+        )
         try:
             for index in range(self.count):
                 self._start(index, port)
@@ -155,8 +158,9 @@ class Supervisor:
         env = {**os.environ, WORKER_ENV: worker.encode(), "TG_PORT": str(port)}
         # A session of its own: a signal to the supervisor's process group (Ctrl-C, `kill` of a
         # `make run`) reaches the workers once, forwarded, instead of twice ("stop now").
-        self.processes[index] = subprocess.Popen([sys.executable, "-m", "service", *self.argv],
-                                                 env=env, start_new_session=True)  # fmt: skip
+        self.processes[index] = subprocess.Popen(
+            [sys.executable, "-m", "service", *self.argv], env=env, start_new_session=True
+        )
         self.started_at[index] = time.monotonic()
         log.info("worker %d started (pid %d)", index, self.processes[index].pid)
 
@@ -185,8 +189,13 @@ class Supervisor:
                 delay = min(self.backoff.get(index, 0) * 2, RESTART_BACKOFF_S[1]) if quick else 0
                 self.backoff[index] = max(delay, RESTART_BACKOFF_S[0])
                 self.due[index] = now + self.backoff[index]
-                log.error("worker %d (pid %d) exited with status %s; starting it again in "
-                          "%.0f s", index, process.pid, code, self.backoff[index])  # fmt: skip
+                log.error(
+                    "worker %d (pid %d) exited with status %s; starting it again in %.0f s",
+                    index,
+                    process.pid,
+                    code,
+                    self.backoff[index],
+                )
             for index, when in list(self.due.items()):
                 if self.stopping:
                     del self.due[index]
@@ -317,8 +326,10 @@ class Siblings:
                 finally:
                     writer.close()
         except (OSError, TimeoutError, orjson.JSONDecodeError) as exc:
-            return WorkerFailed(f"worker {index} is not answering ({type(exc).__name__}); "
-                                "it may be starting or restarting")  # fmt: skip
+            return WorkerFailed(
+                f"worker {index} is not answering ({type(exc).__name__}); "
+                "it may be starting or restarting"
+            )
         if "error" in answer:
             error = TensorgateError(f"worker {index}: {answer['error']}")
             error.status = answer["status"]
@@ -442,9 +453,12 @@ def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
 LOWEST = {"process_start_time_seconds"}
 """Gauges that are the least over workers (when the server started)."""
 SUMMED_GAUGES = {
-    "process_virtual_memory_bytes", "process_resident_memory_bytes", "process_open_fds",
-    "tensorgate_pending_requests", "tensorgate_request_body_bytes_in_flight",
-}  # fmt: skip
+    "process_virtual_memory_bytes",
+    "process_resident_memory_bytes",
+    "process_open_fds",
+    "tensorgate_pending_requests",
+    "tensorgate_request_body_bytes_in_flight",
+}
 """Gauges of what each worker holds, so the server holds their sum. Every other gauge (a
 model's state, warmup time, a GPU's memory) describes one thing each worker sees alike, and is
 the greatest over workers."""

@@ -296,8 +296,16 @@ class Call:
     A class rather than ``@contextmanager``: the generator would cost every request a few more
     calls (docs/performance.md, "Per-request bookkeeping")."""
 
-    __slots__ = ("_in_use", "_observing", "asked", "dataplane", "model", "observation", "served",
-                 "version")  # fmt: skip
+    __slots__ = (
+        "_in_use",
+        "_observing",
+        "asked",
+        "dataplane",
+        "model",
+        "observation",
+        "served",
+        "version",
+    )
 
     def __init__(self, dataplane: DataPlane, protocol: str, model: str, version: str | None):
         self._observing = dataplane.observer.observe(protocol, model, version)

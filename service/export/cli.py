@@ -69,13 +69,22 @@ def run_export(args: argparse.Namespace) -> int:
         golden = {t.name: golden_input(t, rows, i, length) for i, t in enumerate(inputs)}
     try:
         manifest = export_model(
-            module, out_dir, name=args.name, inputs=inputs, outputs=outputs,
-            golden_inputs=golden, max_batch_size=args.max_batch_size,
-            preprocessing=preprocessing, answer_items=args.answer_items, code_folder=model_dir,
-            opset=args.opset or DEFAULT_OPSET, formats=formats,
-            required=[args.backend] if args.backend else [], buckets=buckets,
+            module,
+            out_dir,
+            name=args.name,
+            inputs=inputs,
+            outputs=outputs,
+            golden_inputs=golden,
+            max_batch_size=args.max_batch_size,
+            preprocessing=preprocessing,
+            answer_items=args.answer_items,
+            code_folder=model_dir,
+            opset=args.opset or DEFAULT_OPSET,
+            formats=formats,
+            required=[args.backend] if args.backend else [],
+            buckets=buckets,
             pt2_cpu=args.pt2_cpu,
-        )  # fmt: skip
+        )
     except ExportError as exc:
         log.error("export failed: %s", exc)
         return 1
@@ -157,8 +166,11 @@ def write_config(
 ) -> bool:
     """Write config.yaml unless the user's own is there (one export wrote is replaced)."""
     if path.exists() and WRITTEN_BY not in path.read_text():
-        log.warning("kept %s, which export did not write: compare it with %s", path,
-                    served_config(manifest, backend, preprocessing))  # fmt: skip
+        log.warning(
+            "kept %s, which export did not write: compare it with %s",
+            path,
+            served_config(manifest, backend, preprocessing),
+        )
         return False
     footer = f"{WRITTEN_BY} from what it checked; delete this line to keep your edits."
     body = yaml.safe_dump(served_config(manifest, backend, preprocessing), sort_keys=False)

@@ -188,9 +188,21 @@ def export_model(
     )
     inputs = _with_ranges(module, program, probes[0], inputs)
     job = _Job(
-        module, out_dir, inputs, outputs, max_batch_size, opset, tolerance, probes, eager,
-        dynamic, program, not_exported, device, pt2_cpu,
-    )  # fmt: skip
+        module,
+        out_dir,
+        inputs,
+        outputs,
+        max_batch_size,
+        opset,
+        tolerance,
+        probes,
+        eager,
+        dynamic,
+        program,
+        not_exported,
+        device,
+        pt2_cpu,
+    )
     versions = _versions()
     artifacts: dict[str, str] = {}
     parity: dict[str, dict[str, float]] = {}
@@ -400,8 +412,11 @@ def _shape_facts(
     if not why:
         why = export_shapes.padding_verdict(eager_run, probes[0], axes, buckets, follows, tolerance)
     if why:
-        log.warning("padding changes this model's answer (%s): it will be served at exactly "
-                    "the buckets %s", why, list(buckets))  # fmt: skip
+        log.warning(
+            "padding changes this model's answer (%s): it will be served at exactly the buckets %s",
+            why,
+            list(buckets),
+        )
     return ShapeFacts(
         axes=axes, buckets=buckets, pad=not why, reason=why, follows=follows if not why else {}
     )
@@ -429,8 +444,13 @@ def _with_ranges(
     typed = [t for t in inputs if t.name in found and TO_NUMPY[t.datatype].kind in "iu"]
     ranged = {t.name: found[t.name] for t in typed if t.range is None}
     for name, (low, high) in ranged.items():
-        log.info("input '%s' indexes a table of %d rows: values outside [%d, %d] are refused",
-                 name, high + 1, low, high)  # fmt: skip
+        log.info(
+            "input '%s' indexes a table of %d rows: values outside [%d, %d] are refused",
+            name,
+            high + 1,
+            low,
+            high,
+        )
     return [
         t.model_copy(update={"range": ranged[t.name]}) if t.name in ranged else t for t in inputs
     ]
@@ -520,8 +540,11 @@ def _export_pt2(program: ExportedProgram, path: Path, cpu: str) -> dict[str, str
     manifest."""
     from torch._inductor import aoti_compile_and_package
 
-    metadata = {TORCH_KEY: torch.__version__, CPU_KEY: cpu,
-                CPU_FLAGS_KEY: " ".join(sorted(cpu_targets.needed_flags(cpu)))}  # fmt: skip
+    metadata = {
+        TORCH_KEY: torch.__version__,
+        CPU_KEY: cpu,
+        CPU_FLAGS_KEY: " ".join(sorted(cpu_targets.needed_flags(cpu))),
+    }
     # Freezing folds the weights into the graph as constants and lays out the matrix products'
     # weights once, at compile time, for oneDNN; unfrozen, every call to MKL's sgemm packs the
     # weight matrix again, which costs more than the product for short inputs

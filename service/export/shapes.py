@@ -206,11 +206,22 @@ def _through_views(node: Any) -> Any:
     values are the input's own, only fewer or rearranged."""
     ops = torch.ops.aten
     views = {
-        ops.select.int, ops.slice.Tensor, ops.squeeze.dim, ops.squeeze.dims, ops.squeeze.default,
-        ops.unsqueeze.default, ops.view.default, ops.reshape.default, ops.flatten.using_ints,
-        ops.alias.default, ops.clone.default, ops.permute.default, ops.t.default,
-        ops.expand.default, ops.contiguous.default,
-    }  # fmt: skip
+        ops.select.int,
+        ops.slice.Tensor,
+        ops.squeeze.dim,
+        ops.squeeze.dims,
+        ops.squeeze.default,
+        ops.unsqueeze.default,
+        ops.view.default,
+        ops.reshape.default,
+        ops.flatten.using_ints,
+        ops.alias.default,
+        ops.clone.default,
+        ops.permute.default,
+        ops.t.default,
+        ops.expand.default,
+        ops.contiguous.default,
+    }
     while getattr(node, "op", None) == "call_function" and node.target in views:
         node = node.args[0]
     return node

@@ -158,10 +158,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             found = metadata.model(self.dataplane.repository, request.name, request.version or None)
             tensor = pb.ModelMetadataResponse.TensorMetadata
             return pb.ModelMetadataResponse(
-                name=found["name"], versions=found["versions"], platform=found["platform"],
+                name=found["name"],
+                versions=found["versions"],
+                platform=found["platform"],
                 inputs=[tensor(**t) for t in found["inputs"]],
                 outputs=[tensor(**t) for t in found["outputs"]],
-            )  # fmt: skip
+            )
 
         return await self._answer(context, model)
 
@@ -194,9 +196,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         dataplane = self.dataplane
         with dataplane.call("grpc", request.model_name, request.model_version or None) as call:
             decoded = await dataplane.offload(
-                codec.decode_work(request), codec.decode_request, request, timeout_s,
+                codec.decode_work(request),
+                codec.decode_request,
+                request,
+                timeout_s,
                 dataplane.settings.max_tensor_elements,
-            )  # fmt: skip
+            )
             result = await call.infer(decoded)
             return call.encode(codec.encode_result, result, bool(request.raw_input_contents))
 
@@ -229,9 +234,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             except Exception as exc:
                 _, message = grpc_status(exc)
                 failed = pb.ModelInferResponse(
-                    model_name=request.model_name, model_version=request.model_version,
+                    model_name=request.model_name,
+                    model_version=request.model_version,
                     id=request.id,
-                )  # fmt: skip
+                )
                 return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
             return pb.ModelStreamInferResponse(infer_response=response)
 

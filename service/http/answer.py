@@ -77,9 +77,13 @@ async def answer_inference(
         encoding = headers.get("content-encoding")
         if encoding is not None:
             body = await dataplane.offload(
-                len(body) * 4, compression.decompress, body, encoding, settings.max_body_bytes,
+                len(body) * 4,
+                compression.decompress,
+                body,
+                encoding,
+                settings.max_body_bytes,
                 reserve,
-            )  # fmt: skip
+            )
         timeout_s = parse_timeout(headers.get("x-request-timeout"))
         if route.kind == "infer":
             header_length = v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(body))
@@ -110,9 +114,15 @@ async def _infer(
 ) -> Answer:
     with dataplane.call("v2", route.model, route.version) as call:
         request = await dataplane.offload(
-            v2.decode_work(body, header_length), v2.decode_request, body, header_length,
-            dataplane.settings.max_tensor_elements, route.model, route.version, timeout_s,
-        )  # fmt: skip
+            v2.decode_work(body, header_length),
+            v2.decode_request,
+            body,
+            header_length,
+            dataplane.settings.max_tensor_elements,
+            route.model,
+            route.version,
+            timeout_s,
+        )
         result = await call.infer(request)
         content, headers = call.encode(v2.encode_result, result, v2.binary_default(request))
     return Answer(200, content, headers)

@@ -55,8 +55,9 @@ class DrainingServer(uvicorn.Server):
         log.info(
             "SIGTERM: readiness is now false; serving for %.1f s more, then finishing accepted "
             "requests (up to %.1f s)",
-            self._settings.drain_pre_stop_s, self._settings.drain_grace_s,
-        )  # fmt: skip
+            self._settings.drain_pre_stop_s,
+            self._settings.drain_grace_s,
+        )
         threading.Thread(target=self._drain, args=(dataplane,), daemon=True).start()
 
     def _drain(self, dataplane: DataPlane) -> None:

@@ -128,14 +128,16 @@ async def _refuse(scope: Scope, send: Send, message: str) -> None:
     )
     REQUEST_ID.set(request_id)
     body = error_body(message)
-    await send({
-        "type": "http.response.start",
-        "status": 503,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1"),
-            (b"x-request-id", request_id.encode()),
-        ],
-    })  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+                (b"x-request-id", request_id.encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -84,7 +84,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 "too_many",
                 f"the server has {self.limits.max_connections} connections open, its limit; "
                 "retry shortly",
-            )  # fmt: skip
+            )
             return
         type(self)._open = self.connections  # uvicorn's set of this server's connections
         self._expect("header_timeout", self.limits.header_timeout_s)
@@ -105,7 +105,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self._refuse(
                     "header_too_large",
                     f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
-                )  # fmt: skip
+                )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

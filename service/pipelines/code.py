@@ -47,8 +47,11 @@ def load_pipeline(spec: PythonSpec, folder: Path, model: str) -> Pipeline:
     except ModelLoadError:
         raise
     except Exception as exc:
-        log.error("model %s: its preprocessing code failed to load:\n%s", model,
-                  "".join(traceback.format_exception(exc)))  # fmt: skip
+        log.error(
+            "model %s: its preprocessing code failed to load:\n%s",
+            model,
+            "".join(traceback.format_exception(exc)),
+        )
         where = _last_frame(exc)
         raise ModelLoadError(
             f"preprocessing code {spec.module}.{spec.cls} failed to load: "

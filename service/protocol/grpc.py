@@ -22,13 +22,18 @@ from service.protocol.pb import grpc_service_pb2 as pb
 
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
     "UINT64": "uint64_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
     "INT64": "int64_contents",
-    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
-}  # fmt: skip
+}
 """Where each datatype's typed ``contents`` live; FP16 and BF16 have none (raw contents only)."""
 
 
@@ -69,9 +74,14 @@ def decode_request(
         if len(set(asked)) != len(asked):
             raise InvalidInput(f"an output is requested more than once: {asked}")
     return InferenceRequest(
-        message.model_name, message.model_version or None, inputs, outputs=outputs,
-        parameters=parameters(message.parameters), id=message.id or None, timeout_s=timeout_s,
-    )  # fmt: skip
+        message.model_name,
+        message.model_version or None,
+        inputs,
+        outputs=outputs,
+        parameters=parameters(message.parameters),
+        id=message.id or None,
+        timeout_s=timeout_s,
+    )
 
 
 def _decode_input(
@@ -155,9 +165,11 @@ def encode_result(result: InferenceResult, raw: bool) -> pb.ModelInferResponse:
             response.raw_output_contents.append(v2.to_binary(output.data, output.datatype))
         else:
             flat = output.data.reshape(-1)
-            values = flat.tolist() if output.datatype != "BYTES" else [
-                v if isinstance(v, bytes) else str(v).encode() for v in flat
-            ]  # fmt: skip
+            values = (
+                flat.tolist()
+                if output.datatype != "BYTES"
+                else [v if isinstance(v, bytes) else str(v).encode() for v in flat]
+            )
             getattr(tensor.contents, CONTENTS_FIELD[output.datatype]).extend(values)
     return response
 

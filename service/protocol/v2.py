@@ -101,9 +101,14 @@ def decode_request(
         raise InvalidInput("parameter 'binary_data_output' must be true or false")
     outputs = _decode_outputs(header.get("outputs"), binary_output)
     return InferenceRequest(
-        model, version, inputs, outputs=outputs, parameters=parameters, id=request_id,
+        model,
+        version,
+        inputs,
+        outputs=outputs,
+        parameters=parameters,
+        id=request_id,
         timeout_s=timeout_s,
-    )  # fmt: skip
+    )
 
 
 def binary_default(request: InferenceRequest) -> bool:

@@ -190,12 +190,30 @@ def load_version(
         "warmup_s": done - gated_at,
         "total_s": done - started,
     }
-    log.info("model %s loaded from %s on %s: %s", name, path, ",".join(dict.fromkeys(devices)),
-             _fmt(timings))  # fmt: skip
+    log.info(
+        "model %s loaded from %s on %s: %s",
+        name,
+        path,
+        ",".join(dict.fromkeys(devices)),
+        _fmt(timings),
+    )
     return LoadedVersion(
-        name, config, tuple(runtimes), signature, tuple(devices), pipeline, classifier, manifest,
-        tuple(warnings), timings, warmup_timings, frozenset(warmed), shapes, golden, tolerance,
-    )  # fmt: skip
+        name,
+        config,
+        tuple(runtimes),
+        signature,
+        tuple(devices),
+        pipeline,
+        classifier,
+        manifest,
+        tuple(warnings),
+        timings,
+        warmup_timings,
+        frozenset(warmed),
+        shapes,
+        golden,
+        tolerance,
+    )
 
 
 def _check_pins(name: str, config: ModelConfig, manifest: Manifest | None) -> list[str]:

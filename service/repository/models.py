@@ -103,9 +103,7 @@ class ModelRepository:
         only those ``settings.models`` names (all when unset)."""
         if self.settings.model_name is not None:
             return {self.settings.model_name: self._single_model_folder()}
-        found = {
-            p.name: p for p in sorted(self.root.iterdir()) if (p / "config.yaml").is_file()
-        }  # fmt: skip
+        found = {p.name: p for p in sorted(self.root.iterdir()) if (p / "config.yaml").is_file()}
         if chosen_only and self.settings.models:
             return {n: p for n, p in found.items() if n in self.settings.models}
         return found
@@ -213,9 +211,10 @@ class ModelRepository:
         (for ``--poll``). A model that failed to load is retried only when its folder changes."""
         on_disk = self.on_disk(chosen_only=True)
         changed = [
-            name for name, folder in on_disk.items()
+            name
+            for name, folder in on_disk.items()
             if NAME_PATTERN.match(name) and self._fingerprints.get(name) != fingerprint(folder)
-        ]  # fmt: skip
+        ]
         gone = [n for n, e in self.models.items() if n not in on_disk and not e.unloaded]
         return changed, gone
 
@@ -320,9 +319,13 @@ class ModelRepository:
                 )
             for number, version in sorted(entry.versions.items()):
                 rows.append(
-                    {"name": name, "version": str(number), "state": version.state.value,
-                     "reason": version.reason}
-                )  # fmt: skip
+                    {
+                        "name": name,
+                        "version": str(number),
+                        "state": version.state.value,
+                        "reason": version.reason,
+                    }
+                )
         return rows
 
     def close(self) -> None:

@@ -50,12 +50,14 @@ class ServedVersion:
             config = self.loaded.config
             runtimes = self.loaded.runtimes
             self.scheduler = Scheduler(
-                self.loaded.name, scheduler_config(config),
+                self.loaded.name,
+                scheduler_config(config),
                 [runtimes[i % len(runtimes)].run for i in range(config.instances)],
-                self.stats, warmed=set(self.loaded.warmed),
+                self.stats,
+                warmed=set(self.loaded.warmed),
                 replay=self.loaded.replay_golden if self.loaded.golden else None,
                 on_broken=self.on_broken,
-            )  # fmt: skip
+            )
             self.scheduler.start()
         return self.scheduler
 

@@ -22,8 +22,18 @@ from service.runtimes import PLATFORMS
 BACKENDS = {"onnx": "onnxruntime", "torchscript": "pytorch"}
 """Each backend's name as Triton's backends are named."""
 FILENAMES = {"onnx": "model.onnx", "torchscript": "model.pt"}
-OWN_SETTINGS = ("preprocessing", "postprocessing", "buckets", "warmup", "max_request_rows",
-                "cast_inputs", "precision", "device", "gpu", "tolerance_override")  # fmt: skip
+OWN_SETTINGS = (
+    "preprocessing",
+    "postprocessing",
+    "buckets",
+    "warmup",
+    "max_request_rows",
+    "cast_inputs",
+    "precision",
+    "device",
+    "gpu",
+    "tolerance_override",
+)
 """tensorgate's own config keys, given under ``parameters`` as ``tensorgate.<key>``."""
 
 

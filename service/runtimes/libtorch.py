@@ -16,8 +16,11 @@ from service.runtimes.base import Runtime, Signature
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TORCH_DTYPES = {
-    "FP16": torch.float16, "FP32": torch.float32, "FP64": torch.float64, "BF16": torch.bfloat16,
-}  # fmt: skip
+    "FP16": torch.float16,
+    "FP32": torch.float32,
+    "FP64": torch.float64,
+    "BF16": torch.bfloat16,
+}
 
 
 class TorchRuntime(Runtime):

@@ -63,11 +63,17 @@ def providers_for(
                 f"(available: {', '.join(available)})"
             )
         cache = (cache_dir or Path(".")) / gpu.tensorrt_cache
-        providers.append((
-            "TensorrtExecutionProvider",
-            {"device_id": device_id, "trt_engine_cache_enable": True,
-             "trt_engine_cache_path": str(cache), "trt_fp16_enable": gpu.tensorrt_fp16},
-        ))  # fmt: skip
+        providers.append(
+            (
+                "TensorrtExecutionProvider",
+                {
+                    "device_id": device_id,
+                    "trt_engine_cache_enable": True,
+                    "trt_engine_cache_path": str(cache),
+                    "trt_fp16_enable": gpu.tensorrt_fp16,
+                },
+            )
+        )
     cuda: dict[str, Any] = {
         "device_id": device_id,
         "arena_extend_strategy": gpu.arena_extend_strategy,
@@ -95,9 +101,11 @@ class OnnxRuntime(Runtime):
         # preprocessing need between batches; measured in bench/protocol.py.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = providers_for(
-            self.options.device, ort.get_available_providers(), self.options.gpu,
+            self.options.device,
+            ort.get_available_providers(),
+            self.options.gpu,
             self.options.cache_dir,
-        )  # fmt: skip
+        )
         if self.options.device != "cpu" and hasattr(ort, "preload_dlls"):
             # The GPU image takes CUDA and cuDNN from pip's nvidia-* wheels, not from system
             # paths: onnxruntime finds them only once they are loaded (or torch imported).

@@ -84,11 +84,16 @@ class Pt2Runtime(TorchRuntime):
             raise ModelLoadError(f"device {device} asked for, but torch sees no CUDA device")
         needs = package_needs(path)
         check_pt2(
-            {"torch": needs.get(TORCH_KEY), "device": needs.get("AOTI_DEVICE_KEY"),
-             "cpu": needs.get(CPU_KEY), "cpu_flags": needs.get(CPU_FLAGS_KEY),
-             "cpu_isa": needs.get("AOTI_CPU_ISA")},
-            torch.__version__, {device.type},
-        )  # fmt: skip
+            {
+                "torch": needs.get(TORCH_KEY),
+                "device": needs.get("AOTI_DEVICE_KEY"),
+                "cpu": needs.get(CPU_KEY),
+                "cpu_flags": needs.get(CPU_FLAGS_KEY),
+                "cpu_isa": needs.get("AOTI_CPU_ISA"),
+            },
+            torch.__version__,
+            {device.type},
+        )
         logging.getLogger("torch.export.pt2_archive._package").addFilter(_ISA_CHECKED)
         # On the CPU every instance thread shares this runtime; a package runs one call per
         # runner at a time, so it gets as many runners as calls can usefully run at once (the
@@ -97,9 +102,10 @@ class Pt2Runtime(TorchRuntime):
         runners = 1 if device.type == "cuda" else max(1, (os.cpu_count() or 1) // threads)
         try:
             module = load_package(
-                str(path), num_runners=runners,
+                str(path),
+                num_runners=runners,
                 device_index=device.index if device.index is not None else -1,
-            )  # fmt: skip
+            )
         except RuntimeError as exc:
             raise ModelLoadError(f"cannot load {path.name}: {exc}") from None
         self._threads = threading.local()

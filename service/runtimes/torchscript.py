@@ -137,8 +137,10 @@ class TorchScriptRuntime(TorchRuntime):
         tolerance = 1e-2 if self._half is not None else 1e-4  # half precision rounds coarser
         if not all(np.allclose(replayed[n], eager[n], rtol=1e-3, atol=tolerance) for n in eager):
             del self._graphs[key]
-            log.warning("CUDA graph replay for %s differs from the eager module; that shape "
-                        "runs eagerly", key)  # fmt: skip
+            log.warning(
+                "CUDA graph replay for %s differs from the eager module; that shape runs eagerly",
+                key,
+            )
 
     def close(self) -> None:
         """Drop the graphs, then the module, and hand cached device memory back."""

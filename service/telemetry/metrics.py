@@ -52,9 +52,17 @@ LATENCY_BUCKETS = (
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-OUTCOMES = {200: "success", 400: "bad_request", 401: "unauthorized", 404: "not_found",
-            413: "too_large", 415: "unsupported", 499: "client_gone", 503: "unavailable",
-            504: "timeout"}  # fmt: skip
+OUTCOMES = {
+    200: "success",
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    413: "too_large",
+    415: "unsupported",
+    499: "client_gone",
+    503: "unavailable",
+    504: "timeout",
+}
 
 
 def outcome(status: int) -> str:
@@ -71,13 +79,18 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "tensorgate_requests", "Requests answered, by model, version, protocol and outcome.",
-            ["model", "version", "protocol", "outcome"], registry=r,
-        )  # fmt: skip
+            "tensorgate_requests",
+            "Requests answered, by model, version, protocol and outcome.",
+            ["model", "version", "protocol", "outcome"],
+            registry=r,
+        )
         self.duration = DurationHistogram(
-            "tensorgate_request_duration_seconds", "Time from request body to answer.",
-            ("model", "protocol"), LATENCY_BUCKETS, r,
-        )  # fmt: skip
+            "tensorgate_request_duration_seconds",
+            "Time from request body to answer.",
+            ("model", "protocol"),
+            LATENCY_BUCKETS,
+            r,
+        )
         self.queue = self._stage("queue", "Time a request waited in its model's queue.")
         self.compute = self._stage("compute", "Time the model ran the batch a request was in.")
         self.preprocess = self._stage("preprocess", "Decoding, preprocessing and validation.")
@@ -125,9 +138,12 @@ class Metrics:
 
     def _stage(self, stage: str, help_text: str) -> DurationHistogram:
         return DurationHistogram(
-            f"tensorgate_{stage}_duration_seconds", help_text, ("model",), LATENCY_BUCKETS,
+            f"tensorgate_{stage}_duration_seconds",
+            help_text,
+            ("model",),
+            LATENCY_BUCKETS,
             self.registry,
-        )  # fmt: skip
+        )
 
 
 class _Series:
@@ -191,29 +207,58 @@ def _pending(served: ServedVersion) -> float | None:
 
 
 VERSION_SERIES: tuple[
-    tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str,
-          Callable[[ServedVersion], float | None]], ...
+    tuple[
+        type[GaugeMetricFamily | CounterMetricFamily],
+        str,
+        str,
+        Callable[[ServedVersion], float | None],
+    ],
+    ...,
 ] = (
-    (GaugeMetricFamily, "tensorgate_pending_requests",
-     "Requests waiting in the queue plus batches running, per model version.", _pending),
-    (GaugeMetricFamily, "tensorgate_warmup_duration_seconds", "Time warmup took at load.",
-     lambda served: served.loaded.timings["warmup_s"]),
-    (CounterMetricFamily, "tensorgate_executions", "Batches run by the model.",
-     lambda served: served.stats.execution_count),
-    (CounterMetricFamily, "tensorgate_inference_rows",
-     "Rows inferred (over executions: the batch ratio).",
-     lambda served: served.stats.inference_count),
-    (CounterMetricFamily, "tensorgate_unwarmed_shape_requests",
-     "Requests whose batch had a shape warmup did not run (should stay 0).",
-     lambda served: served.stats.unwarmed_count),
-    (CounterMetricFamily, "tensorgate_out_of_memory",
-     "Batches that ran out of device memory (retried in halves, down to one request).",
-     lambda served: served.stats.out_of_memory_count),
-    (CounterMetricFamily, "tensorgate_isolated_batches",
-     "Batches of several requests that failed (not out of memory) and ran again one request at "
-     "a time, so that only the request at fault failed.",
-     lambda served: served.stats.isolated_count),
-)  # fmt: skip
+    (
+        GaugeMetricFamily,
+        "tensorgate_pending_requests",
+        "Requests waiting in the queue plus batches running, per model version.",
+        _pending,
+    ),
+    (
+        GaugeMetricFamily,
+        "tensorgate_warmup_duration_seconds",
+        "Time warmup took at load.",
+        lambda served: served.loaded.timings["warmup_s"],
+    ),
+    (
+        CounterMetricFamily,
+        "tensorgate_executions",
+        "Batches run by the model.",
+        lambda served: served.stats.execution_count,
+    ),
+    (
+        CounterMetricFamily,
+        "tensorgate_inference_rows",
+        "Rows inferred (over executions: the batch ratio).",
+        lambda served: served.stats.inference_count,
+    ),
+    (
+        CounterMetricFamily,
+        "tensorgate_unwarmed_shape_requests",
+        "Requests whose batch had a shape warmup did not run (should stay 0).",
+        lambda served: served.stats.unwarmed_count,
+    ),
+    (
+        CounterMetricFamily,
+        "tensorgate_out_of_memory",
+        "Batches that ran out of device memory (retried in halves, down to one request).",
+        lambda served: served.stats.out_of_memory_count,
+    ),
+    (
+        CounterMetricFamily,
+        "tensorgate_isolated_batches",
+        "Batches of several requests that failed (not out of memory) and ran again one request at "
+        "a time, so that only the request at fault failed.",
+        lambda served: served.stats.isolated_count,
+    ),
+)
 """The series each served model version has: kind, name, help, and how to read its value
 (None: nothing to report, e.g. before the scheduler starts)."""
 
@@ -226,11 +271,14 @@ class _RepositoryCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
-            "tensorgate_model_state", "1 for the state each model version is in.",
+            "tensorgate_model_state",
+            "1 for the state each model version is in.",
             labels=["model", "version", "state"],
-        )  # fmt: skip
-        families = [(kind(name, text, labels=["model", "version"]), value)
-                    for kind, name, text, value in VERSION_SERIES]  # fmt: skip
+        )
+        families = [
+            (kind(name, text, labels=["model", "version"]), value)
+            for kind, name, text, value in VERSION_SERIES
+        ]
         for name, entry in self.repository.models.items():
             for number, version in entry.versions.items():
                 labels = [name, str(number)]
@@ -251,8 +299,13 @@ class _RepositoryCollector(Collector):
             "body_timeout, body_budget (TG_MAX_INFLIGHT_BYTES).",
             labels=["reason"],
         )
-        for reason in ("too_many", "header_too_large", "header_timeout", "body_timeout",
-                       "body_budget"):  # fmt: skip
+        for reason in (
+            "too_many",
+            "header_too_large",
+            "header_timeout",
+            "body_timeout",
+            "body_budget",
+        ):
             refused.add_metric([reason], REFUSED[reason])
         yield refused
         yield GaugeMetricFamily(
@@ -268,8 +321,10 @@ class _RepositoryCollector(Collector):
             "tensorgate_batch_size", "Rows per model execution.", labels=["model", "version"]
         )
         for version, served in self.repository.served_versions():
-            sizes = {b["batch_size"]: b["compute_infer"]["count"]
-                     for b in served.stats.snapshot(version.name, "")["batch_stats"]}  # fmt: skip
+            sizes = {
+                b["batch_size"]: b["compute_infer"]["count"]
+                for b in served.stats.snapshot(version.name, "")["batch_stats"]
+            }
             buckets = [
                 (str(bound), float(sum(n for size, n in sizes.items() if size <= bound)))
                 for bound in BATCH_BUCKETS
@@ -300,13 +355,15 @@ class _GpuCollector(Collector):
         torch = sys.modules.get("torch")  # never imported just for this
         if torch is not None and torch.cuda.is_available():
             allocated = GaugeMetricFamily(
-                "tensorgate_gpu_torch_allocated_bytes", "Bytes torch's allocator has handed out.",
+                "tensorgate_gpu_torch_allocated_bytes",
+                "Bytes torch's allocator has handed out.",
                 labels=["device"],
-            )  # fmt: skip
+            )
             reserved = GaugeMetricFamily(
-                "tensorgate_gpu_torch_reserved_bytes", "Bytes torch's allocator holds.",
+                "tensorgate_gpu_torch_reserved_bytes",
+                "Bytes torch's allocator holds.",
                 labels=["device"],
-            )  # fmt: skip
+            )
             for index in range(torch.cuda.device_count()):
                 allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
                 reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
@@ -325,7 +382,7 @@ class _GpuCollector(Collector):
             "tensorgate_gpu_utilization_ratio",
             "Share of the last sample period the GPU ran kernels.",
             labels=["device"],
-        )  # fmt: skip
+        )
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)

@@ -79,16 +79,22 @@ class Observer:
         )
         if self.access_log:
             access.info(
-                "%s %s %d", protocol, name, status,
+                "%s %s %d",
+                protocol,
+                name,
+                status,
                 extra={
-                    "model": name, "version": observation.version, "protocol": protocol,
-                    "status": status, "duration_ms": round(elapsed * 1000, 3),
+                    "model": name,
+                    "version": observation.version,
+                    "protocol": protocol,
+                    "status": status,
+                    "duration_ms": round(elapsed * 1000, 3),
                     "preprocess_ms": round(timing.compute_input_ns / 1e6, 3),
                     "queue_ms": round(timing.queue_ns / 1e6, 3),
                     "compute_ms": round(timing.compute_infer_ns / 1e6, 3),
                     "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
                 },
-            )  # fmt: skip
+            )
 
 
 class _Observing:

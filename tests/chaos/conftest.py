@@ -15,19 +15,25 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 import torch
 import yaml
 
 from tests.models import Dawdle
-from tests.server import copy_model
 
 INPUTS = [np.full((1, 1, 8, 8), v, np.float32) for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
 
 
 def digits_body(x: np.ndarray) -> dict[str, object]:
-    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x.shape),
-                        "data": x.ravel().tolist()}]}  # fmt: skip
+    return {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": list(x.shape),
+                "data": x.ravel().tolist(),
+            }
+        ]
+    }
 
 
 def add_dawdle(root: Path, steps_per_unit: int = 2000, **config: object) -> None:
@@ -36,23 +42,18 @@ def add_dawdle(root: Path, steps_per_unit: int = 2000, **config: object) -> None
     (folder / "1").mkdir(parents=True)
     torch.jit.script(Dawdle(steps_per_unit)).save(str(folder / "1" / "model.pt"))
     content = {
-        "backend": "torchscript", "max_batch_size": 1,
+        "backend": "torchscript",
+        "max_batch_size": 1,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [16]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [16]}],
-        "warmup": {"batch_sizes": [1]}, **config,
-    }  # fmt: skip
+        "warmup": {"batch_sizes": [1]},
+        **config,
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(content))
 
 
 def dawdle_body(units: float) -> dict[str, object]:
     return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [units] * 16}]}
-
-
-@pytest.fixture
-def repository(tmp_path: Path) -> Path:
-    root = tmp_path / "models"
-    copy_model("digits", root / "digits")
-    return root
 
 
 def reference(url: str) -> list[np.ndarray]:

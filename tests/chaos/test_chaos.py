@@ -39,8 +39,12 @@ from tests.server import Server
 
 pytestmark = pytest.mark.chaos
 
-CONNECTION_ERRORS = {"connection: ConnectError", "connection: RemoteProtocolError",
-                     "connection: ReadError", "connection: WriteError"}  # fmt: skip
+CONNECTION_ERRORS = {
+    "connection: ConnectError",
+    "connection: RemoteProtocolError",
+    "connection: ReadError",
+    "connection: WriteError",
+}
 
 
 def only(seen: dict[str, int], allowed: set[str]) -> None:
@@ -139,8 +143,10 @@ def test_a_model_slowed_tenfold_gives_503_and_504_never_500(
         with ThreadPoolExecutor(8) as pool:
             statuses = list(pool.map(slowed, range(24)))
         seen = load.stop()
-        print(f"\nslowed model: {sorted(statuses)}; digits p99 under it "
-              f"{np.percentile(load.latencies, 99) * 1000:.1f} ms")  # fmt: skip
+        print(
+            f"\nslowed model: {sorted(statuses)}; digits p99 under it "
+            f"{np.percentile(load.latencies, 99) * 1000:.1f} ms"
+        )
         assert set(statuses) <= {200, 503, 504}, statuses
         assert 503 in statuses and 504 in statuses, statuses  # both bounds acted
         only(seen, {"right"})
@@ -153,12 +159,18 @@ def test_poisoned_requests_mixed_into_load_fail_alone(tmp_path: Path) -> None:
     root = tmp_path / "models"
     (root / "poisoned" / "1").mkdir(parents=True)
     torch.jit.script(Poisoned()).save(str(root / "poisoned" / "1" / "model.pt"))
-    (root / "poisoned" / "config.yaml").write_text(yaml.safe_dump({
-        "backend": "torchscript", "max_batch_size": 16,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
-        "batching": {"max_queue_delay_ms": 20}, "warmup": {"batch_sizes": [1, 2, 4, 8, 16]},
-    }))  # fmt: skip
+    (root / "poisoned" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "backend": "torchscript",
+                "max_batch_size": 16,
+                "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+                "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+                "batching": {"max_queue_delay_ms": 20},
+                "warmup": {"batch_sizes": [1, 2, 4, 8, 16]},
+            }
+        )
+    )
     server = Server(root, log_path=tmp_path / "poison.log")
     try:
         server.wait_until()
@@ -192,8 +204,11 @@ def test_poisoned_requests_mixed_into_load_fail_alone(tmp_path: Path) -> None:
             else:
                 assert status == 200 and data == [value * 2] * 4, (value, status, data)
         assert any(status == 400 for value, status, _ in results if value < 0)
-        isolated = [line for line in server.client.get("/metrics").text.splitlines()
-                    if line.startswith("tensorgate_isolated_batches_total")]  # fmt: skip
+        isolated = [
+            line
+            for line in server.client.get("/metrics").text.splitlines()
+            if line.startswith("tensorgate_isolated_batches_total")
+        ]
         print(f"\n{isolated}")
     finally:
         server.stop()
@@ -222,8 +237,11 @@ def test_memory_pressure_stays_under_a_stated_bound(repository: Path, tmp_path: 
 
         def stripe(_: int) -> int:
             with httpx.Client(base_url=server.url, timeout=120) as client:
-                return client.post("/v1/models/digits:predict", content=strip.getvalue(),
-                                   headers={"Content-Type": "image/png"}).status_code  # fmt: skip
+                return client.post(
+                    "/v1/models/digits:predict",
+                    content=strip.getvalue(),
+                    headers={"Content-Type": "image/png"},
+                ).status_code
 
         with ThreadPoolExecutor(48) as pool:
             uploads = pool.map(upload, range(40))

@@ -63,7 +63,9 @@ def serving_runtime() -> dict[str, Any]:
 
 def containers_with_probes() -> list[tuple[str, dict[str, Any]]]:
     """Every container the manifests run the server in: both overlays and the KServe runtime."""
-    found = [(f"overlay {o}", deployment(o)["spec"]["template"]["spec"]["containers"][0])
-             for o in ("cpu", "gpu")]  # fmt: skip
+    found = [
+        (f"overlay {o}", deployment(o)["spec"]["template"]["spec"]["containers"][0])
+        for o in ("cpu", "gpu")
+    ]
     found.append(("kserve", serving_runtime()["spec"]["containers"][0]))
     return found

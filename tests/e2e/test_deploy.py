@@ -155,15 +155,17 @@ def test_ports_agree_everywhere() -> None:
     for overlay in ("cpu", "gpu"):
         container = deployment(overlay)["spec"]["template"]["spec"]["containers"][0]
         assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
-            "http": int(http), "grpc": int(grpc),
-        }  # fmt: skip
+            "http": int(http),
+            "grpc": int(grpc),
+        }
         objects = k8s(overlay)
         data = next(d for d in objects if d["kind"] == "ConfigMap")["data"]
         assert (data["TG_PORT"], data["TG_GRPC_PORT"]) == (http, grpc)
         service = next(d for d in objects if d["kind"] == "Service")
         assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
-            "http": "http", "grpc": "grpc",
-        }  # fmt: skip
+            "http": "http",
+            "grpc": "grpc",
+        }
         policy = next(d for d in objects if d["kind"] == "NetworkPolicy")
         allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
         assert allowed == {int(http), int(grpc)}
@@ -219,9 +221,13 @@ def kserve_check(document: Any, model: str) -> str:
     the SDK registers the same protobuf names as tritonclient.grpc, and one process cannot hold
     both (tests/e2e/kserve_check.py)."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.kserve_check", model], input=json.dumps(document),
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "tests.e2e.kserve_check", model],
+        input=json.dumps(document),
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
     assert done.returncode in (0, 1), done.stderr
     return done.stdout.strip()
 

@@ -78,11 +78,29 @@ def pip_dry_run(tmp_path: Path, python: str, lock: Path, *extra: str) -> dict[st
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") or k in PIP_KEEP}
     env |= {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-               "--quiet", "--use-feature=fast-deps", "--index-url", PYPI,
-               "--python-version", python, *(f"--platform={p}" for p in PLATFORMS),
-               "--only-binary=:all:", "--target", str(tmp_path / "target"),
-               "--report", str(report), *extra, "-r", str(lock)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--use-feature=fast-deps",
+        "--index-url",
+        PYPI,
+        "--python-version",
+        python,
+        *(f"--platform={p}" for p in PLATFORMS),
+        "--only-binary=:all:",
+        "--target",
+        str(tmp_path / "target"),
+        "--report",
+        str(report),
+        *extra,
+        "-r",
+        str(lock),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, (
         f"pip cannot install {lock.name} for Python {python}:\n{done.stderr[-4000:]}\n"
@@ -147,7 +165,10 @@ def test_gpu_image_agrees_with_the_gpu_lock() -> None:
     tag = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-base-ubuntu\d+\.\d+", image)
     assert tag, f"gpu stage FROM {image}: expected a pinned nvidia/cuda:X.Y.Z-base-ubuntu image"
     assert tag[1] == cuda, f"base image CUDA {tag[1]}, the lock's CUDA wheels {cuda}"
-    expected = {"TG_EXPECT_CUDA": cuda, "TG_EXPECT_TORCH": gpu["torch"],
-                "TG_EXPECT_ONNXRUNTIME": gpu["onnxruntime-gpu"]}  # fmt: skip
+    expected = {
+        "TG_EXPECT_CUDA": cuda,
+        "TG_EXPECT_TORCH": gpu["torch"],
+        "TG_EXPECT_ONNXRUNTIME": gpu["onnxruntime-gpu"],
+    }
     wrong = {k: f"{env.get(k)} (gpu.txt: {v})" for k, v in expected.items() if env.get(k) != v}
     assert not wrong, f"the gpu stage's ENV disagrees with requirements/gpu.txt: {wrong}"

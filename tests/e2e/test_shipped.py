@@ -116,15 +116,24 @@ def image_case(home: Path) -> Shipped:
     assert any(p.endswith(f":{declared}") for p in service["ports"])
     assert any(p.endswith(f":{env['TG_GRPC_PORT']}") for p in service["ports"])
     port, grpc = free_port(), free_port()
-    env.update(TG_PORT=str(port), TG_GRPC_PORT=str(grpc), TG_HOST="127.0.0.1",
-               TG_MODEL_REPOSITORY=str(MODELS))  # fmt: skip
+    env.update(
+        TG_PORT=str(port),
+        TG_GRPC_PORT=str(grpc),
+        TG_HOST="127.0.0.1",
+        TG_MODEL_REPOSITORY=str(MODELS),
+    )
     healthcheck = COMPOSE["x-tensorgate"]["healthcheck"]["test"][1:]  # after "CMD"
     grace = float(COMPOSE["x-tensorgate"]["stop_grace_period"].removesuffix("s"))
     start_period = float(COMPOSE["x-tensorgate"]["healthcheck"]["start_period"].removesuffix("s"))
     return Shipped(
-        entrypoint("cpu") + json.loads(cmd), env, port, grpc, start_period, grace,
+        entrypoint("cpu") + json.loads(cmd),
+        env,
+        port,
+        grpc,
+        start_period,
+        grace,
         healthcheck=healthcheck,
-    )  # fmt: skip
+    )
 
 
 def kubernetes_case(home: Path) -> Shipped:
@@ -143,14 +152,23 @@ def kubernetes_case(home: Path) -> Shipped:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["port"] in ("http", http["containerPort"])
     port, grpc = free_port(), free_port()
-    env.update(TG_PORT=str(port), TG_GRPC_PORT=str(grpc), TG_HOST="127.0.0.1",
-               TG_MODEL_REPOSITORY=str(MODELS))  # fmt: skip
+    env.update(
+        TG_PORT=str(port),
+        TG_GRPC_PORT=str(grpc),
+        TG_HOST="127.0.0.1",
+        TG_MODEL_REPOSITORY=str(MODELS),
+    )
     argv = container.get("command", entrypoint("cpu")) + container["args"]
     startup = container["startupProbe"]
     return Shipped(
-        argv, env, port, grpc, startup["periodSeconds"] * startup["failureThreshold"],
-        pod["terminationGracePeriodSeconds"], probes=probe_paths(container),
-    )  # fmt: skip
+        argv,
+        env,
+        port,
+        grpc,
+        startup["periodSeconds"] * startup["failureThreshold"],
+        pod["terminationGracePeriodSeconds"],
+        probes=probe_paths(container),
+    )
 
 
 def kserve_case(home: Path, name: str, folder: str) -> Shipped:
@@ -165,8 +183,12 @@ def kserve_case(home: Path, name: str, folder: str) -> Shipped:
     (declared,) = [p["containerPort"] for p in container["ports"]]
     port, grpc = free_port(), free_port()
     args = [a.replace("{{.Name}}", name) for a in container["args"]]
-    replaced = {"--host": "127.0.0.1", "--port": str(port), "--grpc-port": str(grpc),
-                "--model-repository": str(storage)}  # fmt: skip
+    replaced = {
+        "--host": "127.0.0.1",
+        "--port": str(port),
+        "--grpc-port": str(grpc),
+        "--model-repository": str(storage),
+    }
     assert args[args.index("--port") + 1] == str(declared)
     for flag, value in replaced.items():
         args[args.index(flag) + 1] = value
@@ -176,10 +198,16 @@ def kserve_case(home: Path, name: str, folder: str) -> Shipped:
     startup = container["startupProbe"]
     text = name if folder == "minilm" else None
     return Shipped(
-        entrypoint("cpu") + args, env, port, grpc, startup["periodSeconds"] * startup["failureThreshold"],
+        entrypoint("cpu") + args,
+        env,
+        port,
+        grpc,
+        startup["periodSeconds"] * startup["failureThreshold"],
         30.0,  # the pod's terminationGracePeriodSeconds: KServe leaves Kubernetes' default
-        probes=probe_paths(container), image_model=name if folder != "minilm" else "", text_model=text,
-    )  # fmt: skip
+        probes=probe_paths(container),
+        image_model=name if folder != "minilm" else "",
+        text_model=text,
+    )
 
 
 def isvc_name() -> str:
@@ -246,8 +274,11 @@ def test_what_ships_starts_answers_and_drains(
             )
             assert done.returncode == 0, done.stderr
         if case.image_model:
-            answer = client.post(f"/v1/models/{case.image_model}:predict", content=chelsea_jpeg,
-                                 headers={"Content-Type": "image/jpeg"})  # fmt: skip
+            answer = client.post(
+                f"/v1/models/{case.image_model}:predict",
+                content=chelsea_jpeg,
+                headers={"Content-Type": "image/jpeg"},
+            )
             assert answer.status_code == 200, answer.text
             assert answer.json()["predictions"][0][0]["label"] in CATS
         if case.text_model:

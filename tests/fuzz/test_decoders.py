@@ -29,9 +29,12 @@ from tests.server import MODELS
 pytestmark = [pytest.mark.fuzz, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 FUZZ = settings(
-    max_examples=1000, deadline=None, derandomize=True, database=None,
+    max_examples=1000,
+    deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=list(HealthCheck),
-)  # fmt: skip
+)
 
 
 def _spec(model: str) -> dict[str, object]:

@@ -25,11 +25,13 @@ def _slow_model(root: Path, name: str, steps: int, **config: object) -> None:
     (folder / "1").mkdir(parents=True)
     torch.jit.script(Slow(steps)).save(str(folder / "1" / "model.pt"))
     content = {
-        "backend": "torchscript", "max_batch_size": 4,
+        "backend": "torchscript",
+        "max_batch_size": 4,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [16]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [16]}],
-        "warmup": {"batch_sizes": [1]}, **config,
-    }  # fmt: skip
+        "warmup": {"batch_sizes": [1]},
+        **config,
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(content))
 
 
@@ -52,8 +54,16 @@ def batching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def digits_body(x: np.ndarray) -> dict[str, object]:
-    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x.shape),
-                        "data": x.ravel().tolist()}]}  # fmt: skip
+    return {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": list(x.shape),
+                "data": x.ravel().tolist(),
+            }
+        ]
+    }
 
 
 def slow_body(value: float) -> dict[str, object]:

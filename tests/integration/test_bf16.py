@@ -41,10 +41,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     (folder / "1").mkdir(parents=True)
     torch.jit.script(Copy()).save(str(folder / "1" / "model.pt"))
     config = {
-        "backend": "torchscript", "max_batch_size": 8,
+        "backend": "torchscript",
+        "max_batch_size": 8,
         "inputs": [{"name": "in_BF16", "datatype": "BF16", "shape": [3]}],
         "outputs": [{"name": "out_BF16", "datatype": "BF16", "shape": [3]}],
-    }  # fmt: skip
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     running = Server(root, log_path=root.parent / "server.log")
     try:

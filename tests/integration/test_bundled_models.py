@@ -111,9 +111,17 @@ def test_served_probabilities_match_eager_pytorch_fed_by_the_same_pipeline(
     batch = served_tensor(server, "efficientnet_lite0", chelsea_jpeg)[None]
     response = server.client.post(
         "/v2/models/efficientnet_lite0/infer",
-        json={"inputs": [{"name": "input", "datatype": "FP32", "shape": list(batch.shape),
-                          "data": batch.ravel().tolist()}]},
-    )  # fmt: skip
+        json={
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": list(batch.shape),
+                    "data": batch.ravel().tolist(),
+                }
+            ]
+        },
+    )
     assert response.status_code == 200, response.text
     logits = np.asarray(response.json()["outputs"][0]["data"], np.float64)
     served = np.exp(logits - logits.max())

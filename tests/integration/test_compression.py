@@ -103,15 +103,21 @@ def test_tritonclient_compresses_requests_and_answers(
     wanted = [thttp.InferRequestedOutput("logits", binary_data=binary)]
     plain = client.infer("efficientnet_lite0", [tensor], outputs=wanted).as_numpy("logits")
     squeezed = client.infer(
-        "efficientnet_lite0", [tensor], outputs=wanted,
-        request_compression_algorithm=algorithm, response_compression_algorithm=algorithm,
-    ).as_numpy("logits")  # fmt: skip
+        "efficientnet_lite0",
+        [tensor],
+        outputs=wanted,
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
+    ).as_numpy("logits")
     np.testing.assert_allclose(squeezed, plain, atol=1e-5)
 
 
 def test_answers_are_compressed_only_when_asked_and_worth_it(server: Server) -> None:
-    body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [8, 1, 8, 8],
-                        "data": [0.5] * 512}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {"name": "image", "datatype": "FP32", "shape": [8, 1, 8, 8], "data": [0.5] * 512}
+        ]
+    }
     asked = server.client.post(
         "/v2/models/digits/infer", json=body, headers={"accept-encoding": "gzip"}
     )
@@ -150,17 +156,19 @@ def test_a_compression_bomb_is_413_and_memory_stays_flat(server: Server, encodin
     assert len(bomb) < 2 << 20
     before = _rss_kib(server.process.pid)
     response = server.client.post(
-        "/v2/models/digits/infer", content=bomb,
+        "/v2/models/digits/infer",
+        content=bomb,
         headers={"content-encoding": encoding, "content-type": "application/json"},
-    )  # fmt: skip
+    )
     assert response.status_code == 413, response.text
     assert "inflates past the limit" in response.json()["error"]
     grown_mib = (_rss_kib(server.process.pid) - before) / 1024
     assert grown_mib < 64 + 16, grown_mib  # at most the body limit, never the bomb's size
     bad = server.client.post(
-        "/v2/models/digits/infer", content=gzip.compress(b"{}")[:-6],
+        "/v2/models/digits/infer",
+        content=gzip.compress(b"{}")[:-6],
         headers={"content-encoding": "gzip"},
-    )  # fmt: skip
+    )
     assert bad.status_code == 400
 
 

@@ -21,8 +21,14 @@ DIGIT = {
 
 
 def tensorgate(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "service", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
 
 
 def test_a_token_file_protects_health_and_the_health_command_sends_it(
@@ -30,8 +36,11 @@ def test_a_token_file_protects_health_and_the_health_command_sends_it(
 ) -> None:
     secret = tmp_path / "api-token"
     secret.write_text(TOKEN + "\n")  # as `kubectl create secret --from-file` leaves it
-    env = {"TG_API_TOKEN_FILE": str(secret), "TG_PROTECT_HEALTH_AND_METRICS": "true",
-           "TG_API_TOKN": "misspelt"}  # fmt: skip
+    env = {
+        "TG_API_TOKEN_FILE": str(secret),
+        "TG_PROTECT_HEALTH_AND_METRICS": "true",
+        "TG_API_TOKN": "misspelt",
+    }
     server = Server(repository, env=env, log_path=tmp_path / "server.log")
     try:
         server.client.headers["Authorization"] = f"Bearer {TOKEN}"

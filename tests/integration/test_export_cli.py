@@ -39,10 +39,24 @@ def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
     (tmp_path / "usermodel.py").write_text(USER_CODE)
     repository = tmp_path / "models"
     command = [
-        sys.executable, "-m", "service", "export", "usermodel:make", "--name", "mlp",
-        "--repository", str(repository), "--input", "x:FP32:64", "--output", "y:FP32:10",
-        "--max-batch-size", "8", "--pt2-cpu", "native",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "service",
+        "export",
+        "usermodel:make",
+        "--name",
+        "mlp",
+        "--repository",
+        str(repository),
+        "--input",
+        "x:FP32:64",
+        "--output",
+        "y:FP32:10",
+        "--max-batch-size",
+        "8",
+        "--pt2-cpu",
+        "native",
+    ]
     path = os.pathsep.join(
         p for p in (str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p
     )
@@ -81,9 +95,20 @@ def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
 def test_export_refuses_a_factory_that_is_not_a_module(tmp_path: Path) -> None:
     (tmp_path / "notamodel.py").write_text("def make():\n    return 42\n")
     command = [
-        sys.executable, "-m", "service", "export", "notamodel:make", "--name", "m",
-        "--repository", str(tmp_path), "--input", "x:FP32:4", "--output", "y:FP32:4",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "service",
+        "export",
+        "notamodel:make",
+        "--name",
+        "m",
+        "--repository",
+        str(tmp_path),
+        "--input",
+        "x:FP32:4",
+        "--output",
+        "y:FP32:4",
+    ]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0

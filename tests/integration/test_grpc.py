@@ -290,8 +290,11 @@ def test_the_aio_client_streams_and_errors_come_in_the_stream(grpc_server: Serve
 
         async def requests() -> AsyncIterator[dict[str, Any]]:
             for i in range(4):
-                yield {"model_name": "digits", "inputs": [digit_input(digit(1, seed=i))],
-                       "request_id": f"a{i}"}  # fmt: skip
+                yield {
+                    "model_name": "digits",
+                    "inputs": [digit_input(digit(1, seed=i))],
+                    "request_id": f"a{i}",
+                }
             yield {"model_name": "nope", "inputs": [digit_input(digit())], "request_id": "x"}
 
         try:
@@ -363,8 +366,11 @@ def test_kserve_grpc_client_infers_and_reads_metadata(grpc_server: Server) -> No
 def test_rest_and_grpc_requests_batch_together(grpc_server: Server) -> None:
     before = grpc_server.client.get("/v2/models/digits/stats").json()["model_stats"][0]
     x = digit(1, seed=3)
-    body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
-                        "data": x.ravel().tolist()}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": x.ravel().tolist()}
+        ]
+    }
 
     def rest(_: int) -> None:
         with httpx.Client(base_url=grpc_server.url, timeout=60) as http:
@@ -425,8 +431,11 @@ def test_sigterm_drains_mixed_grpc_and_rest_load_losing_nothing(tmp_path: Path) 
     outcomes: list[tuple[str, str]] = []
     lock = threading.Lock()
     x = digit()
-    body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
-                        "data": x.ravel().tolist()}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": x.ravel().tolist()}
+        ]
+    }
 
     def note(kind: str, outcome: str) -> bool:
         with lock:

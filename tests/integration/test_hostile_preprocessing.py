@@ -103,8 +103,11 @@ TEXTS = {
     # one word of ten million letters: a single [UNK]
     "one word": "a" * TEN_MB,
 }
-SAME_AS = {"prose": "the quick brown fox jumps over the lazy dog. " * 40,
-           "spaces then words": "hello world", "one word": "a" * 101}  # fmt: skip
+SAME_AS = {
+    "prose": "the quick brown fox jumps over the lazy dog. " * 40,
+    "spaces then words": "hello world",
+    "one word": "a" * 101,
+}
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))

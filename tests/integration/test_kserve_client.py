@@ -60,6 +60,11 @@ CLIENT = textwrap.dedent("""
 
 @pytest.mark.parametrize("binary", ["json", "binary"])
 def test_kserve_sdk_health_and_infer(server: Server, binary: str) -> None:
-    done = subprocess.run([sys.executable, "-c", CLIENT, server.url, binary], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENT, server.url, binary],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

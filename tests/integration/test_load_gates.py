@@ -123,9 +123,17 @@ def test_the_intact_model_serves_while_others_are_refused(gated: Server) -> None
     assert gated.client.get("/v2/models/digits/ready").json() == {"name": "digits", "ready": True}
     response = gated.client.post(
         "/v2/models/digits/infer",
-        json={"inputs": [{"name": "image", "datatype": "FP32", "shape": [3, 1, 8, 8],
-                          "data": DIGIT_BATCH.ravel().tolist()}]},
-    )  # fmt: skip
+        json={
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [3, 1, 8, 8],
+                    "data": DIGIT_BATCH.ravel().tolist(),
+                }
+            ]
+        },
+    )
     assert response.status_code == 200
     ready = gated.client.get("/v2/health/ready")
     assert ready.status_code == 503  # strict readiness: every model meant to load must be READY
@@ -145,8 +153,16 @@ def test_a_bare_onnx_file_loads_unverified_with_its_signature_from_the_graph(
     assert len(metadata["warnings"]) == 3
     assert all("skipped: no manifest.json" in w for w in metadata["warnings"])
     assert metadata["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
-    body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [3, 1, 8, 8],
-                        "data": DIGIT_BATCH.ravel().tolist()}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": [3, 1, 8, 8],
+                "data": DIGIT_BATCH.ravel().tolist(),
+            }
+        ]
+    }
     bare = gated.client.post("/v2/models/bring_your_own/infer", json=body).json()
     verified = gated.client.post("/v2/models/digits/infer", json=body).json()
     np.testing.assert_allclose(

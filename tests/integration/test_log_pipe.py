@@ -27,11 +27,23 @@ REQUESTS = 1500
 
 def test_a_stalled_log_pipe_does_not_stall_serving(repository: Path) -> None:
     port = free_port()
-    env = {**os.environ, "TG_PORT": str(port), "TG_HOST": "127.0.0.1", "TG_MODEL_REPOSITORY": str(repository),
-           "TG_INTRA_OP_THREADS": "1", "TG_PREPROCESS_THREADS": "1", "TG_ACCESS_LOG": "true",
-           "TG_DRAIN_PRE_STOP_S": "0"}  # fmt: skip
-    process = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=REPO_ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    env = {
+        **os.environ,
+        "TG_PORT": str(port),
+        "TG_HOST": "127.0.0.1",
+        "TG_MODEL_REPOSITORY": str(repository),
+        "TG_INTRA_OP_THREADS": "1",
+        "TG_PREPROCESS_THREADS": "1",
+        "TG_ACCESS_LOG": "true",
+        "TG_DRAIN_PRE_STOP_S": "0",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     assert process.stdout is not None
     capacity = fcntl.fcntl(process.stdout.fileno(), fcntl.F_GETPIPE_SZ)
     try:

@@ -29,9 +29,12 @@ MODEL_NAMES = ["digits", "efficientnet_lite0", "nope"]
 VERSIONS = ["1", "2"]
 CHECKS = [not_a_server_error, response_schema_conformance]
 SETTINGS = hypothesis.settings(
-    max_examples=25, deadline=None, suppress_health_check=list(hypothesis.HealthCheck),
-    derandomize=True, database=None,
-)  # fmt: skip
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+    derandomize=True,
+    database=None,
+)
 
 
 def _restrict(parameter: dict[str, Any]) -> None:

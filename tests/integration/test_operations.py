@@ -130,9 +130,16 @@ def test_label_values_are_only_names_that_exist(ops: Server) -> None:
     assert "tensorgate_process_" not in text
     assert 'tensorgate_queue_duration_seconds_count{model=""}' not in text  # stages: successes
     assert (
-        metric(samples(ops), "tensorgate_requests_total",
-               model="digits", version="", protocol="v2", outcome="not_found") >= 1
-    )  # fmt: skip
+        metric(
+            samples(ops),
+            "tensorgate_requests_total",
+            model="digits",
+            version="",
+            protocol="v2",
+            outcome="not_found",
+        )
+        >= 1
+    )
 
 
 def test_one_json_access_line_per_request_with_its_id(ops: Server) -> None:
@@ -162,10 +169,16 @@ def test_one_json_access_line_per_request_with_its_id(ops: Server) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("POST", "/v2/models/digits/infer"), ("POST", "/v2/models/digits/versions/1/infer"),
-     ("POST", "/v1/models/digits:predict"), ("GET", "/v2/models/digits"), ("GET", "/v2"),
-     ("GET", "/v2/models/digits/config"), ("GET", "/v2/models/digits/stats")],
-)  # fmt: skip
+    [
+        ("POST", "/v2/models/digits/infer"),
+        ("POST", "/v2/models/digits/versions/1/infer"),
+        ("POST", "/v1/models/digits:predict"),
+        ("GET", "/v2/models/digits"),
+        ("GET", "/v2"),
+        ("GET", "/v2/models/digits/config"),
+        ("GET", "/v2/models/digits/stats"),
+    ],
+)
 def test_protected_routes_need_the_api_token(ops: Server, method: str, path: str) -> None:
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API}):
         response = httpx.request(method, f"{ops.url}{path}", headers=headers, json=DIGIT)
@@ -235,9 +248,10 @@ def test_limits_and_hostile_inputs_get_a_4xx_and_the_server_goes_on(
 
 def test_a_chunked_body_without_length_is_cut_off_at_the_limit(ops: Server) -> None:
     response = httpx.post(
-        f"{ops.url}/v2/models/digits/infer", content=iter([b"{" * 1024] * 400),
+        f"{ops.url}/v2/models/digits/infer",
+        content=iter([b"{" * 1024] * 400),
         headers={"Authorization": f"Bearer {API}", "content-type": "application/json"},
-    )  # fmt: skip
+    )
     assert response.status_code == 413
     assert "exceeds the limit of 200000 bytes" in response.json()["error"]
 
@@ -251,8 +265,12 @@ def test_sigterm_mid_load_drains_every_accepted_request_and_exits_0(
 ) -> None:
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
-    env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "20", "TG_ACCESS_LOG": "false",
-           "TG_WORKERS": workers}  # fmt: skip
+    env = {
+        "TG_DRAIN_PRE_STOP_S": "1.0",
+        "TG_DRAIN_GRACE_S": "20",
+        "TG_ACCESS_LOG": "false",
+        "TG_WORKERS": workers,
+    }
     server = Server(root, env=env, log_path=tmp_path / "server.log")
     server.wait_until()
     events: list[tuple[float, str, int]] = []
@@ -327,11 +345,16 @@ def test_a_new_version_swaps_in_under_load_without_a_failed_request(
 ) -> None:
     folder = tmp_path / "models" / "times"
     _version(folder, 1, 1.0)
-    (folder / "config.yaml").write_text(yaml.safe_dump({
-        "backend": "torchscript", "max_batch_size": 8,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
-    }))  # fmt: skip
+    (folder / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "backend": "torchscript",
+                "max_batch_size": 8,
+                "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
+                "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
+            }
+        )
+    )
     env = {"TG_ADMIN_TOKEN": "admin-token-of-16+", "TG_ACCESS_LOG": "false"}
     if trigger == "poll":
         env["TG_POLL_INTERVAL_S"] = "0.2"

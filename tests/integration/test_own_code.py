@@ -88,8 +88,12 @@ def write_scorer(folder: Path, version: str = "1") -> None:
     (folder / "labels.py").write_text(LABELS)
     (folder / "labels.txt").write_text("left right\n")
     export_scorer(folder, version)
-    config = {"backend": "onnx", "max_batch_size": 8, "preprocessing": SPEC,
-              "warmup": {"batch_sizes": "all"}}  # fmt: skip
+    config = {
+        "backend": "onnx",
+        "max_batch_size": 8,
+        "preprocessing": SPEC,
+        "warmup": {"batch_sizes": "all"},
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -140,15 +144,24 @@ def write_chain(folder: Path) -> None:
             return {"y": scorer(torch.from_numpy(batch["x"])).numpy()}
 
     export_model(
-        linear(1), folder / "1", name="chain",
+        linear(1),
+        folder / "1",
+        name="chain",
         inputs=[TensorConfig(name="x", datatype="FP32", shape=(4,))],
         outputs=[TensorConfig(name="y", datatype="FP32", shape=(2,))],
-        golden_inputs=None, max_batch_size=8,
-        preprocessing=PythonSpec.model_validate(CHAIN_SPEC), answer_items=[item],
-        formats=("onnx",), models=LocalModels({"scorer": run_scorer}),
-    )  # fmt: skip
-    config = {"backend": "onnx", "max_batch_size": 8, "preprocessing": CHAIN_SPEC,
-              "warmup": {"batch_sizes": "all"}}  # fmt: skip
+        golden_inputs=None,
+        max_batch_size=8,
+        preprocessing=PythonSpec.model_validate(CHAIN_SPEC),
+        answer_items=[item],
+        formats=("onnx",),
+        models=LocalModels({"scorer": run_scorer}),
+    )
+    config = {
+        "backend": "onnx",
+        "max_batch_size": 8,
+        "preprocessing": CHAIN_SPEC,
+        "warmup": {"batch_sizes": "all"},
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -164,12 +177,34 @@ def export_with_the_cli(repository: Path, source: Path) -> None:
     (repository / "from_cli").mkdir()
     shutil.copyfile(source / "labels.txt", repository / "from_cli" / "labels.txt")
     done = subprocess.run(
-        [sys.executable, "-m", "service", "export", "tests.user_models:make_linear",
-         "--name", "from_cli", "--repository", str(repository), "--input", "x:FP32:4",
-         "--output", "y:FP32:2", "--max-batch-size", "4", "--formats", "onnx",
-         "--preprocessing", str(source / "spec.yaml"), "--answer-items", str(source / "item.json")],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "export",
+            "tests.user_models:make_linear",
+            "--name",
+            "from_cli",
+            "--repository",
+            str(repository),
+            "--input",
+            "x:FP32:4",
+            "--output",
+            "y:FP32:2",
+            "--max-batch-size",
+            "4",
+            "--formats",
+            "onnx",
+            "--preprocessing",
+            str(source / "spec.yaml"),
+            "--answer-items",
+            str(source / "item.json"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -278,8 +313,16 @@ def test_wine_held_out_accuracy_over_http_equals_the_offline_one_exactly(server:
 def test_wine_over_v2_answers_json_texts_equal_to_v1(server: Server) -> None:
     records, _ = wine_split()
     v1 = predict(server, "wine", records[:3]).json()["predictions"]
-    body = {"inputs": [{"name": "record", "datatype": "BYTES", "shape": [3],
-                        "data": [json.dumps(r) for r in records[:3]]}]}  # fmt: skip
+    body = {
+        "inputs": [
+            {
+                "name": "record",
+                "datatype": "BYTES",
+                "shape": [3],
+                "data": [json.dumps(r) for r in records[:3]],
+            }
+        ]
+    }
     response = server.client.post("/v2/models/wine/infer", json=body)
     assert response.status_code == 200, response.text
     (output,) = response.json()["outputs"]
@@ -566,3 +609,22 @@ def test_a_model_exported_with_the_cli_and_its_written_config_serves_its_code(
     assert config["preprocessing"] == SPEC
     (answer,) = predict(server, "from_cli", [{"x": [1, 2, 3, 4]}]).json()["predictions"]
     assert answer["sent"] == [1, 2, 3, 4] and answer["label"] in ("left", "right")
+
+
+def test_the_code_serves_over_grpc_with_tritons_own_client(server: Server) -> None:
+    import tritonclient.grpc as tgrpc
+
+    client = tgrpc.InferenceServerClient(server.grpc_url)
+    try:
+        record = tgrpc.InferInput("record", [2], "BYTES")
+        items = [json.dumps({"x": [1, 2, 3, 4]}).encode(), b"[1]"]
+        record.set_data_from_numpy(np.array(items[:1], dtype=object).repeat(2))
+        result = client.infer("scorer", [record], outputs=[tgrpc.InferRequestedOutput("answer")])
+        answers = [json.loads(a) for a in result.as_numpy("answer")]
+        assert [a["sent"] for a in answers] == [[1, 2, 3, 4], [1, 2, 3, 4]]
+        record = tgrpc.InferInput("record", [1], "BYTES")
+        record.set_data_from_numpy(np.array(items[1:], dtype=object))
+        with pytest.raises(tgrpc.InferenceServerException, match="a record is a JSON object"):
+            client.infer("scorer", [record])
+    finally:
+        client.close()

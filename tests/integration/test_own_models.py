@@ -34,20 +34,77 @@ from tests.server import REPO_ROOT, Server
 pytestmark = pytest.mark.integration
 
 EXPORTS = {
-    "ctr": ["tests.user_models:make_ctr", "--input", "item_id:INT64:1", "--input",
-            "dense:FP32:8", "--output", "click:FP32:1", "--max-batch-size", "8"],
-    "heatmap": ["tests.user_models:make_heatmap", "--input", "image:FP32:3,-1,-1", "--output",
-                "heat:FP32:1,-1,-1", "--max-batch-size", "4", "--buckets", "32,64,96"],
-    "tagger": ["tests.user_models:make_tagger", "--input", "ids:INT64:-1", "--output",
-               "tags:FP32:-1,5", "--max-batch-size", "8", "--buckets", "8,16,32"],
-    "pooled": ["tests.user_models:make_pooled", "--input", "image:FP32:3,-1,-1", "--output",
-               "logits:FP32:4", "--max-batch-size", "4", "--buckets", "32,64", "--formats",
-               "onnx"],
-    "shifted": ["tests.user_models:make_shifted", "--input", "item_id:INT64:1", "--output",
-                "vector:FP32:4", "--max-batch-size", "4", "--formats", "onnx"],
-}  # fmt: skip
-BREAKS = ["tests.user_models:make_breaks", "--input", "x:FP32:4", "--output", "y:FP32:2",
-          "--max-batch-size", "4", "--formats", "torchscript", "--backend", "torchscript"]  # fmt: skip
+    "ctr": [
+        "tests.user_models:make_ctr",
+        "--input",
+        "item_id:INT64:1",
+        "--input",
+        "dense:FP32:8",
+        "--output",
+        "click:FP32:1",
+        "--max-batch-size",
+        "8",
+    ],
+    "heatmap": [
+        "tests.user_models:make_heatmap",
+        "--input",
+        "image:FP32:3,-1,-1",
+        "--output",
+        "heat:FP32:1,-1,-1",
+        "--max-batch-size",
+        "4",
+        "--buckets",
+        "32,64,96",
+    ],
+    "tagger": [
+        "tests.user_models:make_tagger",
+        "--input",
+        "ids:INT64:-1",
+        "--output",
+        "tags:FP32:-1,5",
+        "--max-batch-size",
+        "8",
+        "--buckets",
+        "8,16,32",
+    ],
+    "pooled": [
+        "tests.user_models:make_pooled",
+        "--input",
+        "image:FP32:3,-1,-1",
+        "--output",
+        "logits:FP32:4",
+        "--max-batch-size",
+        "4",
+        "--buckets",
+        "32,64",
+        "--formats",
+        "onnx",
+    ],
+    "shifted": [
+        "tests.user_models:make_shifted",
+        "--input",
+        "item_id:INT64:1",
+        "--output",
+        "vector:FP32:4",
+        "--max-batch-size",
+        "4",
+        "--formats",
+        "onnx",
+    ],
+}
+BREAKS = [
+    "tests.user_models:make_breaks",
+    "--input",
+    "x:FP32:4",
+    "--output",
+    "y:FP32:2",
+    "--max-batch-size",
+    "4",
+    "--formats",
+    "torchscript",
+    "--backend",
+    "torchscript",
+]
 
 
 def export(repository: Path, jobs: dict[str, list[str]]) -> dict[str, str]:
@@ -88,9 +145,13 @@ def text_spec(folder: Path) -> Path:
     """A text spec file with its tokenizer beside it, as a user keeps them."""
     tokenizer = get_model_path() / "tokenizer.json"
     shutil.copy(tokenizer, folder / "tokenizer.json")
-    spec = {"kind": "text", "tokenizer": "tokenizer.json", "max_length": 32,
-            "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
-            "buckets": [8, 16, 32]}  # fmt: skip
+    spec = {
+        "kind": "text",
+        "tokenizer": "tokenizer.json",
+        "max_length": 32,
+        "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
+        "buckets": [8, 16, 32],
+    }
     (folder / "spec.yaml").write_text(yaml.safe_dump(spec))
     return folder / "spec.yaml"
 
@@ -98,9 +159,21 @@ def text_spec(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("own")
-    text = ["tests.user_models:make_text", "--input", "input_ids:INT64:-1", "--input",
-            "attention_mask:INT64:-1", "--output", "vector:FP32:8", "--max-batch-size", "4",
-            "--preprocessing", str(text_spec(root)), "--formats", "onnx"]  # fmt: skip
+    text = [
+        "tests.user_models:make_text",
+        "--input",
+        "input_ids:INT64:-1",
+        "--input",
+        "attention_mask:INT64:-1",
+        "--output",
+        "vector:FP32:8",
+        "--max-batch-size",
+        "4",
+        "--preprocessing",
+        str(text_spec(root)),
+        "--formats",
+        "onnx",
+    ]
     repository = root / "models"
     return repository, export(repository, {**EXPORTS, "text": text})
 
@@ -119,10 +192,14 @@ def server(
 
 def infer(client: httpx.Client, model: str, **arrays: np.ndarray) -> httpx.Response:
     inputs = [
-        {"name": name, "datatype": "FP32" if a.dtype.kind == "f" else "INT64",
-         "shape": list(a.shape), "data": a.ravel().tolist()}
+        {
+            "name": name,
+            "datatype": "FP32" if a.dtype.kind == "f" else "INT64",
+            "shape": list(a.shape),
+            "data": a.ravel().tolist(),
+        }
         for name, a in arrays.items()
-    ]  # fmt: skip
+    ]
     return client.post(f"/v2/models/{model}/infer", json={"inputs": inputs})
 
 
@@ -152,8 +229,13 @@ def test_export_writes_the_contract_it_checked(exported: tuple[Path, dict[str, s
     ctr = yaml.safe_load((repository / "ctr" / "config.yaml").read_text())
     assert ctr["backend"] == "onnx" and ctr["max_batch_size"] == 8
     assert ctr["warmup"] == {"batch_sizes": "all"}  # one shape per batch size: all of them
-    assert ctr["inputs"][0] == {"name": "item_id", "datatype": "INT64", "shape": [1],
-                                "range": [0, 999]}  # fmt: skip  # found in the exported graph
+    # the range is found in the exported graph
+    assert ctr["inputs"][0] == {
+        "name": "item_id",
+        "datatype": "INT64",
+        "shape": [1],
+        "range": [0, 999],
+    }
     heatmap = yaml.safe_load((repository / "heatmap" / "config.yaml").read_text())
     assert heatmap["buckets"] == [32, 64, 96]
     assert heatmap["warmup"] == {"batch_sizes": [1, 2, 4], "pad_batches": True}
@@ -210,8 +292,10 @@ def test_concurrent_mixed_load_meets_no_unwarmed_shape_and_answers_as_eager(
 
 def test_out_of_range_dims_and_values_are_400_naming_the_input(server: Server) -> None:
     client = server.client
-    for image, words in ((np.zeros((1, 3, 200, 50), np.float32), "dim 2 is 200"),
-                         (np.zeros((1, 3, 40, 4), np.float32), "dim 3 is 4")):  # fmt: skip
+    for image, words in (
+        (np.zeros((1, 3, 200, 50), np.float32), "dim 2 is 200"),
+        (np.zeros((1, 3, 40, 4), np.float32), "dim 3 is 4"),
+    ):
         response = infer(client, "heatmap", image=image)
         assert response.status_code == 400, response.text
         assert f"input 'image': {words}" in response.json()["error"]

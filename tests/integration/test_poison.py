@@ -28,12 +28,13 @@ def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     (folder / "1").mkdir(parents=True)
     torch.jit.script(Poisoned()).save(str(folder / "1" / "model.pt"))
     config = {
-        "backend": "torchscript", "max_batch_size": 16,
+        "backend": "torchscript",
+        "max_batch_size": 16,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [4]}],
         "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
         "batching": {"max_queue_delay_ms": 100},  # long enough for the clients to batch
         "warmup": {"batch_sizes": [1, 2, 4, 8, 16]},
-    }  # fmt: skip
+    }
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     server = Server(root, log_path=root.parent / "server.log")
     try:
@@ -95,10 +96,17 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_batching(
     vocabulary before the request can join a batch."""
 
     def tokens(ids: list[int], mask: list[int]) -> dict[str, object]:
-        return {"inputs": [
-            {"name": "input_ids", "datatype": "INT64", "shape": [1, len(ids)], "data": ids},
-            {"name": "attention_mask", "datatype": "INT64", "shape": [1, len(mask)], "data": mask},
-        ]}  # fmt: skip
+        return {
+            "inputs": [
+                {"name": "input_ids", "datatype": "INT64", "shape": [1, len(ids)], "data": ids},
+                {
+                    "name": "attention_mask",
+                    "datatype": "INT64",
+                    "shape": [1, len(mask)],
+                    "data": mask,
+                },
+            ]
+        }
 
     good = tokens([101, 7592, 2088, 102], [1, 1, 1, 1])
     bad_id = tokens([101, 10**6, 2088, 102], [1, 1, 1, 1])

@@ -36,8 +36,12 @@ PLATFORMS = {"onnx": "onnxruntime_onnx", "pt2": "pytorch_aoti", "torchscript": "
 def _model(root: Path, name: str, spec: Exported, backend: str, **config: Any) -> Path:
     folder = root / name
     shutil.copytree(spec.version, folder / "1")
-    content = {"backend": backend, "max_batch_size": spec.max_batch_size,
-               "warmup": {"batch_sizes": "all"}, **config}  # fmt: skip
+    content = {
+        "backend": backend,
+        "max_batch_size": spec.max_batch_size,
+        "warmup": {"batch_sizes": "all"},
+        **config,
+    }
     if spec.buckets:
         content["buckets"] = list(spec.buckets)
     (folder / "config.yaml").write_text(yaml.safe_dump(content))
@@ -60,9 +64,14 @@ def served(
         for backend in BACKENDS:
             _model(root, f"{name}_{backend}", spec, backend)
     mlp = exported["mlp"]
-    bare = _model(root, "bare_pt2", mlp, "pt2",
-                  inputs=[t.model_dump() for t in mlp.inputs],
-                  outputs=[t.model_dump() for t in mlp.outputs])  # fmt: skip
+    bare = _model(
+        root,
+        "bare_pt2",
+        mlp,
+        "pt2",
+        inputs=[t.model_dump() for t in mlp.inputs],
+        outputs=[t.model_dump() for t in mlp.outputs],
+    )
     for extra in ("manifest.json", "golden.npz", "model.onnx", "model.pt"):
         (bare / "1" / extra).unlink()
     tampered = _model(root, "tampered_pt2", mlp, "pt2")
@@ -73,8 +82,11 @@ def served(
     _edit_manifest(_model(root, "older_torch_pt2", mlp, "pt2"), torch="2.12.1")
     _edit_manifest(_model(root, "cuda_pt2", mlp, "pt2"), pt2_device="cuda")
     # No compiler anywhere the server could look: the interpreter is started by its full path.
-    server = Server(root, env={"PATH": str(root.parent / "no-compiler"), "CC": "", "CXX": ""},
-                    log_path=root.parent / "server.log")  # fmt: skip
+    server = Server(
+        root,
+        env={"PATH": str(root.parent / "no-compiler"), "CC": "", "CXX": ""},
+        log_path=root.parent / "server.log",
+    )
     try:
         server.wait_until("/v2/health/startup")
         yield server
@@ -84,8 +96,15 @@ def served(
 
 def _infer(server: Server, model: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
     datatypes = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64"}
-    inputs = [{"name": n, "datatype": datatypes[a.dtype], "shape": list(a.shape),
-               "data": a.ravel().tolist()} for n, a in arrays.items()]  # fmt: skip
+    inputs = [
+        {
+            "name": n,
+            "datatype": datatypes[a.dtype],
+            "shape": list(a.shape),
+            "data": a.ravel().tolist(),
+        }
+        for n, a in arrays.items()
+    ]
     response = server.client.post(f"/v2/models/{model}/infer", json={"inputs": inputs})
     assert response.status_code == 200, response.text
     output = response.json()["outputs"][0]

@@ -32,8 +32,14 @@ COMPARED_HEADERS = ("content-type", "inference-header-content-length", "www-auth
 def inprocess(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
     root = tmp_path_factory.mktemp("routes") / "models"
     copy_model("digits", root / "digits")
-    settings = Settings(model_repository=Path(root), api_token=TOKEN, max_body_bytes=100_000,
-                        intra_op_threads=1, preprocess_threads=1, access_log=False)  # fmt: skip
+    settings = Settings(
+        model_repository=Path(root),
+        api_token=TOKEN,
+        max_body_bytes=100_000,
+        intra_op_threads=1,
+        preprocess_threads=1,
+        access_log=False,
+    )
     running = InProcess(settings)
     try:
         yield running
@@ -43,19 +49,40 @@ def inprocess(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
 
 def _digits_json(rows: int = 2) -> bytes:
     data = np.random.default_rng(rows).random((rows, 1, 8, 8), dtype=np.float32)
-    return orjson.dumps({"id": "r1", "inputs": [{"name": "image", "datatype": "FP32",
-                         "shape": [rows, 1, 8, 8], "data": data.ravel().tolist()}]})  # fmt: skip
+    return orjson.dumps(
+        {
+            "id": "r1",
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [rows, 1, 8, 8],
+                    "data": data.ravel().tolist(),
+                }
+            ],
+        }
+    )
 
 
 def _digits_binary() -> tuple[bytes, dict[str, str]]:
     data = np.random.default_rng(7).random((3, 1, 8, 8), dtype=np.float32)
-    header = orjson.dumps({
-        "inputs": [{"name": "image", "datatype": "FP32", "shape": [3, 1, 8, 8],
-                    "parameters": {"binary_data_size": data.nbytes}}],
-        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
-    })  # fmt: skip
-    headers = {"Inference-Header-Content-Length": str(len(header)),
-               "Content-Type": "application/octet-stream"}  # fmt: skip
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [3, 1, 8, 8],
+                    "parameters": {"binary_data_size": data.nbytes},
+                }
+            ],
+            "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
+        }
+    )
+    headers = {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
     return header + data.tobytes(), headers
 
 
@@ -167,8 +194,13 @@ def test_draining_is_a_503_with_retry_after_on_both(inprocess: InProcess) -> Non
 def test_a_deadline_that_passes_in_the_queue_is_a_504_on_both(inprocess: InProcess) -> None:
     body = orjson.loads(_digits_json())
     body["parameters"] = {"timeout": 1}  # one microsecond
-    plain, fastapi = both(inprocess, "POST", "/v2/models/digits/infer", orjson.dumps(body),
-                          {**AUTH, "X-Request-ID": "late"})  # fmt: skip
+    plain, fastapi = both(
+        inprocess,
+        "POST",
+        "/v2/models/digits/infer",
+        orjson.dumps(body),
+        {**AUTH, "X-Request-ID": "late"},
+    )
     assert plain.status == 504
     assert_alike(plain, fastapi, "late")
 
@@ -187,8 +219,12 @@ def test_requests_are_counted_in_the_model_statistics(inprocess: InProcess) -> N
 def test_a_repeated_header_counts_once_its_first_value_as_in_starlette(
     inprocess: InProcess,
 ) -> None:
-    headers = [("Authorization", f"Bearer {TOKEN}"), ("Authorization", "Bearer wrong"),
-               ("X-Request-ID", "first-id"), ("X-Request-ID", "second-id")]  # fmt: skip
+    headers = [
+        ("Authorization", f"Bearer {TOKEN}"),
+        ("Authorization", "Bearer wrong"),
+        ("X-Request-ID", "first-id"),
+        ("X-Request-ID", "second-id"),
+    ]
     for app in (inprocess.serving, inprocess.app):
         reply = inprocess.request(app, "POST", "/v2/models/digits/infer", _digits_json(), headers)
         assert reply.status == 200, reply

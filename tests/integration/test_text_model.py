@@ -18,12 +18,22 @@ pytestmark = pytest.mark.integration
 def sentences() -> list[str]:
     """50 varied texts: 1 to 300+ tokens, empty, emoji, CJK, accents, code, very long."""
     base = [
-        "", "a", "Hello!", "A man is playing a guitar.", "The cat sits outside 🐈",
-        "静かな湖の上を白い鳥が飛んでいる。", "Прекрасная погода сегодня", "مرحبا بالعالم",
+        "",
+        "a",
+        "Hello!",
+        "A man is playing a guitar.",
+        "The cat sits outside 🐈",
+        "静かな湖の上を白い鳥が飛んでいる。",
+        "Прекрасная погода сегодня",
+        "مرحبا بالعالم",
         "Les modèles servis en production ont besoin de garde-fous. 🚀🚀🚀",
-        "def f(x):\n    return x ** 2  # squares", "🙂" * 40, "naïve café résumé",
-        "   leading and trailing spaces   ", "UPPER CASE TEXT", "numbers 3.14159 2.71828 1e-9",
-    ]  # fmt: skip
+        "def f(x):\n    return x ** 2  # squares",
+        "🙂" * 40,
+        "naïve café résumé",
+        "   leading and trailing spaces   ",
+        "UPPER CASE TEXT",
+        "numbers 3.14159 2.71828 1e-9",
+    ]
     words = [
         "the",
         "quick",
@@ -40,8 +50,38 @@ def sentences() -> list[str]:
         "requests",
     ]
     rng = np.random.default_rng(0)
-    for length in (5, 9, 14, 20, 31, 40, 55, 63, 64, 65, 90, 120, 127, 128, 129, 150, 200, 230,
-                   254, 255, 256, 257, 280, 300, 350, 400, 600, 1000, 3000, 5000):  # fmt: skip
+    for length in (
+        5,
+        9,
+        14,
+        20,
+        31,
+        40,
+        55,
+        63,
+        64,
+        65,
+        90,
+        120,
+        127,
+        128,
+        129,
+        150,
+        200,
+        230,
+        254,
+        255,
+        256,
+        257,
+        280,
+        300,
+        350,
+        400,
+        600,
+        1000,
+        3000,
+        5000,
+    ):
         base.append(" ".join(rng.choice(words, size=length)))
     base += ["中文句子" * 30, "emoji 🎉 " * 60, "x" * 2000, "line\nbreaks\n\nand\ttabs", "end."]
     assert len(base) == 50

@@ -50,8 +50,13 @@ def test_a_lone_image_request_crosses_threads_once(app: InProcess, size: tuple[i
 
     loop.run_in_executor = counting  # type: ignore[method-assign]  # the loop's own hand-offs, counted
     try:
-        reply = app.request(app.serving, "POST", "/v1/models/efficientnet_lite0:predict", body,
-                            [("content-type", "image/jpeg")])  # fmt: skip
+        reply = app.request(
+            app.serving,
+            "POST",
+            "/v1/models/efficientnet_lite0:predict",
+            body,
+            [("content-type", "image/jpeg")],
+        )
     finally:
         del loop.run_in_executor  # the class's method again
     assert reply.status == 200, reply.body

@@ -78,8 +78,14 @@ def test_two_workers_answer_as_one_server_with_exact_totals(two: Server) -> None
     before = len(access_lines(two))
     count = 60
     with ThreadPoolExecutor(4) as pool:
-        codes = list(pool.map(lambda _: fresh("POST", f"{two.url}/v2/models/digits/infer",
-                                                json=DIGIT).status_code, range(count)))  # fmt: skip
+        codes = list(
+            pool.map(
+                lambda _: (
+                    fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+                ),
+                range(count),
+            )
+        )
     assert codes == [200] * count
     two.wait_for(lambda: len(access_lines(two)) - before == count)
     lines = access_lines(two)[before:]
@@ -104,14 +110,18 @@ def test_load_and_unload_reach_every_worker(two: Server) -> None:
     url = f"{two.url}/v2/repository/models/digits"
     before = len(access_lines(two))
     assert fresh("POST", f"{url}/unload", headers=admin).status_code == 200
-    codes = [fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
-             for _ in range(16)]  # fmt: skip
+    codes = [
+        fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+        for _ in range(16)
+    ]
     assert 200 not in codes
     two.wait_for(lambda: len(access_lines(two)) - before == 16)
     assert {line["worker"] for line in access_lines(two)[before:]} == {0, 1}
     assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
-    codes = [fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
-             for _ in range(16)]  # fmt: skip
+    codes = [
+        fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+        for _ in range(16)
+    ]
     assert codes == [200] * 16
 
 
@@ -171,8 +181,12 @@ def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path)
     with socket.socket() as taken:  # a port another program listens on, without SO_REUSEPORT
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        server = Server(root, env={"TG_WORKERS": "2"}, log_path=tmp_path / "server.log",
-                        port=taken.getsockname()[1])  # fmt: skip
+        server = Server(
+            root,
+            env={"TG_WORKERS": "2"},
+            log_path=tmp_path / "server.log",
+            port=taken.getsockname()[1],
+        )
         code = server.process.wait(60)
         assert code != 0, server.log()
         assert "Address already in use" in server.log()
@@ -186,8 +200,10 @@ def test_a_new_version_found_by_poll_reaches_every_worker(tmp_path: Path) -> Non
     try:
         shutil.copytree(root / "digits" / "1", root / "digits" / "2")
         url = f"{server.url}/v2/models/digits/versions/2"
-        server.wait_for(lambda: all(fresh("GET", f"{url}/ready").status_code == 200
-                                    for _ in range(8)), timeout=120)  # fmt: skip
+        server.wait_for(
+            lambda: all(fresh("GET", f"{url}/ready").status_code == 200 for _ in range(8)),
+            timeout=120,
+        )
         before = len(access_lines(server))
         codes = [fresh("POST", f"{url}/infer", json=DIGIT).status_code for _ in range(16)]
         assert codes == [200] * 16

@@ -113,8 +113,11 @@ def _dynamic_imports(tree: ast.AST) -> Iterator[str]:
     (``for name in ("onnx", "onnxruntime"): __import__(name)``)."""
     loop_names: dict[str, list[str]] = {}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.For) and isinstance(node.target, ast.Name)
-                and isinstance(node.iter, ast.Tuple | ast.List)):  # fmt: skip
+        if (
+            isinstance(node, ast.For)
+            and isinstance(node.target, ast.Name)
+            and isinstance(node.iter, ast.Tuple | ast.List)
+        ):
             values = [e.value for e in node.iter.elts if isinstance(e, ast.Constant)]
             strings = [v for v in values if isinstance(v, str)]
             if strings and len(strings) == len(node.iter.elts):
@@ -214,9 +217,12 @@ def problems(dist: str, used_by: set[str], export_only: bool, have: Declared) ->
             found.append(f"{dist} (imported by {where}) is not {what}")
 
     if export_only:
-        need(dist in have.dependencies or dist in have.extras.get("export", set())
-             or (dist in have.extras.get("cpu", set()) and gpu in have.extras.get("gpu", set())),
-             "in pyproject's dependencies or its export extra")  # fmt: skip
+        need(
+            dist in have.dependencies
+            or dist in have.extras.get("export", set())
+            or (dist in have.extras.get("cpu", set()) and gpu in have.extras.get("gpu", set())),
+            "in pyproject's dependencies or its export extra",
+        )
         need(dist in have.locks["dev"], "pinned in requirements/dev.txt")
         return found
     if dist in GPU_ONLY:
@@ -226,9 +232,11 @@ def problems(dist: str, used_by: set[str], export_only: bool, have: Declared) ->
         return found
     need(dist in have.cpu_in, "named in requirements/cpu.in")
     need(gpu in have.gpu_in, f"named in requirements/gpu.in{as_gpu}")
-    need(dist in have.dependencies
-         or (dist in have.extras.get("cpu", set()) and gpu in have.extras.get("gpu", set())),
-         "in pyproject's [project].dependencies nor in both its cpu and gpu extras")  # fmt: skip
+    need(
+        dist in have.dependencies
+        or (dist in have.extras.get("cpu", set()) and gpu in have.extras.get("gpu", set())),
+        "in pyproject's [project].dependencies nor in both its cpu and gpu extras",
+    )
     need(dist in have.locks["cpu"], "pinned in requirements/cpu.txt")
     need(gpu in have.locks["gpu"], f"pinned in requirements/gpu.txt{as_gpu}")
     return found

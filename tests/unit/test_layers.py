@@ -18,8 +18,15 @@ from tests.server import REPO_ROOT
 pytestmark = pytest.mark.unit
 
 LAYERS = (
-    {"service", "service.errors", "service.model_config", "service.settings",
-     "service.resources", "service.inference", "service.datatypes"},
+    {
+        "service",
+        "service.errors",
+        "service.model_config",
+        "service.settings",
+        "service.resources",
+        "service.inference",
+        "service.datatypes",
+    },
     {"service.protocol"},
     {"service.artifacts"},
     {"service.runtimes"},
@@ -33,7 +40,7 @@ LAYERS = (
     {"service.http", "service.grpc"},
     {"service.export"},
     {"service.app", "service.cli", "service.__main__"},
-)  # fmt: skip
+)
 """Each module may import its own layer and those before it. ``service.http`` and
 ``service.grpc`` share a layer, and neither may import the other (the check below)."""
 

@@ -54,8 +54,9 @@ def test_normalizing_is_the_per_pixel_arithmetic_bit_for_bit(
 ) -> None:
     channels = 1 if color == "L" else 3
     mean, std = (0.485, 0.456, 0.406)[:channels], (0.229, 0.224, 0.225)[:channels]
-    spec = ImageSpec(resize=256, crop=224, color=color, layout=layout, dtype=dtype,
-                     mean=mean, std=std)  # fmt: skip
+    spec = ImageSpec(
+        resize=256, crop=224, color=color, layout=layout, dtype=dtype, mean=mean, std=std
+    )
     got = ImagePipeline(spec)(encode(np.asarray(astronaut), "JPEG", quality=90))
     # what the pipeline computes, written out pixel by pixel in float32 (as torchvision would)
     image = Image.open(io.BytesIO(encode(np.asarray(astronaut), "JPEG", quality=90)))
@@ -113,9 +114,14 @@ def test_palette_with_transparency_and_16_bit_greyscale_decode() -> None:
     assert np.all(out == 255.0)
 
 
-@pytest.mark.parametrize(("orientation", "stored"), [(3, Image.Transpose.ROTATE_180),
-                                                     (6, Image.Transpose.ROTATE_90),
-                                                     (8, Image.Transpose.ROTATE_270)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("orientation", "stored"),
+    [
+        (3, Image.Transpose.ROTATE_180),
+        (6, Image.Transpose.ROTATE_90),
+        (8, Image.Transpose.ROTATE_270),
+    ],
+)
 def test_exif_orientation_is_applied(
     astronaut: Image.Image, orientation: int, stored: Image.Transpose
 ) -> None:
@@ -226,10 +232,12 @@ def pillow_encoded(fmt: str) -> bytes:
 
 @pytest.mark.parametrize(
     "data",
-    [dds_with_an_unknown_pixel_format(), *(pillow_encoded(f) for f in ("ICO", "TGA", "PCX", "PPM",
-                                                                        "SGI", "QOI", "DDS"))],
+    [
+        dds_with_an_unknown_pixel_format(),
+        *(pillow_encoded(f) for f in ("ICO", "TGA", "PCX", "PPM", "SGI", "QOI", "DDS")),
+    ],
     ids=["dds-unknown-pixel-format", "ico", "tga", "pcx", "ppm", "sgi", "qoi", "dds"],
-)  # fmt: skip
+)
 def test_a_format_outside_the_allow_list_is_refused_by_name(data: bytes) -> None:
     with pytest.raises(
         PreprocessingError,
@@ -258,11 +266,20 @@ def _samples() -> list[bytes]:
     base = Image.fromarray(skimage.data.astronaut()).resize((24, 20))
     samples = []
     for fmt, mode, options in [
-        ("JPEG", "RGB", {}), ("JPEG", "CMYK", {}), ("PNG", "RGBA", {}), ("PNG", "P", {}),
-        ("PNG", "I;16", {}), ("WEBP", "RGB", {}), ("WEBP", "RGBA", {"lossless": True}),
-        ("GIF", "P", {}), ("BMP", "RGB", {}), ("BMP", "P", {}), ("TIFF", "RGB", {}),
-        ("TIFF", "RGB", {"compression": "tiff_lzw"}), ("TIFF", "I;16", {}),
-    ]:  # fmt: skip
+        ("JPEG", "RGB", {}),
+        ("JPEG", "CMYK", {}),
+        ("PNG", "RGBA", {}),
+        ("PNG", "P", {}),
+        ("PNG", "I;16", {}),
+        ("WEBP", "RGB", {}),
+        ("WEBP", "RGBA", {"lossless": True}),
+        ("GIF", "P", {}),
+        ("BMP", "RGB", {}),
+        ("BMP", "P", {}),
+        ("TIFF", "RGB", {}),
+        ("TIFF", "RGB", {"compression": "tiff_lzw"}),
+        ("TIFF", "I;16", {}),
+    ]:
         buffer = io.BytesIO()
         base.convert(mode).save(buffer, format=fmt, **options)
         samples.append(buffer.getvalue())
@@ -275,10 +292,11 @@ SAMPLES = _samples()
 @settings(max_examples=300, deadline=None)
 @given(
     sample=st.sampled_from(SAMPLES),
-    edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
-                   min_size=1, max_size=4),
+    edits=st.lists(
+        st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=4
+    ),
     keep=st.floats(0.05, 1),
-)  # fmt: skip
+)
 def test_a_damaged_image_is_a_tensor_or_a_preprocessing_error(
     sample: bytes, edits: list[tuple[float, int]], keep: float
 ) -> None:

@@ -11,9 +11,17 @@ IMAGENET = ImageSpec(
 def test_hash_ignores_whether_defaults_are_written_out() -> None:
     implicit = ImageSpec(resize=256, crop=224)
     explicit = ImageSpec(
-        kind="image", color="RGB", resize=256, crop=224, interpolation="bilinear",
-        scale=1 / 255, mean=(0.0,), std=(1.0,), layout="NCHW", dtype="float32",
-    )  # fmt: skip
+        kind="image",
+        color="RGB",
+        resize=256,
+        crop=224,
+        interpolation="bilinear",
+        scale=1 / 255,
+        mean=(0.0,),
+        std=(1.0,),
+        layout="NCHW",
+        dtype="float32",
+    )
     assert spec_hash(implicit) == spec_hash(explicit)
 
 
@@ -24,9 +32,17 @@ def test_hash_is_pinned_so_existing_manifests_stay_valid() -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [{"color": "BGR"}, {"resize": 257}, {"crop": 223}, {"mean": (0.5, 0.5, 0.5)},
-     {"std": (0.2, 0.2, 0.2)}, {"layout": "NHWC"}, {"interpolation": "bicubic"}, {"scale": 1.0}],
-)  # fmt: skip
+    [
+        {"color": "BGR"},
+        {"resize": 257},
+        {"crop": 223},
+        {"mean": (0.5, 0.5, 0.5)},
+        {"std": (0.2, 0.2, 0.2)},
+        {"layout": "NHWC"},
+        {"interpolation": "bicubic"},
+        {"scale": 1.0},
+    ],
+)
 def test_hash_changes_with_every_field(change: dict[str, object]) -> None:
     changed = IMAGENET.model_copy(update=change)
     assert spec_hash(changed) != spec_hash(IMAGENET)

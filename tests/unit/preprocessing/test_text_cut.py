@@ -58,17 +58,83 @@ def pipeline(folder: Path, max_length: int) -> TextPipeline:
 # Pieces chosen for what the cutter rewrites or must not cut: whitespace of every kind, control
 # and format characters the normalizer removes, accents it strips, punctuation of both kinds,
 # CJK, the added tokens and halves of them, and long runs of each.
-WORDS = ["hello", "World", "naïve", "Straße", "déjà", "中文", "東京都", "ひらがな", "ﬁne", "İstanbul",
-         "🚀", "x²", "e\u0301", "a\u0316\u0301", "12345", "tokenization"]  # fmt: skip
+WORDS = [
+    "hello",
+    "World",
+    "naïve",
+    "Straße",
+    "déjà",
+    "中文",
+    "東京都",
+    "ひらがな",
+    "ﬁne",
+    "İstanbul",
+    "🚀",
+    "x²",
+    "e\u0301",
+    "a\u0316\u0301",
+    "12345",
+    "tokenization",
+]
 GAPS = [" ", "  ", "\t", "\n", "\r\n", "\u3000", "\u00a0", "\u2003", "\u2028", "\x0b", "\x0c"]
-SEPARATORS = [".", ",", "!", "?", "'", '"', "-", "_", "$", "^", "(", ")", "[", "]", "—", "…", "«",
-              "»", "。", "、", "§", "¶", "¿"]  # fmt: skip
-REMOVED = ["\x00", "\x01", "\x7f", "\x85", "\u00ad", "\u200b", "\ufeff", "\ufffd", "\u0301",
-           "\ue000", "\U000e0001", "\U0010fffd"]  # fmt: skip
+SEPARATORS = [
+    ".",
+    ",",
+    "!",
+    "?",
+    "'",
+    '"',
+    "-",
+    "_",
+    "$",
+    "^",
+    "(",
+    ")",
+    "[",
+    "]",
+    "—",
+    "…",
+    "«",
+    "»",
+    "。",
+    "、",
+    "§",
+    "¶",
+    "¿",
+]
+REMOVED = [
+    "\x00",
+    "\x01",
+    "\x7f",
+    "\x85",
+    "\u00ad",
+    "\u200b",
+    "\ufeff",
+    "\ufffd",
+    "\u0301",
+    "\ue000",
+    "\U000e0001",
+    "\U0010fffd",
+]
 ADDED = ["[MASK]", "[SEP]", "[CLS]", "[UNK]", "[PAD]", "[MA", "SK]", "[mask]", "[MASK", "]"]
 
-RUNS = ["a", "é", "x\u0301", "b\x01", " ", "\x01", "\u0301", "—", ".", "中", "]", "[MASK]", "\u3000",
-        "ab ", "a\x01 "]  # fmt: skip
+RUNS = [
+    "a",
+    "é",
+    "x\u0301",
+    "b\x01",
+    " ",
+    "\x01",
+    "\u0301",
+    "—",
+    ".",
+    "中",
+    "]",
+    "[MASK]",
+    "\u3000",
+    "ab ",
+    "a\x01 ",
+]
 HALVES = [("[MA", "SK]"), ("[", "MASK]"), ("[MASK", "]"), ("[SE", "P]"), ("a", "b"), (".", "!")]
 
 piece = st.one_of(
@@ -172,8 +238,9 @@ def test_tokenizers_it_has_not_reasoned_about_are_left_whole(tmp_path: Path) -> 
     byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
     assert TextCutter.for_tokenizer(byte_level) is None
     config = json.loads(MINILM.read_text())
-    config["added_tokens"].append({**config["added_tokens"][-1], "id": 30522,
-                                   "content": "[NEW LINE]"})  # fmt: skip
+    config["added_tokens"].append(
+        {**config["added_tokens"][-1], "id": 30522, "content": "[NEW LINE]"}
+    )
     (tmp_path / "tokenizer.json").write_text(json.dumps(config))
     spaced = tokenizer(tmp_path / "tokenizer.json")
     assert TextCutter.for_tokenizer(spaced) is None  # an added token that holds a gap

@@ -37,9 +37,7 @@ def write_code(folder: Path) -> None:
 def test_code_facts_hash_the_module_and_the_local_modules_it_imports_only(tmp_path: Path) -> None:
     write_code(tmp_path)
     facts = code_facts(SPEC, tmp_path)
-    assert sorted(facts.files) == [
-        "helpers/__init__.py", "helpers/deep.py", "main.py", "util.py"
-    ]  # fmt: skip
+    assert sorted(facts.files) == ["helpers/__init__.py", "helpers/deep.py", "main.py", "util.py"]
     # third-party distributions only: not the standard library, not tensorgate's own packages
     assert facts.packages == {"numpy": importlib.metadata.version("numpy")}
 

@@ -62,8 +62,13 @@ def test_broken_and_unknown_encodings_are_refused() -> None:
 
 @pytest.mark.parametrize(
     ("accept", "chosen"),
-    [("gzip", "gzip"), ("deflate, gzip;q=0", "deflate"), ("identity", None), ("", None),
-     ("br, deflate;q=0.5, gzip", "gzip")],
-)  # fmt: skip
+    [
+        ("gzip", "gzip"),
+        ("deflate, gzip;q=0", "deflate"),
+        ("identity", None),
+        ("", None),
+        ("br, deflate;q=0.5, gzip", "gzip"),
+    ],
+)
 def test_the_answer_encoding_follows_accept_encoding(accept: str, chosen: str | None) -> None:
     assert compression.choose(accept) == chosen

@@ -27,8 +27,14 @@ TOKEN = "unit-test-api-token-1"
 def core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
     root = tmp_path_factory.mktemp("core") / "models"
     write_identity_model(root / "identity", max_batch_size=8)
-    settings = Settings(model_repository=root, api_token=TOKEN, intra_op_threads=1,
-                        preprocess_threads=1, access_log=False, max_body_bytes=10_000)  # fmt: skip
+    settings = Settings(
+        model_repository=root,
+        api_token=TOKEN,
+        intra_op_threads=1,
+        preprocess_threads=1,
+        access_log=False,
+        max_body_bytes=10_000,
+    )
     running = InProcess(settings)
     try:
         yield running
@@ -168,9 +174,17 @@ def test_the_route_function_maps_each_error_once(
 
 def test_the_route_function_answers_a_v2_request(core: InProcess) -> None:
     data = [1.0, 2.0, 3.0]
-    inputs = [{"name": f"in_{t.datatype}", "datatype": t.datatype, "shape": [1, 3],
-               "data": ["x"] * 3 if t.datatype == "BYTES" else ([True] * 3 if t.datatype == "BOOL" else data)}
-              for t in all_inputs(1)]  # fmt: skip
+    inputs = [
+        {
+            "name": f"in_{t.datatype}",
+            "datatype": t.datatype,
+            "shape": [1, 3],
+            "data": ["x"] * 3
+            if t.datatype == "BYTES"
+            else ([True] * 3 if t.datatype == "BOOL" else data),
+        }
+        for t in all_inputs(1)
+    ]
     body = orjson.dumps({"inputs": inputs, "outputs": [{"name": "out_FP64"}]})
     headers = {"authorization": f"Bearer {TOKEN}", "content-length": str(len(body))}
     answer = core.run(

@@ -25,13 +25,23 @@ def golden() -> dict[str, np.ndarray]:
 def test_export_writes_both_artifacts_golden_and_manifest(tmp_path: Path) -> None:
     spec = ImageSpec(resize=8, crop=8)
     manifest = export_model(
-        Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y], golden_inputs=golden(),
-        max_batch_size=16, preprocessing=spec, metrics={"accuracy": 0.5},
+        Mlp().eval(),
+        tmp_path,
+        name="mlp",
+        inputs=[X],
+        outputs=[Y],
+        golden_inputs=golden(),
+        max_batch_size=16,
+        preprocessing=spec,
+        metrics={"accuracy": 0.5},
         formats=("onnx", "torchscript"),
-    )  # fmt: skip
+    )
     assert {p.name for p in tmp_path.iterdir()} == {
-        "model.onnx", "model.pt", "golden.npz", "manifest.json"
-    }  # fmt: skip
+        "model.onnx",
+        "model.pt",
+        "golden.npz",
+        "manifest.json",
+    }
     written = json.loads((tmp_path / "manifest.json").read_text())
     assert written["preprocessing_hash"] == spec_hash(spec) == manifest.preprocessing_hash
     assert written["dynamic_axes"] == {"x": {"0": "batch"}, "y": {"0": "batch"}}
@@ -51,8 +61,16 @@ def test_export_of_a_module_left_in_train_mode_warns_and_exports_eval(tmp_path: 
     y = TensorConfig(name="y", datatype="FP32", shape=(4,))
     rows = {"x": np.ones((4, 8), np.float32)}
     with pytest.warns(UserWarning, match="was in training mode"):
-        export_model(TrainModeNet().train(), tmp_path, name="t", inputs=[x], outputs=[y],
-                     golden_inputs=rows, max_batch_size=4, formats=("torchscript",))  # fmt: skip
+        export_model(
+            TrainModeNet().train(),
+            tmp_path,
+            name="t",
+            inputs=[x],
+            outputs=[y],
+            golden_inputs=rows,
+            max_batch_size=4,
+            formats=("torchscript",),
+        )
     loaded = torch.jit.load(str(tmp_path / "model.pt"))
     assert not loaded.training
 
@@ -60,16 +78,30 @@ def test_export_of_a_module_left_in_train_mode_warns_and_exports_eval(tmp_path: 
 def test_disagreement_beyond_tolerance_fails_with_the_error_size(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="max abs error .* max rel error"):
         export_model(
-            Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y], golden_inputs=golden(),
-            max_batch_size=16, tolerance=Tolerance(atol=1e-30, rtol=0.0), formats=("onnx",),
-        )  # fmt: skip
+            Mlp().eval(),
+            tmp_path,
+            name="mlp",
+            inputs=[X],
+            outputs=[Y],
+            golden_inputs=golden(),
+            max_batch_size=16,
+            tolerance=Tolerance(atol=1e-30, rtol=0.0),
+            formats=("onnx",),
+        )
 
 
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:
     wrong = TensorConfig(name="y", datatype="FP64", shape=(10,))
     with pytest.raises(ExportError, match="declared FP64, the module returns float32"):
-        export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[wrong],
-                     golden_inputs=golden(), max_batch_size=16)  # fmt: skip
+        export_model(
+            Mlp().eval(),
+            tmp_path,
+            name="mlp",
+            inputs=[X],
+            outputs=[wrong],
+            golden_inputs=golden(),
+            max_batch_size=16,
+        )
 
 
 class Branchy(torch.nn.Module):
@@ -85,9 +117,15 @@ def test_an_untraceable_module_falls_back_to_the_torchscript_onnx_exporter_sayin
     x = TensorConfig(name="x", datatype="FP32", shape=(4,))
     with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
         manifest = export_model(
-            Branchy(), tmp_path, name="b", inputs=[x], outputs=[x.model_copy(update={"name": "y"})],
-            golden_inputs={"x": np.ones((2, 4), np.float32)}, max_batch_size=4, formats=("onnx",),
-        )  # fmt: skip
+            Branchy(),
+            tmp_path,
+            name="b",
+            inputs=[x],
+            outputs=[x.model_copy(update={"name": "y"})],
+            golden_inputs={"x": np.ones((2, 4), np.float32)},
+            max_batch_size=4,
+            formats=("onnx",),
+        )
     assert manifest.versions["onnx_exporter"] == "torchscript"
     reason = manifest.versions["onnx_exporter_fallback"]
     assert reason is not None and reason.startswith("torch.export failed")
@@ -98,24 +136,46 @@ def test_pt2_of_an_untraceable_module_is_refused_naming_torch_export(tmp_path: P
     x = TensorConfig(name="x", datatype="FP32", shape=(4,))
     with pytest.raises(ExportError, match="torch.export failed.*leave pt2 out of the formats"):
         export_model(
-            Branchy(), tmp_path, name="b", inputs=[x], outputs=[x.model_copy(update={"name": "y"})],
-            golden_inputs={"x": np.ones((2, 4), np.float32)}, max_batch_size=4, formats=("pt2",),
-        )  # fmt: skip
+            Branchy(),
+            tmp_path,
+            name="b",
+            inputs=[x],
+            outputs=[x.model_copy(update={"name": "y"})],
+            golden_inputs={"x": np.ones((2, 4), np.float32)},
+            max_batch_size=4,
+            formats=("pt2",),
+        )
 
 
 def test_writing_torchscript_warns_that_it_is_deprecated_upstream(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
-        export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y],
-                     golden_inputs=golden(), max_batch_size=16, formats=("torchscript",))  # fmt: skip
+        export_model(
+            Mlp().eval(),
+            tmp_path,
+            name="mlp",
+            inputs=[X],
+            outputs=[Y],
+            golden_inputs=golden(),
+            max_batch_size=16,
+            formats=("torchscript",),
+        )
     assert "torch deprecated it in favour of torch.export" in caplog.text
 
 
 def test_unknown_formats_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"unknown formats \['tflite'\]"):
-        export_model(Mlp().eval(), tmp_path, name="mlp", inputs=[X], outputs=[Y],
-                     golden_inputs=golden(), max_batch_size=16, formats=("tflite",))  # fmt: skip
+        export_model(
+            Mlp().eval(),
+            tmp_path,
+            name="mlp",
+            inputs=[X],
+            outputs=[Y],
+            golden_inputs=golden(),
+            max_batch_size=16,
+            formats=("tflite",),
+        )
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
@@ -126,9 +186,16 @@ def test_export_measures_whether_padding_changes_a_taggers_answer(
     tags = TensorConfig(name="tags", datatype="FP32", shape=(-1, 5))
     golden = {"ids": np.random.default_rng(0).integers(0, 50, (2, 6))}
     manifest = export_model(
-        Tagger(bidirectional), tmp_path, name="t", inputs=[ids], outputs=[tags],
-        golden_inputs=golden, max_batch_size=4, formats=("onnx",), buckets=(8, 16),
-    )  # fmt: skip
+        Tagger(bidirectional),
+        tmp_path,
+        name="t",
+        inputs=[ids],
+        outputs=[tags],
+        golden_inputs=golden,
+        max_batch_size=4,
+        formats=("onnx",),
+        buckets=(8, 16),
+    )
     shapes = manifest.shapes
     assert shapes is not None
     # One-way, a token sees only those before it: padding after the end changes nothing. Both
@@ -147,8 +214,15 @@ def test_dynamic_dims_without_buckets_are_refused_saying_what_to_pass(tmp_path: 
     with pytest.raises(
         ExportError, match=r"inputs \[.ids.\] have dynamic \(-1\) dims: .* \(--buckets"
     ):
-        export_model(Tagger(), tmp_path, name="t", inputs=[ids], outputs=[tags],
-                     golden_inputs={"ids": np.zeros((2, 6), np.int64)}, max_batch_size=4)  # fmt: skip
+        export_model(
+            Tagger(),
+            tmp_path,
+            name="t",
+            inputs=[ids],
+            outputs=[tags],
+            golden_inputs={"ids": np.zeros((2, 6), np.int64)},
+            max_batch_size=4,
+        )
 
 
 def test_padding_is_measured_from_each_dims_own_size(tmp_path: Path) -> None:
@@ -158,8 +232,15 @@ def test_padding_is_measured_from_each_dims_own_size(tmp_path: Path) -> None:
     heat = TensorConfig(name="heat", datatype="FP32", shape=(1, -1, -1))
     golden = {"image": np.random.default_rng(0).standard_normal((2, 3, 20, 30), np.float32)}
     manifest = export_model(
-        Heatmap(), tmp_path, name="h", inputs=[image], outputs=[heat], golden_inputs=golden,
-        max_batch_size=2, formats=("onnx",), buckets=(32, 64),
-    )  # fmt: skip
+        Heatmap(),
+        tmp_path,
+        name="h",
+        inputs=[image],
+        outputs=[heat],
+        golden_inputs=golden,
+        max_batch_size=2,
+        formats=("onnx",),
+        buckets=(32, 64),
+    )
     assert manifest.shapes is not None
     assert manifest.shapes.pad, manifest.shapes.reason

@@ -62,8 +62,12 @@ def test_parameters_round_trip_and_fp16_outputs_go_raw() -> None:
     message = request_with("FP32", [1], fp32_contents=[1.0])
     codec.set_parameters(message.parameters, {"a": True, "b": 3, "c": 0.5, "d": "s", "e": [1]})
     assert codec.parameters(message.parameters) == {
-        "a": True, "b": 3, "c": 0.5, "d": "s", "e": "[1]",
-    }  # fmt: skip
+        "a": True,
+        "b": 3,
+        "c": 0.5,
+        "d": "s",
+        "e": "[1]",
+    }
     outputs = [
         OutputTensor("y", "FP16", np.array([[1.5]], np.float16)),
         OutputTensor("z", "INT32", np.array([[7]], np.int32)),

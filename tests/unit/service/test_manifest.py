@@ -98,7 +98,13 @@ def test_a_manifest_without_dynamic_dims_or_skipped_formats_writes_neither_key()
     from service.model_config import TensorConfig
 
     x = TensorConfig(name="x", datatype="FP32", shape=(4,))
-    written = Manifest(name="m", max_batch_size=1, inputs=(x,), outputs=(x,), versions={},
-                       artifacts={"onnx": "model.onnx"}).model_dump_json()  # fmt: skip
+    written = Manifest(
+        name="m",
+        max_batch_size=1,
+        inputs=(x,),
+        outputs=(x,),
+        versions={},
+        artifacts={"onnx": "model.onnx"},
+    ).model_dump_json()
     assert '"skipped"' not in written and '"shapes"' not in written
     assert Manifest.model_validate_json(written).shapes is None

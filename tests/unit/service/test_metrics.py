@@ -15,8 +15,9 @@ from service.telemetry.metrics import LATENCY_BUCKETS, DurationHistogram, _GpuCo
 def test_duration_histograms_expose_exactly_what_prometheus_client_would() -> None:
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     fast = DurationHistogram("tg_seconds", "Help.", ("model", "protocol"), LATENCY_BUCKETS, ours)
-    reference = Histogram("tg_seconds", "Help.", ["model", "protocol"],
-                          buckets=LATENCY_BUCKETS, registry=theirs)  # fmt: skip
+    reference = Histogram(
+        "tg_seconds", "Help.", ["model", "protocol"], buckets=LATENCY_BUCKETS, registry=theirs
+    )
     # on a bound (le is inclusive), between bounds, zero, past the last bound
     values = [0.0, 0.0001, 0.0005, 0.0007, 0.002, 3.0, 10.0, 11.5]
     for labels in (("a", "v2"), ("b", "grpc")):

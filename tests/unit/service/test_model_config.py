@@ -26,16 +26,25 @@ def test_a_minimal_config_names_only_the_backend(tmp_path: Path) -> None:
         ("backend: tensorflow\n", "backend: Input should be 'onnx', 'torchscript' or 'pt2'"),
         ("max_batch_size: 4\n", "backend: Field required"),
         ("backend: onnx\nmax_batch_size: -1\n", "max_batch_size: Input should be greater than"),
-        ("backend: onnx\nwarmup: {batch_sizes: [1, 0]}\n", "warmup.batch_sizes: Value error, batch sizes must be ≥ 1"),
+        (
+            "backend: onnx\nwarmup: {batch_sizes: [1, 0]}\n",
+            "warmup.batch_sizes: Value error, batch sizes must be ≥ 1",
+        ),
         ("backend: onnx\ninputs: [{name: x, datatype: FLOAT, shape: [3]}]\n", "inputs.0.datatype"),
-        ("backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [0]}]\n", "inputs.0.shape: Value error, each dim must be -1"),
+        (
+            "backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [0]}]\n",
+            "inputs.0.shape: Value error, each dim must be -1",
+        ),
         ("backend: onnx\nbatch_size: 4\n", "batch_size: Extra inputs are not permitted"),
-        ("backend: onnx\npreprocessing: {kind: image, mean: [1, 2]}\n", "preprocessing.mean: Value error, has 2 values"),
+        (
+            "backend: onnx\npreprocessing: {kind: image, mean: [1, 2]}\n",
+            "preprocessing.mean: Value error, has 2 values",
+        ),
         ("backend: onnx\ndevice: gpu\n", "device: String should match pattern"),
         ("- a list\n", "expected a mapping of settings, got list"),
         ("backend: [unclosed\n", "cannot read YAML"),
     ],
-)  # fmt: skip
+)
 def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ModelLoadError) as caught:

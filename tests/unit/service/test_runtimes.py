@@ -89,9 +89,14 @@ def test_auto_device_falls_back_to_cpu_without_a_gpu() -> None:
 def test_onnx_runtime_reads_the_signature_from_the_graph(tmp_path: Path) -> None:
     path = tmp_path / "model.onnx"
     torch.onnx.export(
-        TrainModeNet().eval(), (torch.zeros(2, 8),), str(path), input_names=["x"],
-        output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False,
-    )  # fmt: skip
+        TrainModeNet().eval(),
+        (torch.zeros(2, 8),),
+        str(path),
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+        dynamo=False,
+    )
     runtime = create_runtime("onnx", RuntimeOptions("cpu", 1))
     signature = runtime.load(path, None, max_batch_size=8)
     assert signature == SIGNATURE
@@ -111,14 +116,22 @@ def test_cuda_providers_carry_their_options_and_tensorrt_comes_first() -> None:
     providers = providers_for("cuda:1", available, gpu, Path("/models/m/1"))
     assert providers[0] == (
         "TensorrtExecutionProvider",
-        {"device_id": 1, "trt_engine_cache_enable": True,
-         "trt_engine_cache_path": "/models/m/1/tensorrt_cache", "trt_fp16_enable": True},
-    )  # fmt: skip
+        {
+            "device_id": 1,
+            "trt_engine_cache_enable": True,
+            "trt_engine_cache_path": "/models/m/1/tensorrt_cache",
+            "trt_fp16_enable": True,
+        },
+    )
     assert providers[1] == (
         "CUDAExecutionProvider",
-        {"device_id": 1, "arena_extend_strategy": "kNextPowerOfTwo",
-         "cudnn_conv_algo_search": "EXHAUSTIVE", "gpu_mem_limit": 2**30},
-    )  # fmt: skip
+        {
+            "device_id": 1,
+            "arena_extend_strategy": "kNextPowerOfTwo",
+            "cudnn_conv_algo_search": "EXHAUSTIVE",
+            "gpu_mem_limit": 2**30,
+        },
+    )
     assert providers[-1] == "CPUExecutionProvider"
     with pytest.raises(ModelLoadError, match="gpu.tensorrt is set, but this onnxruntime has no"):
         providers_for("cuda", available[1:], gpu)
@@ -228,9 +241,14 @@ def test_onnx_io_binding_answers_exactly_as_a_plain_run(tmp_path: Path) -> None:
 
     path = tmp_path / "model.onnx"
     torch.onnx.export(
-        TrainModeNet().eval(), (torch.zeros(2, 8),), str(path), input_names=["x"],
-        output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False,
-    )  # fmt: skip
+        TrainModeNet().eval(),
+        (torch.zeros(2, 8),),
+        str(path),
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+        dynamo=False,
+    )
     plain = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="off")))
     bound = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="on")))
     for runtime in (plain, bound):
@@ -346,8 +364,11 @@ def test_pt2_from_another_torch_or_for_another_device_is_refused_naming_both(
     source, spec = exported["mlp"].version / "model.pt2", exported["mlp"]
     signature = Signature(spec.inputs, spec.outputs)
     older = _repackaged(source, tmp_path / "older.pt2", **{TORCH_KEY: "2.12.1+cpu"})
-    with pytest.raises(ModelLoadError, match=r"compiled by torch 2\.12\.1\+cpu, this server runs "
-                       rf"torch {re.escape(torch.__version__)}"):  # fmt: skip
+    with pytest.raises(
+        ModelLoadError,
+        match=r"compiled by torch 2\.12\.1\+cpu, this server runs "
+        rf"torch {re.escape(torch.__version__)}",
+    ):
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(older, signature, 8)
     gpu = _repackaged(source, tmp_path / "gpu.pt2", AOTI_DEVICE_KEY="cuda")
     with pytest.raises(ModelLoadError, match="compiled for cuda, this server runs it on cpu"):
@@ -368,12 +389,20 @@ def test_a_foreign_cpu_package_needs_the_instruction_sets_its_metadata_names() -
 
 
 def test_a_package_needs_every_cpu_flag_its_target_recorded_cuda_host_code_too() -> None:
-    needs = {"torch": "2.13.0+cpu", "device": "cpu", "cpu": "x86-64-v3",
-             "cpu_flags": "avx avx2 bmi2 fma", "cpu_isa": "AVX2"}  # fmt: skip
+    needs = {
+        "torch": "2.13.0+cpu",
+        "device": "cpu",
+        "cpu": "x86-64-v3",
+        "cpu_flags": "avx avx2 bmi2 fma",
+        "cpu_isa": "AVX2",
+    }
     check_pt2(needs, "2.13.0", {"cpu"}, cpu_flags={"avx", "avx2", "bmi2", "fma", "sse2"})
     for device in ("cpu", "cuda"):
-        with pytest.raises(ModelLoadError, match=r"compiled for x86-64-v3 CPUs, this CPU lacks "
-                           r"avx2 bmi2: export it again with --pt2-cpu native"):  # fmt: skip
+        with pytest.raises(
+            ModelLoadError,
+            match=r"compiled for x86-64-v3 CPUs, this CPU lacks "
+            r"avx2 bmi2: export it again with --pt2-cpu native",
+        ):
             check_pt2({**needs, "device": device}, "2.13.0", {device}, cpu_flags={"avx", "fma"})
 
 
@@ -381,7 +410,10 @@ def test_a_package_for_a_cpu_this_one_is_not_is_refused_before_it_loads(
     exported: dict[str, Exported], tmp_path: Path
 ) -> None:
     spec = exported["mlp"]
-    future = _repackaged(spec.version / "model.pt2", tmp_path / "future.pt2",
-                         **{CPU_KEY: "x86-64-v9", CPU_FLAGS_KEY: "avx2 avx10_9"})  # fmt: skip
+    future = _repackaged(
+        spec.version / "model.pt2",
+        tmp_path / "future.pt2",
+        **{CPU_KEY: "x86-64-v9", CPU_FLAGS_KEY: "avx2 avx10_9"},
+    )
     with pytest.raises(ModelLoadError, match="compiled for x86-64-v9 CPUs, this CPU lacks avx10_9"):
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(future, Signature(spec.inputs, spec.outputs), 8)

@@ -341,9 +341,11 @@ async def test_when_every_request_fails_alone_the_model_is_at_fault() -> None:
 async def test_a_lone_failure_is_the_inputs_fault_while_the_golden_replay_still_matches() -> None:
     def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if batch["x"].max() > 100:
-            raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code "
-                               "returned while running Gather node. Name:'node_7' Status "
-                               "Message: idx=1000 is out of bounds")  # fmt: skip
+            raise RuntimeError(
+                "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code "
+                "returned while running Gather node. Name:'node_7' Status "
+                "Message: idx=1000 is out of bounds"
+            )
         return {"y": batch["x"] * 2}
 
     s = scheduler(run)
@@ -374,8 +376,10 @@ async def test_a_failed_golden_replay_leaves_no_later_batch_to_the_broken_model(
     with pytest.raises(ModelNotReady, match="model 'm' is broken: failed its golden replay"):
         await s.submit({"x": np.zeros((1, 2))}, None, None)
     await s.stop()
-    assert broken == ["failed its golden replay after a request failed: golden replay: output "
-                      "'y' differs by up to nan"]  # fmt: skip
+    assert broken == [
+        "failed its golden replay after a request failed: golden replay: output "
+        "'y' differs by up to nan"
+    ]
 
 
 class OutOfMemoryError(RuntimeError):

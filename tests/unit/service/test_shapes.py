@@ -14,15 +14,23 @@ pytestmark = pytest.mark.unit
 
 IMAGE = TensorConfig(name="image", datatype="FP32", shape=(3, -1, -1))
 CONFIG = ModelConfig(backend="onnx", max_batch_size=4, buckets=(32, 64))
-HEAT = {"heat": {2: Follow(input="image", dim=2, sizes=tuple((n - 5) // 2 + 1 for n in
-                                                            range(1, 65))),
-                 3: Follow(input="image", dim=3)}}  # fmt: skip
+HEAT = {
+    "heat": {
+        2: Follow(input="image", dim=2, sizes=tuple((n - 5) // 2 + 1 for n in range(1, 65))),
+        3: Follow(input="image", dim=3),
+    }
+}
 
 
 def facts(pad: bool = True) -> ShapeFacts:
     axes = (Axis(dims=(("image", 2),), min=5, max=64), Axis(dims=(("image", 3),), min=5, max=64))
-    return ShapeFacts(axes=axes, buckets=(32, 64), pad=pad, reason="" if pad else "it pools",
-                      follows=HEAT if pad else {})  # fmt: skip
+    return ShapeFacts(
+        axes=axes,
+        buckets=(32, 64),
+        pad=pad,
+        reason="" if pad else "it pools",
+        follows=HEAT if pad else {},
+    )
 
 
 def test_each_dim_is_padded_to_its_bucket_and_outputs_cropped_to_the_callers_size() -> None:
@@ -46,9 +54,11 @@ def test_a_size_on_a_bucket_is_neither_padded_nor_cropped() -> None:
 
 @pytest.mark.parametrize(
     ("h", "message"),
-    [(65, "dim 2 is 65, above model 'm''s largest bucket 64; model 'm' takes 5 to 64 there"),
-     (4, "input 'image': dim 2 is 4; model 'm' takes 5 to 64 there")],
-)  # fmt: skip
+    [
+        (65, "dim 2 is 65, above model 'm''s largest bucket 64; model 'm' takes 5 to 64 there"),
+        (4, "input 'image': dim 2 is 4; model 'm' takes 5 to 64 there"),
+    ],
+)
 def test_sizes_outside_the_exported_range_are_refused_naming_input_dim_and_range(
     h: int, message: str
 ) -> None:
@@ -68,8 +78,11 @@ def test_without_safe_padding_only_the_buckets_are_taken() -> None:
 def test_warmup_runs_every_combination_of_the_axes_buckets() -> None:
     sizes = ShapePolicy.of(CONFIG, [IMAGE], facts()).warm_sizes()
     assert sorted((s["image", 2], s["image", 3]) for s in sizes) == [
-        (32, 32), (32, 64), (64, 32), (64, 64)
-    ]  # fmt: skip
+        (32, 32),
+        (32, 64),
+        (64, 32),
+        (64, 64),
+    ]
 
 
 def test_inputs_of_one_axis_must_agree() -> None:

@@ -49,9 +49,16 @@ def triton_body(arrays: dict[str, np.ndarray], binary: bool) -> tuple[bytes, int
         tensor.set_data_from_numpy(array, binary_data=binary)
         inputs.append(tensor)
     body, json_size = _get_inference_request(
-        inputs=inputs, request_id="r1", outputs=None, sequence_id=0, sequence_start=False,
-        sequence_end=False, priority=0, timeout=None, custom_parameters=None,
-    )  # fmt: skip
+        inputs=inputs,
+        request_id="r1",
+        outputs=None,
+        sequence_id=0,
+        sequence_start=False,
+        sequence_end=False,
+        priority=0,
+        timeout=None,
+        custom_parameters=None,
+    )
     return (body if isinstance(body, bytes) else body.encode()), json_size
 
 
@@ -193,14 +200,26 @@ def _request(**tensor: Any) -> bytes:
         (_request(datatype="UINT8", data=[1, 300]), None, "not a \\(nested\\) list of UINT8"),
         (_request(datatype="BYTES", data=[1, 2]), None, "BYTES data must be strings"),
         (_request(parameters=[1]), None, "'parameters' must be an object"),
-        (b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]},'
-         b'{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}', None, "more than once"),
-        (b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
-         b'"outputs": [{"nome": "y"}]}', None, "string 'name'"),
-        (b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
-         b'"parameters": {"binary_data_output": "yes"}}', None, "must be true or false"),
+        (
+            b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]},'
+            b'{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}',
+            None,
+            "more than once",
+        ),
+        (
+            b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+            b'"outputs": [{"nome": "y"}]}',
+            None,
+            "string 'name'",
+        ),
+        (
+            b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+            b'"parameters": {"binary_data_output": "yes"}}',
+            None,
+            "must be true or false",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_requests_say_what_is_wrong(
     body: bytes, header: int | None, message: str
 ) -> None:
@@ -211,8 +230,18 @@ def test_malformed_requests_say_what_is_wrong(
 def _binary_request(
     size: int, payload: bytes, datatype: str = "FP32", shape: list[int] | None = None
 ) -> tuple[bytes, int]:
-    header = orjson.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": shape or [2],
-                                       "parameters": {"binary_data_size": size}}]})  # fmt: skip
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": datatype,
+                    "shape": shape or [2],
+                    "parameters": {"binary_data_size": size},
+                }
+            ]
+        }
+    )
     return header + payload, len(header)
 
 
@@ -255,8 +284,12 @@ def test_millions_of_empty_bytes_elements_are_refused_before_unpacking() -> None
 
 def test_an_output_requested_twice_is_refused() -> None:
     """Each copy would be encoded again: 100,000 copies turned 2 MB into 710 MB."""
-    body = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
-                         "outputs": [{"name": "y"}, {"name": "z"}, {"name": "y"}]})  # fmt: skip
+    body = orjson.dumps(
+        {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}],
+            "outputs": [{"name": "y"}, {"name": "z"}, {"name": "y"}],
+        }
+    )
     with pytest.raises(InvalidInput, match="output 'y' is requested more than once"):
         decode_request(body)
 
@@ -295,16 +328,22 @@ def test_arbitrary_bytes_never_raise_anything_but_invalid_input(
             "datatype": st.sampled_from([*TO_NUMPY, "X", 3]),
             "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=4), st.text(max_size=2)),
             "data": st.recursive(
-                st.one_of(st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=3),
-                          st.booleans(), st.none()),
-                lambda children: st.lists(children, max_size=4), max_leaves=12,
+                st.one_of(
+                    st.integers(-(2**70), 2**70),
+                    st.floats(),
+                    st.text(max_size=3),
+                    st.booleans(),
+                    st.none(),
+                ),
+                lambda children: st.lists(children, max_size=4),
+                max_leaves=12,
             ),
             "parameters": st.one_of(
                 st.dictionaries(st.just("binary_data_size"), st.integers(-5, 50)), st.integers()
             ),
         },
     )
-)  # fmt: skip
+)
 def test_random_json_tensors_never_raise_anything_but_invalid_input(tensor: dict[str, Any]) -> None:
     body = json.dumps({"inputs": [tensor]}).encode()
     # a client's error either way: 400, or 413 for more BYTES elements than the server holds

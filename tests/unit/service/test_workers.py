@@ -18,9 +18,17 @@ from service.settings import Settings
 
 @pytest.mark.parametrize(
     ("cpus", "workers", "expected"),
-    [(1, 0, (1, 1)), (2, 0, (1, 2)), (3, 0, (1, 3)), (4, 0, (2, 2)), (16, 0, (8, 2)),
-     (2, 2, (2, 1)), (3, 2, (2, 1)), (8, 1, (1, 8))],
-)  # fmt: skip
+    [
+        (1, 0, (1, 1)),
+        (2, 0, (1, 2)),
+        (3, 0, (1, 3)),
+        (4, 0, (2, 2)),
+        (16, 0, (8, 2)),
+        (2, 2, (2, 1)),
+        (3, 2, (2, 1)),
+        (8, 1, (1, 8)),
+    ],
+)
 def test_workers_and_their_threads_share_the_cpus(
     cpus: int, workers: int, expected: tuple[int, int]
 ) -> None:
@@ -49,29 +57,40 @@ def test_a_worker_reads_its_place_back(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _stats(success: int, batches: dict[int, int], last: int) -> dict[str, object]:
     return {
-        "name": "m", "version": "1", "last_inference": last, "inference_count": success,
+        "name": "m",
+        "version": "1",
+        "last_inference": last,
+        "inference_count": success,
         "execution_count": sum(batches.values()),
-        "inference_stats": {"success": {"count": success, "ns": success * 10},
-                            "fail": {"count": 0, "ns": 0}},
-        "batch_stats": [{"batch_size": size, "compute_infer": {"count": n, "ns": n * 5}}
-                        for size, n in batches.items()],
-    }  # fmt: skip
+        "inference_stats": {
+            "success": {"count": success, "ns": success * 10},
+            "fail": {"count": 0, "ns": 0},
+        },
+        "batch_stats": [
+            {"batch_size": size, "compute_infer": {"count": n, "ns": n * 5}}
+            for size, n in batches.items()
+        ],
+    }
 
 
 def test_statistics_add_up_by_model_and_batch_size() -> None:
     other = {**_stats(1, {1: 1}, 5), "name": "n"}
-    merged = merge_statistics([
-        {"model_stats": [_stats(10, {1: 2, 4: 2}, 100)]},
-        {"model_stats": [_stats(6, {2: 1, 4: 1}, 300), other]},
-    ])["model_stats"]  # fmt: skip
+    merged = merge_statistics(
+        [
+            {"model_stats": [_stats(10, {1: 2, 4: 2}, 100)]},
+            {"model_stats": [_stats(6, {2: 1, 4: 1}, 300), other]},
+        ]
+    )["model_stats"]
     assert [(m["name"], m["version"]) for m in merged] == [("m", "1"), ("n", "1")]
     m = merged[0]
     assert m["inference_count"] == 16 and m["execution_count"] == 6
     assert m["last_inference"] == 300
     assert m["inference_stats"]["success"] == {"count": 16, "ns": 160}
     assert [(b["batch_size"], b["compute_infer"]["count"]) for b in m["batch_stats"]] == [
-        (1, 2), (2, 1), (4, 3)
-    ]  # fmt: skip
+        (1, 2),
+        (2, 1),
+        (4, 3),
+    ]
     assert merged[1] == other
 
 
