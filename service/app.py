@@ -23,7 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import PROCESS_STARTED, __version__
 from service.artifacts.pins import check_pinned
-from service.cluster.workers import Cluster, ControlServer, Siblings, Worker
+from service.cluster.control import ControlServer, Siblings
+from service.cluster.supervisor import Worker
+from service.cluster.view import Cluster
 from service.core.dataplane import DataPlane
 from service.core.steps import Steps
 from service.errors import TensorgateError

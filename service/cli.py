@@ -149,7 +149,12 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     import uvicorn
 
     from service.app import create_app, serving_app
-    from service.cluster.workers import Supervisor, Worker, die_with_supervisor, listening_socket
+    from service.cluster.supervisor import (
+        Supervisor,
+        Worker,
+        die_with_supervisor,
+        listening_socket,
+    )
     from service.http.server import DrainingServer
     from service.limits.connections import ConnectionLimits, guarded_protocol
     from service.resources import raise_open_file_limit

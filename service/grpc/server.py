@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from service.cluster.workers import Cluster
+from service.cluster.view import Cluster
 from service.grpc.servicer import SERVICE, InferenceServicer
 from service.limits.admission import BytesBudget
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc

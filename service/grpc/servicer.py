@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import json_format
 
-from service.cluster.workers import Cluster
+from service.cluster.view import Cluster
 from service.errors import ModelNotFound, ServerBusy, TensorgateError
 from service.grpc.streaming import completion_order
 from service.limits.admission import BytesBudget

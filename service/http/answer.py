@@ -18,7 +18,7 @@ import orjson
 from fastapi import Request, Response
 from starlette.types import Receive
 
-from service.cluster.workers import Cluster
+from service.cluster.view import Cluster
 from service.core.dataplane import DataPlane
 from service.errors import InvalidInput, PayloadTooLarge, TensorgateError
 from service.limits import compression
@@ -183,7 +183,7 @@ def dataplane_of(request: Request) -> DataPlane:
 
 
 def cluster_of(request: Request) -> Cluster:
-    """The app's :class:`~service.cluster.workers.Cluster`: the whole server, for the routes
+    """The app's :class:`~service.cluster.view.Cluster`: the whole server, for the routes
     that answer for it (health, statistics, metrics, repository), read as the DataPlane is."""
     cluster: Cluster = request.app.state.cluster
     return cluster

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from service.cluster.workers import Cluster
+from service.cluster.view import Cluster
 from service.http.answer import cluster_of, dataplane_of, json_response
 from service.limits.auth import require_api
 

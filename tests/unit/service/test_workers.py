@@ -11,7 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.cluster.workers import Cluster, Worker, merge_metrics, merge_statistics
+from service.cluster.merge import merge_metrics, merge_statistics
+from service.cluster.supervisor import Worker
+from service.cluster.view import Cluster
 from service.resources import memory_limit_bytes
 from service.settings import Settings
 

@@ -1,0 +1,225 @@
+"""Several server processes on one port (``TG_WORKERS``), one server to the outside.
+
+One event loop parses, decodes and encodes every request of a process, and a small request's
+cost is mostly that loop's (docs/performance.md): past one core, more requests/s need more
+loops. ``tensorgate serve`` with ``TG_WORKERS=N > 1`` becomes a :class:`Supervisor` that starts
+N copies of itself (workers), each a whole server with its own models, batcher and threads
+(``TG_CPUS / N`` of them), each listening on the same HTTP and gRPC ports with
+``SO_REUSEPORT``: the kernel spreads connections over the workers, and nothing sits between a
+client and the worker that answers it. docs/architecture.md says why this design and not front
+processes feeding one model process.
+
+What a client must see as one server, the worker it reaches gathers from the others over a
+private control socket (:class:`ControlServer`, JSON lines on a unix socket in a folder only
+this user may open): readiness and startup are true only when every worker's are; liveness is
+false when any running worker's is; statistics and ``/metrics`` are the sums over workers;
+a model load or unload happens in every worker before it is answered. ``--poll`` needs nothing:
+each worker polls the repository itself.
+
+The supervisor forwards SIGTERM to every worker (each drains as a single server does, so no
+accepted request is lost), replaces a worker that dies (its in-flight requests fail with a
+closed connection; the other workers serve on), and exits when they have. A worker exits when
+its supervisor does, however the supervisor ended (``PR_SET_PDEATHSIG``): no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+
+log = logging.getLogger("tensorgate.workers")
+
+
+WORKER_ENV = "TENSORGATE_WORKER"
+"""Set by the supervisor for each worker: ``<index>/<count>/<supervisor pid>/<replacement>/
+<control folder>``. Not a ``TG_*`` setting: a user never sets it."""
+STARTUP_S = 60.0
+"""A worker that exits with an error this soon after the server started, on its first start,
+is a server that cannot start: the supervisor stops, rather than retry for ever."""
+RESTART_BACKOFF_S = (1.0, 30.0)
+"""A dead worker is started again after the first delay, doubled each time it dies within a
+minute of starting, up to the second."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This process's place among the workers of one server."""
+
+    index: int
+    count: int
+    supervisor_pid: int
+    folder: Path
+    replacement: bool = False
+    """Started in place of one that died: it listens only once its models are ready, so that
+    the kernel gives it no connection it would answer 503 while the others serve."""
+
+    def socket_path(self, index: int) -> Path:
+        return self.folder / f"worker-{index}.sock"
+
+    @property
+    def others(self) -> list[int]:
+        return [i for i in range(self.count) if i != self.index]
+
+    def encode(self) -> str:
+        replacement = int(self.replacement)
+        return f"{self.index}/{self.count}/{self.supervisor_pid}/{replacement}/{self.folder}"
+
+    @classmethod
+    def from_environment(cls) -> Worker | None:
+        value = os.environ.get(WORKER_ENV)
+        if not value:
+            return None
+        index, count, pid, replacement, folder = value.split("/", 4)
+        return cls(int(index), int(count), int(pid), Path(folder), replacement == "1")
+
+
+# -- the supervisor ---------------------------------------------------------------------------
+
+
+class Supervisor:
+    """Starts ``settings.workers`` workers running ``argv`` (this command line), keeps them
+    running, forwards SIGTERM/SIGINT, and returns the exit status once they have all exited."""
+
+    def __init__(self, settings: Settings, argv: Sequence[str]) -> None:
+        self.settings = settings
+        self.argv = list(argv)
+        self.count = settings.workers
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.started_at: dict[int, float] = {}
+        self.backoff: dict[int, float] = {}
+        self.due: dict[int, float] = {}
+        self.stopping = False
+        self.folder = Path(tempfile.mkdtemp(prefix="tensorgate-workers-"))  # mode 0700
+
+    def run(self) -> int:
+        # Reserve the port (and learn it, for port 0) without listening: a socket that does
+        # not listen takes no connections, and SO_REUSEPORT lets the workers bind beside it.
+        reserved = reserve_port(self.settings.host, self.settings.port)
+        port = reserved.getsockname()[1]
+        signal.signal(signal.SIGTERM, self._forward)
+        signal.signal(signal.SIGINT, self._forward)
+        log.info(
+            "serving on %s:%d with %d workers of %d threads each (TG_WORKERS, TG_CPUS %d)",
+            self.settings.host,
+            port,
+            self.count,
+            self.settings.intra_op_threads,
+            self.settings.cpus,
+        )
+        try:
+            for index in range(self.count):
+                self._start(index, port)
+            status = self._watch(port)
+        finally:
+            reserved.close()
+            for process in self.processes.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return status
+
+    def _start(self, index: int, port: int, replacement: bool = False) -> None:
+        worker = Worker(index, self.count, os.getpid(), self.folder, replacement)
+        env = {**os.environ, WORKER_ENV: worker.encode(), "TG_PORT": str(port)}
+        # A session of its own: a signal to the supervisor's process group (Ctrl-C, `kill` of a
+        # `make run`) reaches the workers once, forwarded, instead of twice ("stop now").
+        self.processes[index] = subprocess.Popen(
+            [sys.executable, "-m", "service", *self.argv], env=env, start_new_session=True
+        )
+        self.started_at[index] = time.monotonic()
+        log.info("worker %d started (pid %d)", index, self.processes[index].pid)
+
+    def _watch(self, port: int) -> int:
+        failed = False
+        began = time.monotonic()
+        while True:
+            now = time.monotonic()
+            for index, process in list(self.processes.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                if self.stopping:
+                    failed |= code != 0
+                    del self.processes[index]
+                    continue
+                del self.processes[index]
+                if code > 0 and now - began < STARTUP_S and index not in self.backoff:
+                    # A worker that cannot start (a port in use, a bad setting) will not start
+                    # on a retry either: stop as one server would, with its status.
+                    log.error("worker %d could not start (status %d): stopping", index, code)
+                    self._forward(signal.SIGTERM, None)
+                    failed = True
+                    continue
+                quick = now - self.started_at[index] < 60
+                delay = min(self.backoff.get(index, 0) * 2, RESTART_BACKOFF_S[1]) if quick else 0
+                self.backoff[index] = max(delay, RESTART_BACKOFF_S[0])
+                self.due[index] = now + self.backoff[index]
+                log.error(
+                    "worker %d (pid %d) exited with status %s; starting it again in %.0f s",
+                    index,
+                    process.pid,
+                    code,
+                    self.backoff[index],
+                )
+            for index, when in list(self.due.items()):
+                if self.stopping:
+                    del self.due[index]
+                elif now >= when:
+                    del self.due[index]
+                    self._start(index, port, replacement=True)
+            if self.stopping and not self.processes:
+                return 1 if failed else 0
+            time.sleep(0.1)  # a poll interval: children are few and rarely change
+
+    def _forward(self, sig: int, frame: object) -> None:
+        """First SIGTERM: every worker drains. A second: every worker stops now."""
+        self.stopping = True
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM if sig == signal.SIGTERM else sig)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound, not listening, SO_REUSEPORT socket on ``host:port``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """This worker's own listening socket on the shared port."""
+    sock = reserve_port(host, port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def die_with_supervisor(worker: Worker) -> None:
+    """Ask the kernel for SIGTERM when the supervisor ends, however it ends (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != worker.supervisor_pid:  # it ended before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+# -- the control socket -----------------------------------------------------------------------

@@ -1,0 +1,96 @@
+""":class:`Cluster`: the whole server, one worker or several, as the routes and the gRPC
+servicer ask it: readiness, startup and liveness over every worker, statistics and metrics
+summed, repository changes made in each."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import generate_latest
+
+from service.cluster.control import REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
+from service.cluster.merge import merge_metrics, merge_statistics
+from service.errors import TensorgateError
+from service.repository import metadata
+
+if TYPE_CHECKING:
+    from service.core.dataplane import DataPlane
+
+log = logging.getLogger("tensorgate.workers")
+
+
+class Cluster:
+    """The server as one, however many worker processes serve it: what the REST routes and the
+    gRPC servicers ask for readiness, statistics, metrics and repository changes. Alone, it
+    answers from this process's DataPlane; as one of several workers (``siblings`` set at
+    start), it merges every worker's answer."""
+
+    def __init__(self, dataplane: DataPlane, siblings: Siblings | None = None) -> None:
+        self.dataplane = dataplane
+        self.siblings = siblings
+
+    async def probe(self, kind: str) -> tuple[bool, str]:
+        """``live``, ``ready`` or ``started`` for the whole server. Ready and started need every
+        worker; live fails only for a worker that answers that it is not (a dead one is being
+        replaced by the supervisor, which a restart of the pod would not do better)."""
+        local: tuple[bool, str] = getattr(self.dataplane, kind)()
+        siblings = self.siblings
+        if siblings is None or not local[0]:
+            return local
+        for index, answer in zip(siblings.worker.others, await siblings.ask(kind), strict=True):
+            if isinstance(answer, TensorgateError):
+                if kind != "live":
+                    return False, answer.message
+            elif not answer[0]:
+                return False, f"worker {index}: {answer[1]}"  # which one, as for no answer
+        return local
+
+    async def model_ready(self, name: str, version: str | None) -> bool:
+        """A model is ready when it is in every worker."""
+        if not self.dataplane.model_ready(name, version):
+            return False
+        if self.siblings is None:
+            return True
+        answers = await self.siblings.ask("model_ready", name, version)
+        return all(answer is True for answer in answers)
+
+    async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
+        """The statistics extension's answer, summed over workers."""
+        local = metadata.statistics(self.dataplane.repository, name, version)
+        if self.siblings is None:
+            return local
+        answers = await self.siblings.ask("statistics", name, version)
+        return merge_statistics([local, *_values(answers)])
+
+    async def metrics(self) -> bytes:
+        """``/metrics`` in the text format, summed over workers (see :func:`merge_metrics`)."""
+        local = generate_latest(self.dataplane.observer.metrics.registry)
+        if self.siblings is None:
+            return local
+        answers = await self.siblings.ask("metrics")
+        return merge_metrics([local.decode(), *_values(answers)])
+
+    async def load_model(self, name: str) -> None:
+        """Load ``name`` here and in every other worker; the first refusal is the answer."""
+        await self.dataplane.load_model(name)
+        await self._everywhere("load", name)
+
+    async def unload_model(self, name: str) -> None:
+        await self.dataplane.unload_model(name)
+        await self._everywhere("unload", name)
+
+    async def _everywhere(self, op: str, name: str) -> None:
+        if self.siblings is None:
+            return
+        for answer in await self.siblings.ask(op, name, timeout=REPOSITORY_TIMEOUT_S):
+            if isinstance(answer, TensorgateError):
+                raise answer
+
+
+def _values(answers: list[Any]) -> list[Any]:
+    """The answers, or the first worker's failure: a total that misses a worker is wrong."""
+    for answer in answers:
+        if isinstance(answer, TensorgateError):
+            raise WorkerFailed(f"cannot total over every worker: {answer.message}")
+    return answers
