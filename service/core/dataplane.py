@@ -145,7 +145,8 @@ class DataPlane:
                 )
             deadline = self.deadline(request.timeout_s, request.parameters)
             work = (await self.prepare(served.loaded, request, False, deadline)).work
-            return work if isinstance(work, dict) else await self.offload(OFFLOAD_BYTES, work)
+            assert isinstance(work, dict), "not alone: prepared here, never on an instance"
+            return work
 
     async def prepare(
         self, model: LoadedVersion, request: InferenceRequest, alone: bool, deadline: float

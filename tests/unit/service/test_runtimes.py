@@ -332,12 +332,18 @@ def _repackaged(source: Path, target: Path, **metadata: str) -> Path:
     return target
 
 
+PT2_COMPILED = pytest.mark.integration
+"""Tests of compiled pt2 packages: the session's `exported` fixture compiles them (half a minute
+on two cores), so they run with the integration tier, and `pytest -m unit` stays quick."""
+
+
 def _pt2(spec: Exported) -> Pt2Runtime:
     runtime = Pt2Runtime(RuntimeOptions("cpu", 1))
     runtime.load(spec.version / "model.pt2", Signature(spec.inputs, spec.outputs), 8)
     return runtime
 
 
+@PT2_COMPILED
 def test_pt2_answers_every_batch_size_and_length_as_eager_does(
     exported: dict[str, Exported],
 ) -> None:
@@ -358,6 +364,7 @@ def test_pt2_answers_every_batch_size_and_length_as_eager_does(
             np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@PT2_COMPILED
 def test_pt2_from_another_torch_or_for_another_device_is_refused_naming_both(
     exported: dict[str, Exported], tmp_path: Path
 ) -> None:
@@ -375,6 +382,7 @@ def test_pt2_from_another_torch_or_for_another_device_is_refused_naming_both(
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(gpu, signature, 8)
 
 
+@PT2_COMPILED
 def test_pt2_without_a_declared_signature_is_refused(exported: dict[str, Exported]) -> None:
     with pytest.raises(ModelLoadError, match="carries no tensor names or datatypes"):
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(exported["mlp"].version / "model.pt2", None, 8)
@@ -406,6 +414,7 @@ def test_a_package_needs_every_cpu_flag_its_target_recorded_cuda_host_code_too()
             check_pt2({**needs, "device": device}, "2.13.0", {device}, cpu_flags={"avx", "fma"})
 
 
+@PT2_COMPILED
 def test_a_package_for_a_cpu_this_one_is_not_is_refused_before_it_loads(
     exported: dict[str, Exported], tmp_path: Path
 ) -> None:
