@@ -4,7 +4,7 @@
 #   docker build -t tensorgate:cpu --target cpu .  (slim Python, no CUDA)
 # Versions are pinned here and checked again by the server at start (TG_EXPECT_*): see
 # docs/deploy.md for the CUDA / torch / onnxruntime matrix.
-# Both images carry the three bundled demo models at /models (no VOLUME: a rebuild serves the
+# Both images carry the bundled demo models at /models (no VOLUME: a rebuild serves the
 # rebuilt models). Serve your own by mounting a repository read-only over /models, or point
 # TG_MODEL_REPOSITORY elsewhere. Labels: --build-arg VERSION=… REVISION=$(git rev-parse HEAD)
 # SOURCE=<your repository's URL>.
@@ -35,6 +35,9 @@ RUN /opt/build/bin/pip install --no-deps . \
  && /opt/build/bin/python models/efficientnet_lite0/build.py \
  && /opt/build/bin/python models/digits/build.py \
  && /opt/build/bin/python models/minilm/build.py \
+ && /opt/build/bin/python models/wine/build.py \
+ && /opt/build/bin/python models/faces/build.py \
+ && rm -rf models/faces/.weights \
  && find models -name build.py -delete
 
 # ---------------------------------------------------------------------------------------------

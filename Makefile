@@ -24,7 +24,7 @@ endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODELS := efficientnet_lite0 digits minilm wine
+MODELS := efficientnet_lite0 digits minilm wine faces
 ARTIFACTS := $(foreach m,$(MODELS),models/$(m)/1/manifest.json)
 PYTEST_ARGS ?=
 
@@ -53,6 +53,11 @@ models/%/1/manifest.json: models/%/build.py models/%/config.yaml service/export/
 # wine's own pipeline code is part of its artifact (its sha256 is in the manifest).
 models/wine/1/manifest.json: models/wine/pipeline.py preprocessing/pipeline.py \
 		service/artifacts/code.py service/pipelines/code.py
+
+# faces builds four models (faces and its three networks, faces_pnet/_rnet/_onet) from its code.
+models/faces/1/manifest.json: models/faces/nets.py models/faces/detector.py \
+		models/faces_pnet/config.yaml models/faces_rnet/config.yaml models/faces_onet/config.yaml \
+		preprocessing/pipeline.py service/artifacts/code.py service/pipelines/code.py
 
 models: $(ARTIFACTS)
 

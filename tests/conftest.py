@@ -24,7 +24,7 @@ from tests.server import MODELS, Server, copy_model
 if TYPE_CHECKING:
     from service.model_config import TensorConfig
 
-BUNDLED = ("efficientnet_lite0", "digits", "minilm")
+BUNDLED = ("efficientnet_lite0", "digits", "minilm", "wine", "faces")
 
 
 KINDS = ("unit", "integration", "e2e", "chaos", "fuzz")
