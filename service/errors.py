@@ -74,6 +74,12 @@ class DeadlineExceeded(TensorgateError):
     status = 504
 
 
+class StepCancelled(TensorgateError):
+    """A pipeline's code called a model after its request was cancelled or answered."""
+
+    status = 499
+
+
 class ModelLoadRefused(TensorgateError):
     """A load asked for (the repository API, ``--poll``) was refused; what served goes on."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ import orjson
 from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, overrides, stack
 from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
-from service.core.steps import DEADLINE
+from service.core.steps import DEADLINE, GONE
 from service.core.validation import (
     check_inputs,
     check_made,
@@ -168,11 +169,13 @@ class DataPlane:
         make = partial(_preprocess, pipeline, items, contexts, model)
         loop = asyncio.get_running_loop()
         if not isinstance(pipeline, BUILT_IN):
+            runner, gone = _code_context(deadline)
             batch = await _within(
-                loop.run_in_executor(self.pool, _with_deadline(deadline), make),
+                loop.run_in_executor(self.pool, runner, make),
                 deadline,
                 model.name,
                 "preprocessing",
+                gone,
             )
             check_made(batch, model.signature, model.config, model.name)
             if not model.shapes.axes:
@@ -357,13 +360,13 @@ class Call:
                 started = time.perf_counter_ns()
                 until = self.dataplane.deadline(request.timeout_s, request.parameters)
                 done = partial(_postprocess, pipeline, outputs, prepared.contexts, loaded)
+                runner, gone = _code_context(until)
                 answers = await _within(
-                    asyncio.get_running_loop().run_in_executor(
-                        self.dataplane.pool, _with_deadline(until), done
-                    ),
+                    asyncio.get_running_loop().run_in_executor(self.dataplane.pool, runner, done),
                     until,
                     loaded.name,
                     "postprocessing",
+                    gone,
                 )
                 timing.compute_output_ns += time.perf_counter_ns() - started
         tensors = _outputs(loaded, request.outputs, outputs, answers)
@@ -414,23 +417,33 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
     return [Item(item) for item in encoded_items(named[0], model.name)]
 
 
-def _with_deadline(deadline: float) -> Callable[[Callable[[], T]], T]:
-    """A runner of a model's own code in a context that knows the request's deadline, so that
-    the steps it calls (:mod:`service.core.steps`) carry it."""
+def _code_context(deadline: float) -> tuple[Callable[[Callable[[], T]], T], threading.Event]:
+    """A runner of a model's own code in a context that knows the request's deadline and
+    whether it is gone, so that the steps the code calls (:mod:`service.core.steps`) carry
+    both; and the event that says it is gone."""
+    gone = threading.Event()
     context = contextvars.copy_context()
     context.run(DEADLINE.set, deadline)
-    return context.run
+    context.run(GONE.set, gone)
+    return context.run, gone
 
 
-async def _within(work: Awaitable[T], deadline: float, model: str, step: str) -> T:
+async def _within(
+    work: Awaitable[T], deadline: float, model: str, step: str, gone: threading.Event
+) -> T:
     """``work`` (a model's own code, in the pool), answered 504 past ``deadline``. The thread
-    itself cannot be stopped: it finishes (or hangs) on its own, holding one pool thread."""
+    itself cannot be stopped: it finishes (or hangs) on its own, holding one pool thread, but
+    once its request is answered or cancelled, any step it calls next is refused (``gone``)."""
     try:
         return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
     except TimeoutError:
+        gone.set()
         raise DeadlineExceeded(
             f"model '{model}': its {step} code did not finish within the request's deadline"
         ) from None
+    except asyncio.CancelledError:
+        gone.set()
+        raise
 
 
 def _guarded(fn: Callable[..., T], model: str, *args: Any) -> T:

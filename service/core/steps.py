@@ -6,7 +6,8 @@ loop, so the step batches with every other request for it, as Triton's BLS does:
 request's crops and another client's requests share a batch. What carries through:
 
 - the request's deadline (a step that has not started by then is a 504, and the calling thread
-  stops waiting for it then);
+  stops waiting for it then), and its cancellation (once the client has left, or the request
+  was answered 504, a step the code calls next is refused instead of run);
 - the step model's in-use count (unloading it, or the server's drain, waits for the step),
   and its statistics (a step counts as a request of its own);
 - failures: a step that fails fails the request with the step named (``pipeline step
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,7 +33,7 @@ from service.batching.scheduler import rows_of
 from service.batching.stats import RequestTiming
 from service.core.validation import check_inputs
 from service.datatypes import FROM_NUMPY
-from service.errors import DeadlineExceeded, InvalidInput, TensorgateError
+from service.errors import DeadlineExceeded, InvalidInput, StepCancelled, TensorgateError
 from service.inference import InputTensor
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
@@ -40,6 +42,11 @@ DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "tensorgate_step_deadline", default=None
 )
 """The deadline of the request whose code is running (set by the core around each call)."""
+GONE: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "tensorgate_step_gone", default=None
+)
+"""Set once the request whose code is running was answered (past its deadline) or cancelled
+(its client left, the server stopped): a step it calls after that is refused, not run."""
 
 
 class Steps:
@@ -57,6 +64,11 @@ class Steps:
         if _on_loop(self.loop):
             raise RuntimeError("models.infer() blocks: call it from pipeline code, not the loop")
         deadline = DEADLINE.get() or time.monotonic() + self.default_s
+        gone = GONE.get()
+        if gone is not None and gone.is_set():
+            raise StepCancelled(
+                f"pipeline step '{model}': not run, its request was cancelled or answered"
+            )
         try:
             _, served = self.repository.ready_model(model, version)
             loaded = served.loaded

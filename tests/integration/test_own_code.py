@@ -99,6 +99,8 @@ def write_scorer(folder: Path, version: str = "1") -> None:
 
 CHAIN = '''
 """A pipeline over two models: its own, then the scorer's, called from postprocess."""
+import time
+
 import numpy as np
 
 from preprocessing.pipeline import Pipeline
@@ -110,9 +112,11 @@ class Chain(Pipeline):
     def preprocess(self, item, context):
         record = item.json()
         context["step"] = record.get("step", "scorer")
+        context["wait"] = record.get("wait", 0)
         return {"x": np.asarray(record["x"], dtype=np.float32)}
 
     def postprocess(self, outputs, context):
+        time.sleep(context["wait"])
         first = outputs["y"]
         again = np.concatenate([first, first]).astype(np.float32)[None]
         second = self.models.infer(context["step"], {"x": again})["y"][0]
@@ -628,3 +632,21 @@ def test_the_code_serves_over_grpc_with_tritons_own_client(server: Server) -> No
             client.infer("scorer", [record])
     finally:
         client.close()
+
+
+def test_a_step_called_after_its_client_left_is_not_run(server: Server) -> None:
+    def calls() -> int:
+        stats = server.client.get("/v2/models/scorer/stats").json()["model_stats"][0]
+        return int(stats["inference_stats"]["success"]["count"])
+
+    before = calls()
+    with pytest.raises(httpx.ReadTimeout):
+        server.client.post(
+            "/v1/models/chain:predict",
+            json={"instances": [{"x": [1, 2, 3, 4], "wait": 1.0}]},
+            timeout=0.3,
+        )
+    time.sleep(1.5)  # the code wakes up after its client left, and calls the scorer
+    assert calls() == before
+    assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
+    assert calls() == before + 1
