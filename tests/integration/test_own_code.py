@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -290,11 +290,11 @@ def shuffled(record: dict[str, float], seed: int) -> dict[str, float]:
 
 
 def predict(
-    server: Server, model: str, instances: list[object], **kwargs: object
+    server: Server, model: str, instances: Sequence[object], headers: dict[str, str] | None = None
 ) -> httpx.Response:
     return server.client.post(
-        f"/v1/models/{model}:predict", json={"instances": instances}, **kwargs
-    )  # type: ignore[arg-type]
+        f"/v1/models/{model}:predict", json={"instances": instances}, headers=headers
+    )
 
 
 # -- wine: the tabular example --------------------------------------------------------------------
@@ -340,7 +340,9 @@ def test_wine_over_v2_answers_json_texts_equal_to_v1(server: Server) -> None:
 
 def test_wine_missing_fields_are_imputed_as_in_training_and_said(server: Server) -> None:
     records, _ = wine_split()
-    gappy = {k: v for k, v in records[0].items() if k not in ("proline", "hue")}
+    gappy: dict[str, float | None] = {
+        k: v for k, v in records[0].items() if k not in ("proline", "hue")
+    }
     gappy["ash"] = None
     (answer,) = predict(server, "wine", [gappy]).json()["predictions"]
     assert sorted(answer["imputed"]) == ["ash", "hue", "proline"]
@@ -405,7 +407,7 @@ def test_preprocess_returns_what_the_training_adapter_makes_byte_for_byte(server
 
     sys.path.insert(0, str(REPO_ROOT / "models/wine"))
     try:
-        from pipeline import WinePipeline  # type: ignore[import-not-found]
+        from pipeline import WinePipeline  # type: ignore[import-not-found]  # models/wine, on sys.path
     finally:
         sys.path.remove(str(REPO_ROOT / "models/wine"))
     dataset = PipelineDataset(WinePipeline(**spec.params), records[:2], [0, 0])

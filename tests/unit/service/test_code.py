@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -100,8 +101,8 @@ class _Rows(Pipeline):
         context["n"] = len(item.json())
         return {"x": np.asarray(item.json(), dtype=np.float32)}
 
-    def postprocess(self, outputs: object, context: dict[str, object]) -> object:
-        return {"sum": float(outputs["x"].sum()), "n": context["n"]}  # type: ignore[index]
+    def postprocess(self, outputs: Mapping[str, np.ndarray], context: dict[str, object]) -> object:
+        return {"sum": float(outputs["x"].sum()), "n": context["n"]}
 
 
 def test_answer_one_is_preprocess_run_postprocess_with_the_context_carried() -> None:
