@@ -178,10 +178,7 @@ class DataPlane:
                 gone,
             )
             check_made(batch, model.signature, model.config, model.name)
-            if not model.shapes.axes:
-                return Prepared(batch, contexts)
-            fitted, crop = model.shapes.fit(batch, model.name)
-            return Prepared(fitted, contexts, crop or None)
+            return _fitted(model, batch, contexts)
         if len(items) == 1 and alone:
             return Prepared(make, contexts)
         if len(items) == 1 or overrides(pipeline, "preprocess_batch"):
@@ -199,11 +196,7 @@ class DataPlane:
         inputs = request.inputs
         if request.rows is not None:
             inputs = instance_tensors(request.rows, model.signature.inputs)
-        batch = check_inputs(inputs, model.signature, model.config, model.name)
-        if not model.shapes.axes:  # the common case, with no dynamic dim: nothing to fit
-            return Prepared(batch)
-        fitted, crop = model.shapes.fit(batch, model.name)
-        return Prepared(fitted, crop=crop or None)
+        return _fitted(model, check_inputs(inputs, model.signature, model.config, model.name))
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: its own timeout, else OIP ``parameters.timeout``
@@ -389,6 +382,16 @@ class Call:
             return encode(*args)
         finally:
             self.observation.timing.compute_output_ns += time.perf_counter_ns() - started
+
+
+def _fitted(
+    model: LoadedVersion, batch: dict[str, np.ndarray], contexts: list[dict[str, Any]] | None = None
+) -> Prepared:
+    """A checked batch fitted to the model's buckets (padded, with the crop that undoes it)."""
+    if not model.shapes.axes:  # the common case, with no dynamic dim: nothing to fit
+        return Prepared(batch, contexts)
+    fitted, crop = model.shapes.fit(batch, model.name)
+    return Prepared(fitted, contexts, crop or None)
 
 
 def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None:
