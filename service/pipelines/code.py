@@ -53,9 +53,10 @@ def load_pipeline(spec: PythonSpec, folder: Path, model: str) -> Pipeline:
             "".join(traceback.format_exception(exc)),
         )
         where = _last_frame(exc)
+        said = " ".join(str(exc).split())  # one line in the metadata, whatever the code raised
         raise ModelLoadError(
             f"preprocessing code {spec.module}.{spec.cls} failed to load: "
-            f"{type(exc).__name__}: {exc}{where} (traceback in the server log)"
+            f"{type(exc).__name__}: {said}{where} (traceback in the server log)"
         ) from None
     return pipeline
 
