@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -36,21 +37,28 @@ from service.http.fast import InferFastPath
 from service.limits.admission import BodyBudget, BytesBudget, error_body
 from service.repository.models import ModelRepository
 from service.settings import Settings
+from service.telemetry import tracing
 from service.telemetry.logs import REQUEST_ID, request_id_for
 from service.telemetry.metrics import Metrics
 from service.telemetry.observation import Drain, Observer
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
 log = logging.getLogger("tensorgate.app")
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """The application for ``settings``; nothing is loaded until its lifespan starts."""
+def create_app(settings: Settings, span_exporter: SpanExporter | None = None) -> FastAPI:
+    """The application for ``settings``; nothing is loaded until its lifespan starts.
+    ``span_exporter``: where traces go, instead of what the ``OTEL_*`` environment names (and
+    tracing on whatever it says)."""
     budget = BytesBudget(settings.max_inflight_bytes)
     """Request bodies and gRPC messages in flight, both protocols together."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_pinned(settings)
+        tracing.start(settings.tracing, __version__, span_exporter)
         repository = ModelRepository(settings)
         repository.steps = Steps(repository, asyncio.get_running_loop(), settings.request_timeout_s)
         repository.scan()
@@ -89,6 +97,7 @@ def create_app(settings: Settings) -> FastAPI:
             # close() waits on schedulers running in this loop: it must run off the loop.
             await asyncio.to_thread(repository.close)
             pool.shutdown(wait=True)
+            await asyncio.to_thread(tracing.stop)  # exports what is buffered
             log.info("stopped")
 
     app = FastAPI(

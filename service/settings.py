@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     access_log: bool = True
     """Write one JSON line per inference request (REST or gRPC; health, metadata and metrics
     requests are not logged)."""
+    tracing: bool | None = None
+    """Trace inference requests with OpenTelemetry (docs/deploy.md, "Observing it"). Unset: on
+    when ``OTEL_TRACES_EXPORTER`` names an exporter; the ``OTEL_*`` variables configure it."""
     cpus: int = Field(default_factory=available_cpus, ge=1)
     """CPUs the server may use: the defaults of workers and threads are sized by it. Default:
     the affinity mask, capped by the cgroup's CPU quota (a Kubernetes ``limits.cpu``)."""

@@ -7,13 +7,16 @@ import asyncio
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.types import ASGIApp, Message
 
 from service.app import create_app, serving_app
 from service.core.dataplane import DataPlane
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 T = TypeVar("T")
 
@@ -29,10 +32,10 @@ class InProcess:
     """``create_app(settings)`` with its lifespan started (models loaded), and the ASGI app
     uvicorn would run (``serving``) beside the bare FastAPI app (``app``)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, span_exporter: SpanExporter | None = None) -> None:
         if "grpc_port" not in settings.model_fields_set:  # no port 8001 taken by a unit test
             settings = settings.model_copy(update={"grpc_port": 0})
-        self.app = create_app(settings)
+        self.app = create_app(settings, span_exporter)
         self.serving = serving_app(self.app, settings)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

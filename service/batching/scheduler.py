@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.batching.stats import ModelStats, RequestTiming
+from service.batching.stats import BatchRun, ModelStats, RequestTiming
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -252,6 +252,8 @@ class Scheduler:
     client's fault (400) from the model's (500); None without golden pairs (always 500)."""
     on_broken: Callable[[str], None] | None = None
     """Called with the reason when the replay shows the model itself broken."""
+    devices: Sequence[str] = ()
+    """Each instance's device (traces name it)."""
     queue: deque[Pending] = field(default_factory=deque)
     instances: list[Instance] = field(default_factory=list)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -384,7 +386,8 @@ class Scheduler:
         rows = sum(p.rows for p in items)
         padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
-        def work() -> tuple[dict[str, np.ndarray], float, int, int]:
+        def work() -> tuple[dict[str, np.ndarray], float, int, int, float]:
+            begun = time.monotonic()
             try:
                 batch = collate(items)
             except TensorgateError:
@@ -396,11 +399,11 @@ class Scheduler:
                 batch = pad_rows(batch, rows, self.config.pad_to)
             self._check_warmed(batch, len(items))
             outputs, started, infer_ns = instance.infer(batch)
-            return outputs, started, infer_ns, prepared_ns
+            return outputs, started, infer_ns, prepared_ns, begun
 
         loop = asyncio.get_running_loop()
         try:
-            outputs, started, infer_ns, prepared_ns = await loop.run_in_executor(
+            outputs, started, infer_ns, prepared_ns, begun = await loop.run_in_executor(
                 instance.executor, work
             )
             if padded:
@@ -428,6 +431,25 @@ class Scheduler:
             _fail(items, await self._judge(instance, exc))
             return
         self.stats.record_execution(rows, infer_ns)
+        traced = [
+            (p.timing.trace, p.enqueued, callable(p.work))
+            for p in items
+            if p.timing is not None and p.timing.trace is not None
+        ]
+        if traced:
+            device = self.devices[instance.index] if instance.index < len(self.devices) else ""
+            run = BatchRun(
+                self.model,
+                instance.index,
+                device,
+                rows,
+                len(items),
+                begun,
+                prepared_ns,
+                started,
+                infer_ns,
+            )
+            traced[0][0].batch_ran(run, traced)
         for p, part in zip(items, parts, strict=True):
             if p.future.done():
                 continue

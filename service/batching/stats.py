@@ -8,10 +8,38 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 PHASES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRun:
+    """One batch run, as the scheduler tells a traced request. Times are ``time.monotonic()``
+    seconds and ``time.perf_counter_ns()`` (one clock on Linux: CLOCK_MONOTONIC)."""
+
+    model: str
+    instance: int
+    device: str
+    rows: int
+    requests: int
+    begun: float
+    """The instance took the batch (monotonic s): the end of each request's wait."""
+    prepared_ns: int
+    """The batch was collated, its items made (perf_counter ns)."""
+    started: float
+    """The model started (monotonic s)."""
+    infer_ns: int
+    """How long the model ran."""
+
+
+class BatchTrace(Protocol):
+    """A traced request, as the scheduler sees it (:class:`service.telemetry.tracing.RequestTrace`
+    implements it): told once per batch, by the batch's first traced request."""
+
+    def batch_ran(self, run: BatchRun, members: Sequence[tuple[Any, float, bool]]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -23,6 +51,8 @@ class RequestTiming:
     queue_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    trace: BatchTrace | None = None
+    """Its trace, when tracing is on (the scheduler reports each batch it ran in to it)."""
 
 
 class ModelStats:

@@ -57,6 +57,10 @@ SUMMED_GAUGES = {
     "process_resident_memory_bytes",
     "process_open_fds",
     "tensorgate_pending_requests",
+    "tensorgate_queued_requests",
+    "tensorgate_queue_capacity",
+    "tensorgate_instances",
+    "tensorgate_instances_busy",
     "tensorgate_request_body_bytes_in_flight",
 }
 """Gauges of what each worker holds, so the server holds their sum. Every other gauge (a

@@ -4,7 +4,7 @@ Every protocol front end (v1 and v2 REST in ``service/http``, gRPC in ``service/
 one inference request straight through, in one direction::
 
     with dataplane.call(protocol, model, version) as call:    # 404 / 503 before any work
-        request = <decode the body>                             # the protocol's codec
+        request = await call.decode(work, <decoder>, body)      # the protocol's codec
         result = await call.infer(request)                      # pipeline, batch, run
         body = call.encode(<encoder>, result)                   # the protocol's codec, timed
 
@@ -334,13 +334,19 @@ class Call:
         _check_outputs(loaded, request.outputs)
         deadline = self.dataplane.deadline(request.timeout_s, request.parameters)
         alone = served.in_flight == 1
+        trace = observation.trace
+        preparing = time.perf_counter_ns()
         prepared = await self.dataplane.prepare(loaded, request, alone, deadline)
         if isinstance(prepared.work, dict):
             observation.rows = rows_of(prepared.work, loaded.batched)
-            timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
+            now = time.perf_counter_ns()
+            timing.compute_input_ns = now - timing.started_ns
+            if trace is not None:
+                trace.stage("preprocess", preparing, now)
         else:
             observation.rows = 1  # made on the instance's thread, which times it
         outputs = await served.execute(prepared.work, timing, deadline)
+        postprocessing = time.perf_counter_ns()
         if prepared.crop:
             outputs = apply_crop(outputs, prepared.crop)
         parameters = dict(request.parameters)
@@ -363,6 +369,8 @@ class Call:
                 )
                 timing.compute_output_ns += time.perf_counter_ns() - started
         tensors = _outputs(loaded, request.outputs, outputs, answers)
+        if trace is not None:
+            trace.stage("postprocess", postprocessing, time.perf_counter_ns())
         return InferenceResult(
             self.model,
             self.version,
@@ -375,13 +383,25 @@ class Call:
             answers,
         )
 
+    async def decode(self, work: int, decode: Callable[..., T], *args: Any) -> T:
+        """``decode(*args)``, the protocol's decoding of the request, offloaded by its ``work``
+        (:meth:`DataPlane.offload`); a stage of the request's trace."""
+        started = time.perf_counter_ns()
+        decoded = await self.dataplane.offload(work, decode, *args)
+        if (trace := self.observation.trace) is not None:
+            trace.stage("decode", started, time.perf_counter_ns())
+        return decoded
+
     def encode(self, encode: Callable[..., T], *args: Any) -> T:
         """``encode(*args)``, timed as the request's postprocessing."""
         started = time.perf_counter_ns()
         try:
             return encode(*args)
         finally:
-            self.observation.timing.compute_output_ns += time.perf_counter_ns() - started
+            ended = time.perf_counter_ns()
+            self.observation.timing.compute_output_ns += ended - started
+            if (trace := self.observation.trace) is not None:
+                trace.stage("encode", started, ended)
 
 
 def _fitted(

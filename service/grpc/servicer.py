@@ -28,6 +28,7 @@ from service.protocol import grpc as codec
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.repository import metadata
+from service.telemetry import tracing
 from service.telemetry.logs import REQUEST_ID, request_id_for
 
 log = logging.getLogger("tensorgate.grpc")
@@ -77,6 +78,30 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     )
 
 
+_SERVER_ERRORS = {
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS,
+}
+"""The codes OpenTelemetry's RPC conventions count as a server span's error."""
+
+
+def _text(metadata: dict[str, Any]) -> dict[str, str]:
+    """Metadata as a propagator reads it: text values only (binary ``-bin`` keys dropped)."""
+    return {k: v for k, v in metadata.items() if isinstance(v, str)}
+
+
+def _end(trace: tracing.RequestTrace, code: grpc.StatusCode) -> None:
+    status = code.value[0]
+    trace.end(
+        code in _SERVER_ERRORS,
+        {"rpc.system": "grpc", "rpc.service": SERVICE, "rpc.grpc.status_code": status},
+    )
+
+
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` over the DataPlane. Every RPC but the health ones asks
     for the API token (``authorization: Bearer …`` metadata) when one is set."""
@@ -97,22 +122,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
         work: Callable[[], Awaitable[T]],
         token: str | None = "api",
+        span: str | None = None,
     ) -> T:
-        """Check the token, run ``work``, and turn its error into the call's status."""
+        """Check the token, run ``work``, and turn its error into the call's status. ``span``:
+        the RPC's name, for an inference RPC traced (:mod:`service.telemetry.tracing`)."""
         headers = dict(context.invocation_metadata() or ())
-        REQUEST_ID.set(request_id_for(str(headers.get("x-request-id", ""))))
+        request_id = request_id_for(str(headers.get("x-request-id", "")))
+        REQUEST_ID.set(request_id)
         if token == "admin" and self.settings.admin_token is None:
             # as REST, where the routes exist only with the token
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, ADMIN_OFF)
+        trace = None
+        if span is not None and tracing.TRACER is not None:
+            trace = tracing.begin(span, _text(headers), request_id)
         try:
             if token is not None:
                 expected = (
                     self.settings.admin_token if token == "admin" else self.settings.api_token
                 )
                 check_authorization(str(headers.get("authorization", "")), expected, token)
-            return await work()
+            answer = await work()
         except Exception as exc:
             code, message = grpc_status(exc)
+            if trace is not None:
+                _end(trace, code)
+        else:
+            if trace is not None:
+                _end(trace, grpc.StatusCode.OK)
+            return answer
         await context.abort(code, message)
         raise AssertionError("abort() returns only by raising")  # pragma: no cover
 
@@ -175,7 +212,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             _compress_if_worth_it(context, response)
             return response
 
-        return await self._answer(context, infer)
+        return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
 
     async def _infer(
         self, request: pb.ModelInferRequest, timeout_s: float | None
@@ -195,7 +232,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         dataplane = self.dataplane
         with dataplane.call("grpc", request.model_name, request.model_version or None) as call:
-            decoded = await dataplane.offload(
+            decoded = await call.decode(
                 codec.decode_work(request),
                 codec.decode_request,
                 request,
@@ -227,12 +264,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:
             await context.abort(*grpc_status(exc))
 
+        carrier = _text(headers)
+
         async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-            REQUEST_ID.set(request_id_for(request.id or stream_id))  # this request's task
+            request_id = request_id_for(request.id or stream_id)
+            REQUEST_ID.set(request_id)  # this request's task
+            trace = None
+            if tracing.TRACER is not None:
+                trace = tracing.begin(f"{SERVICE}/ModelStreamInfer", carrier, request_id)
             try:
                 response = await self._infer(request, context.time_remaining())
+                if trace is not None:
+                    _end(trace, grpc.StatusCode.OK)
             except Exception as exc:
-                _, message = grpc_status(exc)
+                code, message = grpc_status(exc)
+                if trace is not None:
+                    _end(trace, code)
                 failed = pb.ModelInferResponse(
                     model_name=request.model_name,
                     model_version=request.model_version,

@@ -25,6 +25,7 @@ from service.limits import compression
 from service.limits.admission import error_body
 from service.limits.auth import check_authorization
 from service.protocol import v1, v2
+from service.telemetry import tracing
 from service.telemetry.logs import REQUEST_ID
 
 log = logging.getLogger("tensorgate.app")
@@ -71,6 +72,11 @@ async def answer_inference(
     ``reserve``: the server's budget for bodies in flight, told what a compressed body inflates
     to (:mod:`service.limits.admission`)."""
     settings = dataplane.settings
+    trace = None
+    if tracing.TRACER is not None:
+        trace = tracing.begin(
+            SPAN_NAMES[route.kind, route.version is not None], headers, REQUEST_ID.get() or ""
+        )
     try:
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
@@ -94,15 +100,33 @@ async def answer_inference(
     except ClientGone:
         answer = None
     except Exception as exc:
-        return error_answer(exc, f"POST {route.kind} {route.model}")
+        answer = error_answer(exc, f"POST {route.kind} {route.model}")
     if answer is None:
-        return Answer(CLIENT_GONE, b"")
-    wanted = compression.choose(headers.get("accept-encoding", ""))
-    if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
-        body = await dataplane.offload(len(answer.body), compression.compress, answer.body, wanted)
-        encoded = {"content-encoding": wanted, "vary": "accept-encoding"}
-        answer = Answer(answer.status, body, {**answer.headers, **encoded})
+        answer = Answer(CLIENT_GONE, b"")
+    elif answer.status == 200:
+        wanted = compression.choose(headers.get("accept-encoding", ""))
+        if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
+            body = await dataplane.offload(
+                len(answer.body), compression.compress, answer.body, wanted
+            )
+            encoded = {"content-encoding": wanted, "vary": "accept-encoding"}
+            answer = Answer(answer.status, body, {**answer.headers, **encoded})
+    if trace is not None:
+        trace.end(
+            answer.status >= 500,
+            {"http.request.method": "POST", "http.response.status_code": answer.status},
+        )
     return answer
+
+
+SPAN_NAMES = {
+    ("infer", False): "POST /v2/models/{name}/infer",
+    ("infer", True): "POST /v2/models/{name}/versions/{version}/infer",
+    ("predict", False): "POST /v1/models/{name}:predict",
+    ("preprocess", False): "POST /v1/models/{name}:preprocess",
+}
+"""Each inference route's server span name: its template (a name per model would make every
+model its own operation in a tracing backend's index)."""
 
 
 async def _infer(
@@ -113,7 +137,7 @@ async def _infer(
     timeout_s: float | None,
 ) -> Answer:
     with dataplane.call("v2", route.model, route.version) as call:
-        request = await dataplane.offload(
+        request = await call.decode(
             v2.decode_work(body, header_length),
             v2.decode_request,
             body,
@@ -139,7 +163,7 @@ async def _predict(
         archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
         return Answer(200, archive, {"content-type": "application/x-npz"})
     with dataplane.call("v1", route.model, None) as call:
-        request = await dataplane.offload(v1.decode_work(body, content_type), *decode)
+        request = await call.decode(v1.decode_work(body, content_type), *decode)
         result = await call.infer(request)
         content = call.encode(v1.encode_predictions, result)
     return Answer(200, content, {"content-type": "application/json"})

@@ -57,6 +57,7 @@ class ServedVersion:
                 warmed=set(self.loaded.warmed),
                 replay=self.loaded.replay_golden if self.loaded.golden else None,
                 on_broken=self.on_broken,
+                devices=self.loaded.devices,
             )
             self.scheduler.start()
         return self.scheduler

@@ -21,6 +21,8 @@ from typing import Any
 
 import orjson
 
+from service.telemetry import tracing
+
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 """The id of the request being handled, for every log line written while handling it."""
 
@@ -78,6 +80,9 @@ class _Enqueue(logging.handlers.QueueHandler):
         request_id = REQUEST_ID.get()
         if request_id is not None and not hasattr(record, "request_id"):
             record.request_id = request_id
+        trace = tracing.CURRENT.get()
+        if trace is not None and not hasattr(record, "trace_id"):
+            record.trace_id, record.span_id = trace.ids
         return record
 
 

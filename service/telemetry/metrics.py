@@ -28,9 +28,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from service.batching.scheduler import Scheduler
 from service.batching.stats import RequestTiming
 from service.repository.models import ModelRepository, ModelState
 from service.repository.serving import ServedVersion
+from service.resources import memory_limit_bytes
 from service.telemetry.counters import REFUSED, bytes_held
 
 # Millisecond-scale inference: 0.5 ms to 10 s.
@@ -206,6 +208,19 @@ def _pending(served: ServedVersion) -> float | None:
     return None if scheduler is None else scheduler.pending + scheduler.busy_instances()
 
 
+def _scheduler_value(read: Callable[[Scheduler], float]) -> Callable[[ServedVersion], float | None]:
+    def value(served: ServedVersion) -> float | None:
+        scheduler = served.scheduler
+        return None if scheduler is None else read(scheduler)
+
+    return value
+
+
+def _longest(scheduler: Scheduler) -> float:
+    longest = scheduler.longest_running()
+    return 0.0 if longest is None else longest[1]
+
+
 VERSION_SERIES: tuple[
     tuple[
         type[GaugeMetricFamily | CounterMetricFamily],
@@ -220,6 +235,37 @@ VERSION_SERIES: tuple[
         "tensorgate_pending_requests",
         "Requests waiting in the queue plus batches running, per model version.",
         _pending,
+    ),
+    (
+        GaugeMetricFamily,
+        "tensorgate_queued_requests",
+        "Requests waiting in the queue, not yet running, per model version.",
+        _scheduler_value(lambda scheduler: scheduler.pending),
+    ),
+    (
+        GaugeMetricFamily,
+        "tensorgate_queue_capacity",
+        "Requests the queue holds at most; one past it is refused 503 (max_queue_size).",
+        _scheduler_value(lambda scheduler: scheduler.config.max_queue_size),
+    ),
+    (
+        GaugeMetricFamily,
+        "tensorgate_instances",
+        "Model instances (each runs one batch at a time).",
+        _scheduler_value(lambda scheduler: len(scheduler.instances)),
+    ),
+    (
+        GaugeMetricFamily,
+        "tensorgate_instances_busy",
+        "Model instances running a batch now.",
+        _scheduler_value(lambda scheduler: scheduler.busy_instances()),
+    ),
+    (
+        GaugeMetricFamily,
+        "tensorgate_longest_batch_seconds",
+        "How long the longest-running current batch has run (0 when idle); liveness fails past "
+        "TG_STUCK_INSTANCE_S.",
+        _scheduler_value(_longest),
     ),
     (
         GaugeMetricFamily,
@@ -268,6 +314,7 @@ class _RepositoryCollector(Collector):
 
     def __init__(self, repository: ModelRepository) -> None:
         self.repository = repository
+        self.memory_limit = memory_limit_bytes()  # read once: a cgroup's limit is fixed at start
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -308,6 +355,12 @@ class _RepositoryCollector(Collector):
         ):
             refused.add_metric([reason], REFUSED[reason])
         yield refused
+        yield GaugeMetricFamily(
+            "tensorgate_memory_limit_bytes",
+            "Memory the server may use: its cgroup's limit, else the machine's (alert on "
+            "process_resident_memory_bytes against it).",
+            value=self.memory_limit,
+        )
         yield GaugeMetricFamily(
             "tensorgate_request_body_bytes_in_flight",
             "Request body bytes (and gRPC inference messages) held now over all connections "

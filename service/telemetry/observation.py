@@ -15,6 +15,7 @@ from service.errors import ServerBusy, TensorgateError
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
 from service.telemetry.metrics import Metrics
+from service.telemetry.tracing import CURRENT, RequestTrace
 
 access = logging.getLogger("tensorgate.access")
 
@@ -39,6 +40,8 @@ class Observation:
     timing: RequestTiming = field(default_factory=RequestTiming)
     served: ServedVersion | None = None
     rows: int = 0
+    trace: RequestTrace | None = None
+    """The request's trace when tracing is on (its stages are marked on it)."""
 
 
 class Observer:
@@ -55,7 +58,11 @@ class Observer:
         server refuses new work; whatever happens inside is counted, timed and logged once."""
         if self.drain.refusing:
             raise ServerBusy("the server is shutting down; send this request elsewhere")
-        return _Observing(self, protocol, name, Observation(version or ""))
+        observation = Observation(version or "")
+        trace = CURRENT.get()
+        if trace is not None:
+            observation.trace = observation.timing.trace = trace
+        return _Observing(self, protocol, name, observation)
 
     def finish(self, protocol: str, name: str, observation: Observation, status: int) -> None:
         """A request is answered with ``status``: its model's statistics, metrics, log line."""
@@ -67,6 +74,18 @@ class Observer:
             else:
                 stats.record_failure(observation.timing)
         self._record(protocol, name, observation, status)
+        trace = observation.trace
+        if trace is not None:
+            trace.span.set_attributes(
+                {
+                    "tensorgate.model": name,
+                    "tensorgate.model.version": observation.version,
+                    "tensorgate.rows": observation.rows,
+                    "tensorgate.protocol": protocol,
+                }
+            )
+            if observation.served is not None:
+                trace.device = observation.served.loaded.device
 
     def _record(self, protocol: str, name: str, observation: Observation, status: int) -> None:
         timing = observation.timing
@@ -78,23 +97,20 @@ class Observer:
             model, observation.version if found else "", protocol, status, elapsed, timing
         )
         if self.access_log:
-            access.info(
-                "%s %s %d",
-                protocol,
-                name,
-                status,
-                extra={
-                    "model": name,
-                    "version": observation.version,
-                    "protocol": protocol,
-                    "status": status,
-                    "duration_ms": round(elapsed * 1000, 3),
-                    "preprocess_ms": round(timing.compute_input_ns / 1e6, 3),
-                    "queue_ms": round(timing.queue_ns / 1e6, 3),
-                    "compute_ms": round(timing.compute_infer_ns / 1e6, 3),
-                    "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
-                },
-            )
+            extra = {
+                "model": name,
+                "version": observation.version,
+                "protocol": protocol,
+                "status": status,
+                "duration_ms": round(elapsed * 1000, 3),
+                "preprocess_ms": round(timing.compute_input_ns / 1e6, 3),
+                "queue_ms": round(timing.queue_ns / 1e6, 3),
+                "compute_ms": round(timing.compute_infer_ns / 1e6, 3),
+                "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
+            }
+            if observation.trace is not None:
+                extra["trace_id"], extra["span_id"] = observation.trace.ids
+            access.info("%s %s %d", protocol, name, status, extra=extra)
 
 
 class _Observing:

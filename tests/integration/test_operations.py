@@ -114,6 +114,14 @@ def test_metrics_count_exactly_what_was_served(ops: Server) -> None:
     pending = ("tensorgate_pending_requests", (("model", "digits"), ("version", "1")))
     assert after[pending] == 0  # one series per version, labelled by it
     assert metric(after, "tensorgate_warmup_duration_seconds", model="digits", version="1") > 0
+    # what the dashboard and alerts compare (deploy/grafana, deploy/prometheus): idle now
+    version = {"model": "digits", "version": "1"}
+    assert metric(after, "tensorgate_queued_requests", **version) == 0
+    assert metric(after, "tensorgate_queue_capacity", **version) == 256  # max_queue_size default
+    assert metric(after, "tensorgate_instances", **version) == 1
+    assert metric(after, "tensorgate_instances_busy", **version) == 0
+    assert metric(after, "tensorgate_longest_batch_seconds", **version) == 0
+    assert metric(after, "tensorgate_memory_limit_bytes") > 100_000_000
 
 
 def test_label_values_are_only_names_that_exist(ops: Server) -> None:

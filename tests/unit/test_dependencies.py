@@ -179,27 +179,50 @@ def export_only_files(graph: dict[str, set[str]]) -> set[str]:
     return only
 
 
-def third_party(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """Third-party top-level module → the files importing it."""
+def third_party(
+    graph: dict[str, set[str]], installed: Mapping[str, list[str]] | None = None
+) -> dict[str, set[str]]:
+    """Third-party module → the files importing it: the top-level name, or the whole dotted
+    name in a namespace package several distributions share (``google.protobuf.x``)."""
     users: dict[str, set[str]] = defaultdict(set)
     for file, names in graph.items():
         for name in names:
-            top = name.split(".")[0]
+            parts = name.split(".")
+            top = parts[0]
             if (
                 top
                 and top not in sys.stdlib_module_names
                 and top not in (*FIRST_PARTY, "__future__")
             ):
-                users[top].add(file)
+                shared = installed is not None and len(installed.get(top, [])) > 1
+                if not shared:
+                    users[top].add(file)
+                elif len(parts) > 1:  # the bare namespace (`from google import x`) is no one's
+                    users[name].add(file)
     return users
 
 
 def distribution_of(module: str, installed: Mapping[str, list[str]]) -> str:
     if module in NOT_INSTALLED_HERE:
         return NOT_INSTALLED_HERE[module]
-    dists = installed.get(module)
+    top, _, rest = module.partition(".")
+    dists = installed.get(top)
     if not dists:
         raise LookupError(f"`import {module}`: no installed distribution provides it")
+    parts = module.split(".")
+    for depth in range(len(parts), 1, -1) if rest and len(dists) > 1 else ():
+        # a namespace package: the distribution whose files hold the deepest part named
+        stem = "/".join(parts[:depth])
+        holding = [
+            d
+            for d in dists
+            if any(
+                str(f) == f"{stem}.py" or str(f).startswith(f"{stem}/")
+                for f in importlib.metadata.files(d) or ()
+            )
+        ]
+        if len(holding) == 1:
+            return canonicalize_name(holding[0])
     return canonicalize_name(dists[0])
 
 
@@ -247,7 +270,7 @@ def all_problems(have: Declared) -> list[str]:
     export_files = export_only_files(graph)
     installed = importlib.metadata.packages_distributions()
     found: list[str] = []
-    for module, files in sorted(third_party(graph).items()):
+    for module, files in sorted(third_party(graph, installed).items()):
         try:
             dist = distribution_of(module, installed)
         except LookupError as exc:
