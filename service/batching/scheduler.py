@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.batching.stats import BatchRun, ModelStats, RequestTiming
+from service.batching.stats import BatchRun, BatchTrace, ModelStats, RequestTiming
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -431,35 +431,27 @@ class Scheduler:
             _fail(items, await self._judge(instance, exc))
             return
         self.stats.record_execution(rows, infer_ns)
-        traced = [
-            (p.timing.trace, p.enqueued, callable(p.work))
-            for p in items
-            if p.timing is not None and p.timing.trace is not None
-        ]
-        if traced:
-            device = self.devices[instance.index] if instance.index < len(self.devices) else ""
-            run = BatchRun(
-                self.model,
-                instance.index,
-                device,
-                rows,
-                len(items),
-                begun,
-                prepared_ns,
-                started,
-                infer_ns,
-            )
-            traced[0][0].batch_ran(run, traced)
+        traced: list[tuple[BatchTrace, float, bool]] = []
         for p, part in zip(items, parts, strict=True):
             if p.future.done():
                 continue
-            if p.timing is not None:
+            timing = p.timing
+            if timing is not None:
                 if callable(p.work):  # made on the instance: no queue, no hand-off
-                    p.timing.compute_input_ns = prepared_ns - p.timing.started_ns
+                    timing.compute_input_ns = prepared_ns - timing.started_ns
                 else:
-                    p.timing.queue_ns += int((started - p.enqueued) * 1e9)
-                p.timing.compute_infer_ns += infer_ns
-            p.future.set_result(part)
+                    timing.queue_ns += int((started - p.enqueued) * 1e9)
+                timing.compute_infer_ns += infer_ns
+                if timing.trace is not None:
+                    traced.append((timing.trace, p.enqueued, callable(p.work)))
+            p.future.set_result(part)  # its task resumes after this returns: traced by then
+        if traced:
+            index = instance.index
+            device = self.devices[index] if index < len(self.devices) else ""
+            run = BatchRun(
+                self.model, index, device, rows, len(items), begun, prepared_ns, started, infer_ns
+            )
+            traced[0][0].batch_ran(run, traced)
 
     def _check_warmed(self, batch: Batch, requests: int) -> None:
         """Count the requests of a batch whose shape warmup did not run (on the instance)."""

@@ -53,6 +53,7 @@ from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
 from service.settings import Settings
 from service.telemetry.observation import Drain, Observer
+from service.telemetry.tracing import RequestTrace
 
 T = TypeVar("T")
 
@@ -335,7 +336,7 @@ class Call:
         deadline = self.dataplane.deadline(request.timeout_s, request.parameters)
         alone = served.in_flight == 1
         trace = observation.trace
-        preparing = time.perf_counter_ns()
+        preparing = 0 if trace is None else time.perf_counter_ns()
         prepared = await self.dataplane.prepare(loaded, request, alone, deadline)
         if isinstance(prepared.work, dict):
             observation.rows = rows_of(prepared.work, loaded.batched)
@@ -346,7 +347,7 @@ class Call:
         else:
             observation.rows = 1  # made on the instance's thread, which times it
         outputs = await served.execute(prepared.work, timing, deadline)
-        postprocessing = time.perf_counter_ns()
+        postprocessing = 0 if trace is None else time.perf_counter_ns()
         if prepared.crop:
             outputs = apply_crop(outputs, prepared.crop)
         parameters = dict(request.parameters)
@@ -383,13 +384,20 @@ class Call:
             answers,
         )
 
-    async def decode(self, work: int, decode: Callable[..., T], *args: Any) -> T:
+    def decode(self, work: int, decode: Callable[..., T], *args: Any) -> Awaitable[T]:
         """``decode(*args)``, the protocol's decoding of the request, offloaded by its ``work``
-        (:meth:`DataPlane.offload`); a stage of the request's trace."""
+        (:meth:`DataPlane.offload`); a stage of the request's trace. Untraced, the offload
+        itself is awaited: no coroutine of its own in between."""
+        if self.observation.trace is None:
+            return self.dataplane.offload(work, decode, *args)
+        return self._decode_traced(self.observation.trace, work, decode, *args)
+
+    async def _decode_traced(
+        self, trace: RequestTrace, work: int, decode: Callable[..., T], *args: Any
+    ) -> T:
         started = time.perf_counter_ns()
         decoded = await self.dataplane.offload(work, decode, *args)
-        if (trace := self.observation.trace) is not None:
-            trace.stage("decode", started, time.perf_counter_ns())
+        trace.stage("decode", started, time.perf_counter_ns())
         return decoded
 
     def encode(self, encode: Callable[..., T], *args: Any) -> T:

@@ -28,6 +28,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from opentelemetry import propagate  # the API (a few ms to import); the SDK only when on
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, set_span_in_context
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -148,9 +151,6 @@ def begin(name: str, carrier: Mapping[str, str], request_id: str) -> RequestTrac
     tracer = TRACER
     if tracer is None:
         return None
-    from opentelemetry import propagate
-    from opentelemetry.trace import SpanKind
-
     parent = propagate.extract(carrier)
     span = tracer.start_span(name, parent, SpanKind.SERVER, {"tensorgate.request_id": request_id})
     if not span.is_recording():
@@ -188,8 +188,6 @@ class RequestTrace:
         each member's span; each member's ``queue`` (or, for an item made on the instance,
         ``preprocess``) stage. ``members``: (trace, enqueued monotonic s, made on the
         instance), this request's own first."""
-        from opentelemetry.trace import Link, set_span_in_context
-
         to_ns = 1_000_000_000
         compute = self.tracer.start_span(
             "compute",
@@ -218,8 +216,6 @@ class RequestTrace:
     def end(self, error: bool, attributes: Mapping[str, Any]) -> None:
         """The request is answered (``error``: as a server error; ``attributes``: the
         protocol's status): its stages become child spans and its span ends."""
-        from opentelemetry.trace import Status, StatusCode, set_span_in_context
-
         span, offset = self.span, self._offset
         span.set_attributes(attributes)
         if self.device:

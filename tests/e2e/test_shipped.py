@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,14 +104,21 @@ def probe_paths(container: dict[str, Any]) -> list[str]:
     ]
 
 
+def interpolated(environment: dict[str, str]) -> dict[str, str]:
+    """Values as compose passes them from a shell that sets none of the variables they name:
+    ``${NAME:-default}`` becomes its default (and ``${NAME}`` empty)."""
+    pattern = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+    return {k: pattern.sub(lambda m: m[2] or "", str(v)) for k, v in environment.items()}
+
+
 def image_case(home: Path) -> Shipped:
     """The cpu image's ENTRYPOINT + CMD with compose's environment for the tensorgate-cpu service."""
     (cmd,) = instruction("cpu", "CMD")
     service = COMPOSE["services"]["tensorgate-cpu"]
     env = {
         **base_env("cpu", home),
-        **COMPOSE["x-tensorgate"]["environment"],
-        **service.get("environment", {}),
+        **interpolated(COMPOSE["x-tensorgate"]["environment"]),
+        **interpolated(service.get("environment", {})),
     }
     declared = int(env["TG_PORT"])
     assert any(p.endswith(f":{declared}") for p in service["ports"])
