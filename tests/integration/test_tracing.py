@@ -237,6 +237,33 @@ def test_grpc_continues_the_traceparent_of_its_metadata(
     assert set(_children(spans, server)) == STAGES
 
 
+def test_each_request_of_a_stream_is_its_own_span_in_the_stream_s_trace(
+    traced: tuple[InProcess, InMemorySpanExporter],
+) -> None:
+    running, exporter = traced
+    _spans(exporter)
+    requests = []
+    for i in range(2):
+        request = pb.ModelInferRequest(model_name="digits", id=f"stream-{i}")
+        tensor = request.inputs.add(name="image", datatype="FP32", shape=[1, 1, 8, 8])
+        tensor.contents.fp32_contents.extend([0.5] * 64)
+        requests.append(request)
+    port = running.app.state.dataplane.settings.grpc_port
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answers = list(
+            stub.ModelStreamInfer(iter(requests), metadata=[("traceparent", TRACEPARENT)])
+        )
+    assert [a.error_message for a in answers] == ["", ""]
+    servers = [s for s in _spans(exporter) if s.kind is SpanKind.SERVER]
+    assert {s.name for s in servers} == {"inference.GRPCInferenceService/ModelStreamInfer"}
+    assert {dict(s.attributes or {})["tensorgate.request_id"] for s in servers} == {
+        "stream-0",
+        "stream-1",
+    }
+    assert {f"{s.context.trace_id:032x}" for s in servers} == {TRACE_ID}
+
+
 def test_access_log_lines_carry_the_trace_and_span_ids(
     traced: tuple[InProcess, InMemorySpanExporter], caplog: pytest.LogCaptureFixture
 ) -> None:
