@@ -30,6 +30,7 @@ from bench.common import publish, spread, table, wait_until_up, worktree, wrk
 from tests.server import MODELS, REPO_ROOT, free_port
 
 ENV = {
+    "TG_WORKERS": "1",  # a code change compared on one process (bench.defaults: the defaults)
     "TG_ACCESS_LOG": "false",
     "TG_LOG_LEVEL": "warning",
     "TG_INTRA_OP_THREADS": "2",

@@ -153,11 +153,11 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         Supervisor,
         Worker,
         die_with_supervisor,
-        listening_socket,
+        inherited_listener,
     )
     from service.http.server import DrainingServer
     from service.limits.connections import ConnectionLimits, guarded_protocol
-    from service.resources import raise_open_file_limit
+    from service.resources import CPU_USE, raise_open_file_limit
     from service.settings import unknown_variables
     from service.telemetry import logs
 
@@ -184,10 +184,14 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     if worker is None:
         for warning in unknown_variables():
             log.warning(warning)
+        if settings.sizing_warning is not None:
+            log.warning(settings.sizing_warning)
         if settings.workers > 1:
             return Supervisor(settings, argv).run()
     else:
         die_with_supervisor(worker)
+        if worker.cpu_use_path.is_file():  # the other workers' batches, for the runtimes
+            CPU_USE.attach(worker.cpu_use_path, worker.index)
     app = create_app(settings)
     config = uvicorn.Config(
         serving_app(app, settings),
@@ -210,8 +214,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     server = DrainingServer(config, app, settings)
     if worker is None:
         server.run()
-    else:  # one of several processes on the port: each listens on a socket of its own
-        server.run(sockets=[listening_socket(settings.host, settings.port)])
+    else:  # one of several processes: each accepts from the supervisor's listening socket
+        server.run(sockets=[inherited_listener()])
     return 0
 
 

@@ -121,8 +121,10 @@ class WarmupConfig(_Strict):
 class BatchingConfig(_Strict):
     """How the dynamic batcher forms batches (max_batch_size > 0)."""
 
-    max_queue_delay_ms: float = Field(default=0.0, ge=0)
-    """Wait at most this long after a batch's oldest request for more; 0 = run what is there."""
+    max_queue_delay_ms: float | None = Field(default=None, ge=0)
+    """Wait at most this long after a batch's oldest request for more; 0 = run what is there.
+    Unset: adaptive, waiting (up to 2 ms) only while requests the model accepted are still on
+    their way to its queue; a request alone never waits (docs/performance.md, "Defaults")."""
     preferred_batch_sizes: tuple[int, ...] = ()
     """Run a batch at once when its rows reach one of these sizes."""
     max_queue_size: int = Field(default=256, ge=1)

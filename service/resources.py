@@ -10,8 +10,10 @@ pod spends its time throttled.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import resource
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,3 +131,122 @@ def raise_open_file_limit() -> int:
         except (ValueError, OSError):  # a hard limit of "unlimited" is refused on some kernels
             pass
     return soft
+
+
+ARTIFACTS = ("model.onnx", "model.pt", "model.pt2")
+WORKER_BASE_BYTES = 512 << 20
+"""A worker's memory before its models: the interpreter, torch, onnxruntime, the server."""
+MODEL_BYTES = 256 << 20
+"""Each model's memory beyond its artifact's: its runtime's arenas grown by warmup to the
+largest batch, its sessions, tokenizer and pipeline (docs/performance.md, "Defaults that win":
+the bundled repository, 8 models and 111 MiB of artifacts, is 2.7 GiB RSS a worker)."""
+MODEL_COPY_FACTOR = 3
+"""A loaded model's memory over its artifact's size: the weights, in each of its sessions."""
+SUPERVISOR_BYTES = 128 << 20
+"""The supervisor of several workers (about 85 MiB RSS measured)."""
+
+
+def cuda_visible(environ: dict[str, str] | None = None, dev: Path = Path("/dev")) -> bool:
+    """Whether an NVIDIA GPU is visible to this process, without loading a CUDA library: a
+    device node, and ``CUDA_VISIBLE_DEVICES`` not hiding every device."""
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip().lower() in ("", "-1", "none", "void"):
+        return False
+    return any(dev.glob("nvidia[0-9]*"))
+
+
+def repository_model_bytes(repository: Path, models: list[str] | None = None) -> int:
+    """What one worker's models take, estimated from ``repository`` (only ``models`` when
+    named): per model, :data:`MODEL_BYTES` + :data:`MODEL_COPY_FACTOR` × its newest version's
+    largest artifact. A model folder given as the repository itself (``config.yaml`` at its
+    root) counts as one model. 0 when unreadable: the estimate must never stop a server that
+    would start."""
+    try:
+        folders = (
+            [repository]
+            if (repository / "config.yaml").is_file()
+            else [p for p in repository.iterdir() if (p / "config.yaml").is_file()]
+        )
+        total = 0
+        for folder in folders:
+            if models is not None and folder.name not in models and folder != repository:
+                continue
+            versions = [p for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
+            if not versions:
+                continue
+            newest = max(versions, key=lambda p: int(p.name))
+            sizes = [
+                (newest / name).stat().st_size for name in ARTIFACTS if (newest / name).is_file()
+            ]
+            total += MODEL_BYTES + MODEL_COPY_FACTOR * max(sizes, default=0)
+        return total
+    except OSError:
+        return 0
+
+
+def workers_that_fit(wanted: int, model_bytes: int, limit_bytes: int) -> int:
+    """The most workers, up to ``wanted`` and at least one, whose estimated memory (each:
+    :data:`WORKER_BASE_BYTES` + ``model_bytes``, plus the supervisor's when there are several)
+    stays within 90 % of ``limit_bytes``."""
+    per_worker = WORKER_BASE_BYTES + model_bytes
+    budget = limit_bytes * 0.9
+    count = wanted
+    while count > 1 and count * per_worker + SUPERVISOR_BYTES > budget:
+        count -= 1
+    return count
+
+
+class CpuUse:
+    """Model batches running now on the CPUs this server shares: this process's, and with
+    several workers the others' too (one byte per worker in a file the supervisor creates,
+    each worker writing its own). A runtime that can run a batch on every CPU or on a share of
+    them asks :meth:`contended` before each batch: alone it takes every CPU (a lone request as
+    fast as one process can serve it); beside another batch it keeps to its share, so that the
+    batches do not split each other's threads (docs/performance.md, "Defaults that win").
+    A heuristic read without locks: a stale byte costs one batch its best thread count."""
+
+    def __init__(self) -> None:
+        self.local = 0
+        self._lock = threading.Lock()
+        self._shared: mmap.mmap | None = None
+        self._index = 0
+
+    def attach(self, path: Path, index: int) -> None:
+        """Share counts through ``path`` (one byte per worker, created by the supervisor)."""
+        with path.open("r+b") as file:
+            self._shared = mmap.mmap(file.fileno(), 0)
+        self._index = index
+        self._shared[index] = min(self.local, 255)  # a replacement clears what its predecessor left
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.local += 1
+            if self._shared is not None:
+                self._shared[self._index] = min(self.local, 255)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.local -= 1
+            if self._shared is not None:
+                self._shared[self._index] = min(self.local, 255)
+
+    def contended(self) -> bool:
+        """Whether another batch runs now (asked by a batch already counted in)."""
+        if self.local > 1:
+            return True
+        shared = self._shared
+        if shared is None:
+            return False
+        counts = shared[:]  # bytes: iterating an mmap gives 1-byte strings, these ints
+        return any(count for i, count in enumerate(counts) if i != self._index)
+
+
+CPU_USE = CpuUse()
+"""This process's count (:class:`CpuUse`): the instance threads enter it around each batch."""
+
+
+def create_cpu_use_file(path: Path, workers: int) -> Path:
+    """The file the workers share their :class:`CpuUse` counts through (the supervisor's)."""
+    path.write_bytes(bytes(workers))
+    return path

@@ -8,14 +8,22 @@ import resource
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.resources import available_cpus, memory_limit_bytes
+from service.resources import (
+    WORKER_BASE_BYTES,
+    available_cpus,
+    cuda_visible,
+    memory_limit_bytes,
+    repository_model_bytes,
+    workers_that_fit,
+)
 
 ENV_PREFIX = "TG_"
-CPUS_PER_WORKER = 2
-"""The default of TG_WORKERS is one worker per this many CPUs (docs/performance.md, workers)."""
+CPUS_PER_WORKER = 1
+"""The default of TG_WORKERS is one worker per this many CPUs, on CPU (docs/performance.md,
+"Defaults that win")."""
 MIN_TOKEN_LENGTH = 16
 """A bearer token shorter than this is refused at start: short tokens are guessed."""
 
@@ -63,13 +71,14 @@ class Settings(BaseSettings):
     the affinity mask, capped by the cgroup's CPU quota (a Kubernetes ``limits.cpu``)."""
     workers: int = Field(default=0, ge=0)
     """Server processes on the same ports, each with its own event loop, models and batcher
-    (docs/architecture.md). 0: one per two CPUs, at least one (docs/performance.md)."""
+    (docs/architecture.md). 0: one per CPU (one when a GPU is visible), as many as fit in the
+    memory limit (docs/performance.md, "Defaults that win")."""
     intra_op_threads: int = Field(default=0, ge=0)
     """Threads each model instance's runtime uses inside one operator (torch / onnxruntime).
-    0: the CPUs divided among the workers."""
+    0: every CPU the server may use (TG_CPUS), in each worker."""
     preprocess_threads: int = Field(default=0, ge=0)
     """Threads that decode and preprocess request payloads, off the event loop. 0: the CPUs
-    divided among the workers."""
+    divided among the workers (a request alone is preprocessed on its model's thread)."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413 before they are read in full."""
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
@@ -129,13 +138,34 @@ class Settings(BaseSettings):
     server_name: str = "tensorgate"
     """The name reported in server metadata."""
 
+    _sizing_warning: str | None = PrivateAttr(default=None)
+    _threads_defaulted: bool = PrivateAttr(default=False)
+
+    @property
+    def shared_threads(self) -> int:
+        """Threads a model's batch runs with beside another batch: this worker's share of the
+        CPUs, when the intra-op threads are the default (every CPU, for a batch alone); else
+        the threads set, always."""
+        if not self._threads_defaulted:
+            return self.intra_op_threads
+        return max(1, self.cpus // self.workers)
+
+    @property
+    def sizing_warning(self) -> str | None:
+        """Why fewer workers start than asked (the memory limit), for the log at start."""
+        return self._sizing_warning
+
     @model_validator(mode="after")
     def _size_workers(self) -> Self:
-        if self.workers == 0:
-            self.workers = max(1, self.cpus // CPUS_PER_WORKER)
-        share = max(1, self.cpus // self.workers)
-        self.intra_op_threads = self.intra_op_threads or share
-        self.preprocess_threads = self.preprocess_threads or share
+        self.workers, self._sizing_warning = worker_sizing(self)
+        # Each worker's runtimes and pool may use every CPU of the process: a lone request runs
+        # as fast as on one worker, and under load the workers' threads take turns (ONNX
+        # Runtime's idle threads sleep rather than spin; docs/performance.md, "Defaults").
+        self._threads_defaulted = not self.intra_op_threads
+        self.intra_op_threads = self.intra_op_threads or self.cpus
+        # The pool works only when several requests are in flight (a lone one is preprocessed
+        # on its instance's thread): its share of the CPUs, as a loaded machine has.
+        self.preprocess_threads = self.preprocess_threads or max(1, self.cpus // self.workers)
         return self
 
     @model_validator(mode="after")
@@ -171,6 +201,36 @@ class Settings(BaseSettings):
                     f"{MIN_TOKEN_LENGTH} (unset it to leave the routes open)"
                 )
         return self
+
+
+def worker_sizing(
+    settings: Settings, gpu: bool | None = None, limit_bytes: int | None = None
+) -> tuple[int, str | None]:
+    """How many workers ``settings`` start, and a warning when that is fewer than asked.
+
+    Asked: ``TG_WORKERS``, else one per CPU on a CPU-only machine, and one on a machine with a
+    visible GPU (one process owns every GPU, spreads its instances over them and batches all
+    the requests: a worker per process would hold its own CUDA context and model copies on the
+    same device, and batch only its own requests). Then lowered until every worker's copy of
+    the repository's models fits the memory limit (:func:`service.resources.workers_that_fit`).
+    """
+    asked = settings.workers
+    if asked == 0:
+        on_gpu = cuda_visible() if gpu is None else gpu
+        asked = 1 if on_gpu else max(1, settings.cpus // CPUS_PER_WORKER)
+    limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
+    model_bytes = repository_model_bytes(settings.model_repository, settings.models)
+    fits = workers_that_fit(asked, model_bytes, limit)
+    if fits == asked:
+        return asked, None
+    setting = f"TG_WORKERS={settings.workers}" if settings.workers else "the default"
+    mib = 2**20
+    each = (WORKER_BASE_BYTES + model_bytes) / mib
+    return fits, (
+        f"starting {fits} workers, not {asked} ({setting}): each worker holds its own copy of "
+        f"every model (estimated {each:.0f} MiB a worker) and {asked} would not fit in the "
+        f"memory limit of {limit / mib:.0f} MiB"
+    )
 
 
 def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:

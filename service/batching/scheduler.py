@@ -7,7 +7,10 @@ Rules, after Triton's dynamic batcher:
 - a batch holds requests whose non-batch shapes and dtypes match the oldest request's, and at
   most ``max_batch_size`` rows (the sum of the requests' batch dims);
 - it runs at once when it is full, or has reached a preferred size; otherwise it waits up to
-  ``max_queue_delay`` after its oldest request arrived, then runs with what it has;
+  ``max_queue_delay`` after its oldest request arrived, then runs with what it has. Adaptive
+  (the default, :data:`ADAPTIVE_DELAY_S`): it waits only while requests the model has accepted
+  are still on their way to the queue (being read, decoded, preprocessed), so that a request
+  alone never waits and a burst is batched as one;
 - a request past its deadline is answered 504 before it runs; a cancelled one is dropped;
 - a request with more rows than ``max_batch_size`` is split into chunks and reassembled;
 - a batch of several requests that fails (other than out of memory) runs again one request at
@@ -43,6 +46,7 @@ from service.errors import (
     ServerBusy,
     TensorgateError,
 )
+from service.resources import CPU_USE
 
 log = logging.getLogger("tensorgate.scheduler")
 
@@ -55,6 +59,10 @@ ALONE: ShapeKey = (("", "unprepared", ()),)
 
 
 BatchShape = tuple[tuple[str, tuple[int, ...]], ...]
+
+ADAPTIVE_DELAY_S = 0.002
+"""The most an adaptive batch waits for requests still on their way (docs/performance.md,
+"Defaults that win": the delay that served the most at 64 connections)."""
 
 
 def batch_shape(batch: Mapping[str, np.ndarray]) -> BatchShape:
@@ -202,6 +210,9 @@ class SchedulerConfig:
     max_batch_size: int
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_s: float = 0.0
+    adaptive: bool = False
+    """Wait (up to ``max_queue_delay_s``) only while ``Scheduler.arriving`` says requests are on
+    their way; else run what is queued at once."""
     max_queue_size: int = 256
     instances: int = 1
     pad_to: tuple[int, ...] = ()
@@ -230,7 +241,9 @@ class Instance:
         self._busy_since = started
         clock = time.perf_counter_ns()
         try:
-            return self.run(batch), started, time.perf_counter_ns() - clock
+            with CPU_USE:  # the runtimes ask it whether this batch runs beside another
+                outputs = self.run(batch)
+            return outputs, started, time.perf_counter_ns() - clock
         finally:
             self._busy_since = None
 
@@ -254,6 +267,9 @@ class Scheduler:
     """Called with the reason when the replay shows the model itself broken."""
     devices: Sequence[str] = ()
     """Each instance's device (traces name it)."""
+    arriving: Callable[[], int] | None = None
+    """Requests accepted for the model that have not reached this queue yet (the adaptive
+    delay waits for them)."""
     queue: deque[Pending] = field(default_factory=deque)
     instances: list[Instance] = field(default_factory=list)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -336,11 +352,15 @@ class Scheduler:
         while True:
             self._expire(time.monotonic())
             entries = [(p.rows, p.key, p.enqueued) for p in self.queue]
+            config = self.config
+            delay = config.max_queue_delay_s
+            if config.adaptive and (self.arriving is None or self.arriving() == 0):
+                delay = 0.0  # nobody else is coming: run what is here
             decision = plan(
                 entries,
-                self.config.max_batch_size,
-                self.config.preferred_batch_sizes,
-                self.config.max_queue_delay_s,
+                config.max_batch_size,
+                config.preferred_batch_sizes,
+                delay,
                 time.monotonic(),
             )
             if decision.take:

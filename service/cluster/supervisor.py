@@ -3,10 +3,12 @@
 One event loop parses, decodes and encodes every request of a process, and a small request's
 cost is mostly that loop's (docs/performance.md): past one core, more requests/s need more
 loops. ``tensorgate serve`` with ``TG_WORKERS=N > 1`` becomes a :class:`Supervisor` that starts
-N copies of itself (workers), each a whole server with its own models, batcher and threads
-(``TG_CPUS / N`` of them), each listening on the same HTTP and gRPC ports with
-``SO_REUSEPORT``: the kernel spreads connections over the workers, and nothing sits between a
-client and the worker that answers it. docs/architecture.md says why this design and not front
+N copies of itself (workers), each a whole server with its own models, batcher and threads,
+each accepting HTTP connections from one listening socket the supervisor binds and they
+inherit (a worker takes a connection when its event loop gets to it, so a busy one takes fewer,
+and no stranger can bind the port beside them), and each listening on the gRPC port with
+``SO_REUSEPORT`` (grpcio binds its own): nothing sits between a client and the worker that
+answers it. docs/architecture.md says why this design and not front
 processes feeding one model process.
 
 What a client must see as one server, the worker it reaches gathers from the others over a
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from service.resources import create_cpu_use_file
+
 if TYPE_CHECKING:
     from service.settings import Settings
 
@@ -46,6 +50,8 @@ log = logging.getLogger("tensorgate.workers")
 
 
 WORKER_ENV = "TENSORGATE_WORKER"
+LISTEN_FD_ENV = "TENSORGATE_LISTEN_FD"
+"""The HTTP listening socket a worker inherits from its supervisor (a descriptor number)."""
 """Set by the supervisor for each worker: ``<index>/<count>/<supervisor pid>/<replacement>/
 <control folder>``. Not a ``TG_*`` setting: a user never sets it."""
 STARTUP_S = 60.0
@@ -70,6 +76,11 @@ class Worker:
 
     def socket_path(self, index: int) -> Path:
         return self.folder / f"worker-{index}.sock"
+
+    @property
+    def cpu_use_path(self) -> Path:
+        """The workers' shared count of batches running (:class:`service.resources.CpuUse`)."""
+        return self.folder / "cpu-use"
 
     @property
     def others(self) -> list[int]:
@@ -107,9 +118,13 @@ class Supervisor:
         self.folder = Path(tempfile.mkdtemp(prefix="tensorgate-workers-"))  # mode 0700
 
     def run(self) -> int:
-        # Reserve the port (and learn it, for port 0) without listening: a socket that does
-        # not listen takes no connections, and SO_REUSEPORT lets the workers bind beside it.
-        reserved = reserve_port(self.settings.host, self.settings.port)
+        # HTTP: one listening socket, the supervisor's, inherited by every worker. One accept
+        # queue: a worker takes a connection when its loop gets to it, so a busy worker takes
+        # fewer (SO_REUSEPORT hashed each connection to a worker whatever its load: 16
+        # connections split 11/5 made the tail), and no other process can bind beside it.
+        reserved = shared_listener(self.settings.host, self.settings.port)
+        self.listener = reserved
+        create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
         port = reserved.getsockname()[1]
         signal.signal(signal.SIGTERM, self._forward)
         signal.signal(signal.SIGINT, self._forward)
@@ -136,11 +151,20 @@ class Supervisor:
 
     def _start(self, index: int, port: int, replacement: bool = False) -> None:
         worker = Worker(index, self.count, os.getpid(), self.folder, replacement)
-        env = {**os.environ, WORKER_ENV: worker.encode(), "TG_PORT": str(port)}
+        fd = self.listener.fileno()
+        env = {
+            **os.environ,
+            WORKER_ENV: worker.encode(),
+            "TG_PORT": str(port),
+            LISTEN_FD_ENV: str(fd),
+        }
         # A session of its own: a signal to the supervisor's process group (Ctrl-C, `kill` of a
         # `make run`) reaches the workers once, forwarded, instead of twice ("stop now").
         self.processes[index] = subprocess.Popen(
-            [sys.executable, "-m", "service", *self.argv], env=env, start_new_session=True
+            [sys.executable, "-m", "service", *self.argv],
+            env=env,
+            start_new_session=True,
+            pass_fds=(fd,),
         )
         self.started_at[index] = time.monotonic()
         log.info("worker %d started (pid %d)", index, self.processes[index].pid)
@@ -195,22 +219,20 @@ class Supervisor:
                 process.send_signal(signal.SIGTERM if sig == signal.SIGTERM else sig)
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
-    """A bound, not listening, SO_REUSEPORT socket on ``host:port``."""
+def shared_listener(host: str, port: int) -> socket.socket:
+    """The supervisor's HTTP listening socket on ``host:port``, for its workers to inherit."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """This worker's own listening socket on the shared port."""
-    sock = reserve_port(host, port)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def inherited_listener() -> socket.socket:
+    """The listening socket this worker inherited from its supervisor."""
+    return socket.socket(fileno=int(os.environ[LISTEN_FD_ENV]))
 
 
 def die_with_supervisor(worker: Worker) -> None:

@@ -295,6 +295,7 @@ class Call:
     calls (docs/performance.md, "Per-request bookkeeping")."""
 
     __slots__ = (
+        "_arriving",
         "_in_use",
         "_observing",
         "asked",
@@ -320,11 +321,15 @@ class Call:
         self.observation, self.served, self.version = observation, served, str(found.version)
         self._in_use = served.use()
         self._in_use.__enter__()
+        served.arriving += 1  # on its way to the queue: the adaptive batcher waits for it
+        self._arriving = True
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._arriving:  # failed (or was answered) before it reached the queue
+            self.served.arriving -= 1
         self._in_use.__exit__(kind, exc, tb)
         self._observing.__exit__(kind, exc, tb)
 
@@ -346,6 +351,8 @@ class Call:
                 trace.stage("preprocess", preparing, now)
         else:
             observation.rows = 1  # made on the instance's thread, which times it
+        served.arriving -= 1  # reaches the queue now (the decrement and the submit: no await)
+        self._arriving = False
         outputs = await served.execute(prepared.work, timing, deadline)
         postprocessing = 0 if trace is None else time.perf_counter_ns()
         if prepared.crop:

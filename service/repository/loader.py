@@ -249,7 +249,12 @@ def _open_runtimes(
         create_runtime(
             config.backend,
             RuntimeOptions(
-                instance_device, settings.intra_op_threads, config.precision, config.gpu, path
+                instance_device,
+                settings.intra_op_threads,
+                config.precision,
+                config.gpu,
+                path,
+                settings.shared_threads,
             ),
         )
         for instance_device in (devices if device.startswith("cuda") else devices[:1])

@@ -10,7 +10,7 @@ from types import TracebackType
 
 import numpy as np
 
-from service.batching.scheduler import Scheduler, SchedulerConfig, Work
+from service.batching.scheduler import ADAPTIVE_DELAY_S, Scheduler, SchedulerConfig, Work
 from service.batching.stats import ModelStats, RequestTiming
 from service.errors import ModelNotReady
 from service.model_config import ModelConfig
@@ -33,6 +33,9 @@ class ServedVersion:
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_flight = 0
+        self.arriving = 0
+        """Requests accepted (in use) that have not reached the queue yet: the adaptive
+        batcher waits for them. Counted by the core (:class:`service.core.dataplane.Call`)."""
         self._idle = threading.Condition()
         self._closing = False
         self._use = _InUse(self)
@@ -58,6 +61,7 @@ class ServedVersion:
                 replay=self.loaded.replay_golden if self.loaded.golden else None,
                 on_broken=self.on_broken,
                 devices=self.loaded.devices,
+                arriving=lambda: self.arriving,
             )
             self.scheduler.start()
         return self.scheduler
@@ -111,11 +115,15 @@ class _InUse:
 
 
 def scheduler_config(config: ModelConfig) -> SchedulerConfig:
+    delay_ms = config.batching.max_queue_delay_ms
     return SchedulerConfig(
         max_batch_size=config.max_batch_size,
         pad_to=config.warmup_batch_sizes() if config.warmup.pad_batches else (),
         preferred_batch_sizes=config.batching.preferred_batch_sizes,
-        max_queue_delay_s=config.batching.max_queue_delay_ms / 1000,
+        max_queue_delay_s=(
+            ADAPTIVE_DELAY_S if delay_ms is None else delay_ms / 1000  # None: adaptive
+        ),
+        adaptive=delay_ms is None,
         max_queue_size=config.batching.max_queue_size,
         instances=config.instances,
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from service.batching.scheduler import ADAPTIVE_DELAY_S
 from service.model_config import ModelConfig, TensorConfig, VersionPolicy
 from service.repository.loader import LoadedVersion
 from service.runtimes import PLATFORMS
@@ -64,7 +65,12 @@ def triton_config(
         batching = config.batching
         body["dynamic_batching"] = {
             "preferred_batch_size": list(batching.preferred_batch_sizes),
-            "max_queue_delay_microseconds": round(batching.max_queue_delay_ms * 1000),
+            # adaptive (unset): at most ADAPTIVE_DELAY_S, which is what a client can wait
+            "max_queue_delay_microseconds": round(
+                ADAPTIVE_DELAY_S * 1e6
+                if batching.max_queue_delay_ms is None
+                else batching.max_queue_delay_ms * 1000
+            ),
             "default_queue_policy": {"max_queue_size": batching.max_queue_size},
         }
     device = loaded.device if loaded is not None else config.device

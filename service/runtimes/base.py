@@ -24,6 +24,10 @@ class RuntimeOptions:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     cache_dir: Path | None = None
     """Where a runtime may cache compiled engines (the version folder)."""
+    shared_threads: int = 0
+    """Threads for a batch that runs beside another one (``service.resources.CPU_USE``): the
+    process's share of the CPUs. 0, or ``intra_op_threads`` or more: always
+    ``intra_op_threads``."""
 
 
 def shape_fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import onnxruntime as ort
 
 from service.errors import InvalidInput, ModelLoadError
 from service.model_config import GpuConfig, TensorConfig
+from service.resources import CPU_USE
 from service.runtimes.base import Runtime, Signature, shape_fits
 
 _ORT_TYPES = {
@@ -112,6 +114,16 @@ class OnnxRuntime(Runtime):
             ort.preload_dlls()
         try:
             self._session = ort.InferenceSession(str(path), options, providers=providers)
+            self._shared: ort.InferenceSession | None = None
+            self._alone = AloneChoice()
+            shared = self.options.shared_threads
+            if self.options.device == "cpu" and 0 < shared < self.options.intra_op_threads:
+                # A second session of the same graph with the process's share of the CPUs, for
+                # batches that run beside another (service.resources.CpuUse): an intra-op pool
+                # is fixed per session, and one wider than its share splits each operator
+                # into halves that wait on each other's preempted threads.
+                options.intra_op_num_threads = shared
+                self._shared = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own unexported exception types
             raise ModelLoadError(f"onnxruntime cannot load {path.name}: {exc}") from None
         graph = Signature(
@@ -143,16 +155,50 @@ class OnnxRuntime(Runtime):
         return declared or graph
 
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        shared = self._shared
+        if shared is None:
+            return self._run(self._session, batch)
+        if CPU_USE.contended():
+            return self._run(shared, batch)
+        return self._run_alone(shared, batch)
+
+    def _run_alone(
+        self, shared: ort.InferenceSession, batch: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """A batch alone, on the session that runs lone batches faster (:class:`AloneChoice`),
+        timed for it when nothing else ran meanwhile."""
+        wide = self._alone.wide()
+        started = time.perf_counter()
+        outputs = self._run(self._session if wide else shared, batch)
+        if not CPU_USE.contended():
+            self._alone.record(wide, time.perf_counter() - started, _rows(batch))
+        return outputs
+
+    def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
+        self._run(self._session, batch)
+        shared = self._shared
+        if shared is None:
+            return
+        self._run(shared, batch)  # either may serve the shape; each timed once more
+        rows = _rows(batch)
+        for wide, session in ((True, self._session), (False, shared)):
+            started = time.perf_counter()
+            self._run(session, batch)
+            self._alone.record(wide, time.perf_counter() - started, rows)
+
+    def _run(
+        self, session: ort.InferenceSession, batch: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         if self._bf16_outputs:
-            results = self._run_bf16(batch)
+            results = self._run_bf16(session, batch)
         elif any(a.dtype == object for a in batch.values()) or self._bf16_inputs:
             # String tensors live on the host whatever the device: no binding for them.
             feed = {name: self._feed(name, a) for name, a in batch.items()}
-            results = self._session.run(self._output_names, feed)
+            results = session.run(self._output_names, feed)
         elif self._io_binding:
             results = self._run_bound(batch)
         else:
-            results = self._session.run(self._output_names, dict(batch))
+            results = session.run(self._output_names, dict(batch))
         return dict(zip(self._output_names, results, strict=True))
 
     def _feed(self, name: str, array: np.ndarray) -> Any:
@@ -165,7 +211,9 @@ class OnnxRuntime(Runtime):
             )
         return array
 
-    def _run_bf16(self, batch: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    def _run_bf16(
+        self, session: ort.InferenceSession, batch: Mapping[str, np.ndarray]
+    ) -> list[np.ndarray]:
         """A model with bfloat16 outputs: onnxruntime cannot hand them to numpy, so the run
         takes and gives OrtValues, and those outputs are read back as their bit patterns."""
         feed = {
@@ -174,7 +222,7 @@ class OnnxRuntime(Runtime):
             else ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
             for name, a in batch.items()
         }
-        values = self._session.run_with_ort_values(self._output_names, feed)
+        values = session.run_with_ort_values(self._output_names, feed)
         return [
             _bf16_bits(value) if name in self._bf16_outputs else _numpy(value)
             for name, value in zip(self._output_names, values, strict=True)
@@ -194,6 +242,51 @@ class OnnxRuntime(Runtime):
 
     def close(self) -> None:
         self.__dict__.pop("_session", None)  # idempotent; the session is freed with it
+        self.__dict__.pop("_shared", None)
+
+
+class AloneChoice:
+    """Whether a batch alone runs on every CPU's threads (the wide session) or on the share:
+    the one that has run lone batches faster per row, as measured while serving (warmup seeds
+    it). A model whose operators gain from more threads (a CNN: 1.7 × on 2 CPUs) takes them; a
+    tiny one (the W2 MLP), which only pays for waking them, keeps to its share. The other side
+    runs one lone batch in :data:`EXPLORE`, so that the choice follows the machine. Each side's
+    estimate is the least time per row seen, drifting up 2 % a sample: a sample slowed by
+    another process is never too fast, so one good sample tells. Read and written without a
+    lock from the instance threads: a lost update costs one estimate one sample."""
+
+    __slots__ = ("count", "per_row")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.per_row = [0.0, 0.0]
+        """Seconds per row, wide and shared; 0: not measured yet."""
+
+    def wide(self) -> bool:
+        self.count += 1
+        wide, shared = self.per_row
+        if not wide or not shared:
+            return not wide  # the unmeasured side first
+        best = wide < shared * WIDE_GAIN
+        return best != (self.count % EXPLORE == 0)
+
+    def record(self, wide: bool, seconds: float, rows: int) -> None:
+        side = 0 if wide else 1
+        sample = seconds / max(rows, 1)
+        known = self.per_row[side]
+        self.per_row[side] = sample if not known else min(known * DRIFT, sample)
+
+
+WIDE_GAIN = 0.9
+"""A batch alone takes every CPU's threads only when they run it at least 10 % faster."""
+EXPLORE = 64
+"""One lone batch in this many runs on the side not chosen."""
+DRIFT = 1.02
+
+
+def _rows(batch: Mapping[str, np.ndarray]) -> int:
+    first = next(iter(batch.values()), None)
+    return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
 def _bf16_bits(value: ort.OrtValue) -> np.ndarray:

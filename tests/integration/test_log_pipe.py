@@ -32,6 +32,7 @@ def test_a_stalled_log_pipe_does_not_stall_serving(repository: Path) -> None:
         "TG_PORT": str(port),
         "TG_HOST": "127.0.0.1",
         "TG_MODEL_REPOSITORY": str(repository),
+        "TG_WORKERS": "1",  # one process writing to the pipe
         "TG_INTRA_OP_THREADS": "1",
         "TG_PREPROCESS_THREADS": "1",
         "TG_ACCESS_LOG": "true",

@@ -1,7 +1,7 @@
 """TG_WORKERS=2: several processes on one port, one server to the outside (issue #17).
 
-Each request below goes on a connection of its own, so the kernel spreads them over the
-workers (SO_REUSEPORT hashes each new connection); the access log's ``worker`` field says which
+Each request below goes on a connection of its own, which whichever worker's loop accepts first
+takes from the supervisor's one listening socket; the access log's ``worker`` field says which
 one answered, and the tests check that both did before they trust a total.
 """
 
@@ -103,6 +103,16 @@ def test_two_workers_answer_as_one_server_with_exact_totals(two: Server) -> None
         assert client.is_server_ready()
         grpc_stats = client.get_inference_statistics("digits", as_json=True)
         assert int(grpc_stats["model_stats"][0]["inference_stats"]["success"]["count"]) == count
+
+
+def test_no_other_process_can_bind_the_http_port_beside_the_workers(two: Server) -> None:
+    """The workers accept from the supervisor's one listening socket, bound without
+    SO_REUSEPORT: a second server of the same user cannot take a share of the connections."""
+    with socket.socket() as stranger:
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with pytest.raises(OSError, match="in use"):
+            stranger.bind(("127.0.0.1", two.port))
+    assert fresh("GET", f"{two.url}/v2/health/ready").status_code == 200
 
 
 def test_load_and_unload_reach_every_worker(two: Server) -> None:

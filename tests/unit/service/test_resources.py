@@ -94,8 +94,8 @@ def test_settings_default_threads_follow_the_cpus() -> None:
 
     settings = Settings()
     assert settings.cpus == available_cpus()
-    share = max(1, settings.cpus // settings.workers)
-    assert settings.intra_op_threads == settings.preprocess_threads == share
+    assert settings.intra_op_threads == settings.cpus
+    assert settings.preprocess_threads == max(1, settings.cpus // settings.workers)
 
 
 def test_memory_limit_is_the_tightest_cgroup_limit(tmp_path: Path, proc: Path) -> None:
@@ -113,3 +113,37 @@ def test_memory_limit_v1(tmp_path: Path, proc: Path) -> None:
     assert memory_limit_bytes(tmp_path, proc) == min(
         2 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     )
+
+
+def test_batches_beside_each_other_are_contended_across_workers(tmp_path: Path) -> None:
+    """Two workers share one file; each counts its own batches and sees the other's."""
+    from service.resources import CpuUse, create_cpu_use_file
+
+    path = create_cpu_use_file(tmp_path / "cpu-use", 2)
+    first, second = CpuUse(), CpuUse()
+    first.attach(path, 0)
+    second.attach(path, 1)
+    with first:
+        assert not first.contended()  # alone on the machine
+        with second:
+            assert first.contended() and second.contended()
+        assert not first.contended()
+        with first:  # two batches of one worker (two instances)
+            assert first.contended()
+    assert not second.contended()
+    alone = CpuUse()  # one process, no file: only its own batches count
+    with alone:
+        assert not alone.contended()
+
+
+def test_a_replacement_worker_clears_the_count_its_predecessor_left(tmp_path: Path) -> None:
+    from service.resources import CpuUse, create_cpu_use_file
+
+    path = create_cpu_use_file(tmp_path / "cpu-use", 2)
+    path.write_bytes(bytes([0, 3]))  # worker 1 died during batches
+    watcher = CpuUse()
+    watcher.attach(path, 0)
+    with watcher:
+        assert watcher.contended()
+        CpuUse().attach(path, 1)  # its replacement
+        assert not watcher.contended()

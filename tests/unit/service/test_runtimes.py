@@ -426,3 +426,65 @@ def test_a_package_for_a_cpu_this_one_is_not_is_refused_before_it_loads(
     )
     with pytest.raises(ModelLoadError, match="compiled for x86-64-v9 CPUs, this CPU lacks avx10_9"):
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(future, Signature(spec.inputs, spec.outputs), 8)
+
+
+def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: Path) -> None:
+    """Two sessions of one graph: every CPU's threads for a batch alone, the share beside
+    another batch (service.resources.CPU_USE); both answer alike and both are warmed."""
+    from service.resources import CPU_USE
+
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(
+        TrainModeNet().eval(),
+        (torch.zeros(2, 8),),
+        str(path),
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+        dynamo=False,
+    )
+    runtime = create_runtime("onnx", RuntimeOptions("cpu", 2, shared_threads=1))
+    runtime.load(path, None, 8)
+    wide, shared = runtime._session, runtime._shared  # type: ignore[attr-defined]
+    assert shared is not None and shared is not wide
+    used: list[object] = []
+    for session in (wide, shared):
+        original = session.run
+        session.run = lambda names, feed, _s=session, _o=original: (
+            used.append(_s),
+            _o(names, feed),
+        )[1]
+    x = {"x": np.ones((2, 8), np.float32)}
+    runtime.warmup(x)  # both warmed, then each timed once: the lone choice's seeds
+    assert used == [wide, shared, wide, shared]
+    assert all(runtime._alone.per_row)  # type: ignore[attr-defined]
+    from service.runtimes.onnx import AloneChoice
+
+    class Fixed(AloneChoice):  # the estimates this test sets, not the machine's timings
+        def record(self, wide: bool, seconds: float, rows: int) -> None:
+            pass
+
+    choice = runtime._alone = Fixed()  # type: ignore[attr-defined]
+    choice.per_row = [1.0, 2.0]  # every CPU's threads twice as fast per row (a CNN)
+    used.clear()
+    with CPU_USE:
+        alone = runtime.run(x)
+        with CPU_USE:  # another batch runs meanwhile: the share, whatever the choice
+            beside = runtime.run(x)
+    assert used == [wide, shared]
+    np.testing.assert_allclose(alone["y"], beside["y"], rtol=1e-6)
+    choice.per_row = [2.0, 1.0]  # the share as fast (a tiny model): alone on it too
+    used.clear()
+    for _ in range(64):
+        with CPU_USE:
+            runtime.run(x)
+    assert used.count(shared) == 63 and used.count(wide) == 1  # one in 64 explores
+    real = AloneChoice()
+    real.per_row = [2.0, 1.0]
+    real.record(True, 0.5, 2)  # one fast sample of the wide side tells at once
+    assert real.per_row == [0.25, 1.0]
+    real.record(True, 9.0, 1)  # a slow one (another process ran) only drifts it up
+    assert real.per_row[0] == pytest.approx(0.255)
+    single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
+    single.load(path, None, 8)
+    assert single._shared is None  # type: ignore[attr-defined]

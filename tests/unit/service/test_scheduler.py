@@ -560,3 +560,49 @@ async def test_an_unprepared_request_that_cannot_be_prepared_gets_its_own_error(
     stats = result
     assert stats.execution_count == 1  # the failed preparations ran no model
     assert stats.out_of_memory_count == 0
+
+
+async def test_adaptive_a_request_alone_runs_at_once() -> None:
+    """Nothing else on its way: no wait, even with a long adaptive bound."""
+    sizes: list[int] = []
+    s = scheduler(doubling(sizes), adaptive=True, max_queue_delay_s=30.0)
+    s.arriving = lambda: 0
+    s.start()
+    x = np.ones((1, 2), np.float32)
+    answer = await asyncio.wait_for(s.submit({"x": x}, None, None), 10)  # not the 30 s bound
+    np.testing.assert_array_equal(answer["y"], x * 2)
+    await s.stop()
+    assert sizes == [1]
+
+
+async def test_adaptive_a_batch_waits_for_the_requests_on_their_way() -> None:
+    """Two more requests accepted but not queued yet: the first waits for them and the three
+    run as one batch, at once when the last arrives (not after the 30 s bound)."""
+    sizes: list[int] = []
+    coming = [2]
+    s = scheduler(doubling(sizes), adaptive=True, max_queue_delay_s=30.0)
+    s.arriving = lambda: coming[0]
+    s.start()
+    x = np.ones((1, 2), np.float32)
+    first = asyncio.ensure_future(s.submit({"x": x}, None, None))
+    for _ in range(5):  # the instance is free and has looked at the queue meanwhile
+        await asyncio.sleep(0)
+    assert sizes == [] and not first.done()
+    coming[0] = 0  # both queue in the next turn of the loop, before the instance looks again
+    second = asyncio.ensure_future(s.submit({"x": x}, None, None))
+    third = asyncio.ensure_future(s.submit({"x": x}, None, None))
+    await asyncio.wait_for(asyncio.gather(first, second, third), 10)
+    await s.stop()
+    assert sizes == [3]
+
+
+async def test_adaptive_waits_at_most_its_bound_for_a_request_that_never_comes() -> None:
+    """An accepted request that fails before the queue (a 400) is not waited for forever."""
+    sizes: list[int] = []
+    s = scheduler(doubling(sizes), adaptive=True, max_queue_delay_s=0.05)
+    s.arriving = lambda: 1
+    s.start()
+    x = np.ones((1, 2), np.float32)
+    await asyncio.wait_for(s.submit({"x": x}, None, None), 10)
+    await s.stop()
+    assert sizes == [1]

@@ -14,34 +14,98 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.cluster.merge import merge_metrics, merge_statistics
 from service.cluster.supervisor import Worker
 from service.cluster.view import Cluster
-from service.resources import memory_limit_bytes
-from service.settings import Settings
+from service.resources import cuda_visible, memory_limit_bytes, repository_model_bytes
+from service.settings import Settings, worker_sizing
 
 
 @pytest.mark.parametrize(
     ("cpus", "workers", "expected"),
     [
         (1, 0, (1, 1)),
-        (2, 0, (1, 2)),
-        (3, 0, (1, 3)),
-        (4, 0, (2, 2)),
-        (16, 0, (8, 2)),
-        (2, 2, (2, 1)),
-        (3, 2, (2, 1)),
-        (8, 1, (1, 8)),
+        (2, 0, (2, 2)),
+        (3, 0, (3, 3)),
+        (16, 0, (16, 16)),
+        (2, 1, (1, 2)),
+        (8, 2, (2, 8)),
     ],
 )
-def test_workers_and_their_threads_share_the_cpus(
-    cpus: int, workers: int, expected: tuple[int, int]
+def test_a_worker_per_cpu_each_with_every_cpu_s_threads(
+    cpus: int, workers: int, expected: tuple[int, int], tmp_path: Path
 ) -> None:
-    settings = Settings(cpus=cpus, workers=workers)
+    """Small models (an empty repository) on a machine without a GPU: workers fit in memory."""
+    settings = Settings(cpus=cpus, workers=workers, model_repository=tmp_path)
+    if cuda_visible():  # a GPU machine: one worker by default (its own test below)
+        pytest.skip("this machine has a GPU")
     assert (settings.workers, settings.intra_op_threads) == expected
-    assert settings.preprocess_threads == expected[1]
+    share = max(1, cpus // settings.workers)  # the pool: the worker's share; beside: too
+    assert settings.preprocess_threads == settings.shared_threads == share
+    assert settings.sizing_warning is None
 
 
 def test_threads_set_by_hand_are_kept() -> None:
     settings = Settings(cpus=8, workers=2, intra_op_threads=3, preprocess_threads=1)
     assert (settings.intra_op_threads, settings.preprocess_threads) == (3, 1)
+    assert settings.shared_threads == 3  # set by hand: always
+
+
+def _repository(root: Path, megabytes: int) -> Path:
+    """One model whose newest version's largest artifact is ``megabytes`` (sparse files)."""
+    for version, size in (("1", 1), ("2", megabytes)):
+        folder = root / "big" / version
+        folder.mkdir(parents=True)
+        with (folder / "model.onnx").open("wb") as artifact:
+            artifact.truncate(size << 20)
+    (root / "big" / "config.yaml").write_text("backend: onnx\n")
+    return root
+
+
+def test_with_a_gpu_one_worker_owns_it(tmp_path: Path) -> None:
+    settings = Settings(cpus=16, model_repository=tmp_path)
+    assert worker_sizing(settings.model_copy(update={"workers": 0}), gpu=True)[0] == 1
+    assert worker_sizing(settings.model_copy(update={"workers": 0}), gpu=False)[0] == 16
+    # asked for several on a GPU: as asked (each its own CUDA context; docs/deploy.md)
+    assert worker_sizing(settings.model_copy(update={"workers": 4}), gpu=True)[0] == 4
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    assert not cuda_visible({}, dev)
+    (dev / "nvidia0").touch()
+    assert cuda_visible({}, dev)
+    assert not cuda_visible({"CUDA_VISIBLE_DEVICES": ""}, dev)
+    assert not cuda_visible({"CUDA_VISIBLE_DEVICES": "-1"}, dev)
+    assert cuda_visible({"CUDA_VISIBLE_DEVICES": "0"}, dev)
+
+
+def test_workers_that_do_not_fit_the_memory_limit_are_lowered_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 4 GiB cgroup (fake files), 16 CPUs, a model of 200 MiB: each worker is estimated at
+    512 + 256 + 3 × 200 MiB, so 2 fit (2 × 1368 + 128 < 0.9 × 4096 < 3 × 1368 + 128) where 16
+    were asked."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/pod\n")
+    (tmp_path / "fs" / "pod").mkdir(parents=True)
+    (tmp_path / "fs" / "pod" / "memory.max").write_text(str(4 << 30))
+    monkeypatch.setattr(
+        "service.settings.memory_limit_bytes", lambda: memory_limit_bytes(tmp_path / "fs", proc)
+    )
+    monkeypatch.setattr("service.settings.cuda_visible", lambda: False)
+    repository = _repository(tmp_path / "models", 200)
+    assert repository_model_bytes(repository) == (256 + 3 * 200) << 20  # the newest version's
+    settings = Settings(cpus=16, model_repository=repository)
+    assert settings.workers == 2
+    warning = settings.sizing_warning
+    assert warning is not None
+    assert "starting 2 workers, not 16 (the default)" in warning
+    assert "estimated 1368 MiB a worker" in warning and "4096 MiB" in warning
+    asked = Settings(cpus=16, workers=8, model_repository=repository)
+    assert asked.workers == 2
+    assert asked.sizing_warning is not None and "(TG_WORKERS=8)" in asked.sizing_warning
+    # never below one, whatever the estimate
+    assert Settings(cpus=16, model_repository=_repository(tmp_path / "huge", 4096)).workers == 1
+    # the budget for bodies in flight is shared among the workers that start
+    assert settings.max_inflight_bytes == max(
+        settings.max_body_bytes, min(1 << 30, (4 << 30) // 16 // 2)
+    )
 
 
 def test_the_in_flight_budget_is_shared_among_workers() -> None:

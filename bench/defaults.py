@@ -1,0 +1,163 @@
+"""The defaults against the configurations they replace, alternately, in one sitting (#27).
+
+    .venv/bin/python -m bench.defaults [--pairs 5] [--seconds 4]
+
+Three servers of the working tree serve one repository (efficientnet_lite0 and the W2 MLP) and
+stay up: the server with **no setting at all** (its defaults), the **old default** (one worker
+per two CPUs, its threads the CPUs divided among workers: ``TG_WORKERS=1`` on 2 CPUs) and
+**one worker per CPU, one thread each** (``TG_WORKERS=2 TG_INTRA_OP_THREADS=1
+TG_PREPROCESS_THREADS=1`` on 2 CPUs). Each pair runs every workload against each server, the
+order rotating every pair: W1 (a 640×480 JPEG → top-5, v1 predict) at 1 and 16 connections,
+W2 (the 64→256→10 MLP, a JSON tensor, v2 infer) at 64 and 1. wrk is the client (one thread),
+on the same CPUs. Then a lone image, alternately in this process (decode, preprocess, ONNX
+Runtime at batch 1 with the CPUs' threads, top-5) and served, one at a time, against the
+defaults and the old default (``bench.batching.one_image_pairs``). Writes
+bench/results/defaults.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from bench.batching import W1_PATH, in_process, jpeg_640x480, mlp_models, one_image_pairs, top5
+from bench.common import publish, spread, table, wait_until_up, wrk
+from service.resources import available_cpus
+from tests.server import MODELS, REPO_ROOT, free_port
+
+QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
+
+
+def serve(repository: Path, settings: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
+    """A server with only ``settings`` (and no TG_* of this shell): its defaults for the rest."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TG_")}
+    env.update(
+        QUIET,
+        TG_PORT=str(port),
+        TG_HOST="127.0.0.1",
+        TG_GRPC_PORT=str(free_port()),
+        TG_MODEL_REPOSITORY=str(repository),
+        **settings,
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return process, port
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument("--images", type=int, default=200, help="lone images per side")
+    args = parser.parse_args()
+    cpus = available_cpus()
+    configs = {
+        "defaults": {},
+        "old default": {"TG_WORKERS": str(max(1, cpus // 2))},
+        "1 thread per worker": {
+            "TG_WORKERS": str(cpus),
+            "TG_INTRA_OP_THREADS": "1",
+            "TG_PREPROCESS_THREADS": "1",
+        },
+    }
+    image = jpeg_640x480()
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    mlp = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
+            ]
+        }
+    )
+    workloads = {
+        "W1 c=1": (W1_PATH, image, "image/jpeg", 1),
+        "W1 c=16": (W1_PATH, image, "image/jpeg", 16),
+        "W2 c=64": ("/v2/models/mlp/infer", mlp, "application/json", 64),
+        "W2 c=1": ("/v2/models/mlp/infer", mlp, "application/json", 1),
+    }
+    names = list(configs)
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    lone: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        repository = Path(tmp) / "models"
+        repository.mkdir()
+        (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
+        mlp_models(repository)
+        servers = {name: serve(repository, settings) for name, settings in configs.items()}
+        try:
+            for _, port in servers.values():
+                wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
+            for pair in range(args.pairs):
+                order = names[pair % len(names) :] + names[: pair % len(names)]
+                for workload, (path, body, content_type, connections) in workloads.items():
+                    for name in order:
+                        result = wrk(
+                            f"http://127.0.0.1:{servers[name][1]}{path}",
+                            body,
+                            content_type,
+                            connections=connections,
+                            seconds=args.seconds,
+                        )
+                        assert result.errors == 0, (name, workload, result)
+                        results.setdefault((workload, name), []).append(
+                            (result.requests_per_s, result.p50_ms, result.p99_ms)
+                        )
+            pipeline, runtime = in_process(cpus)
+            for name in ("defaults", "old default"):
+                lone[name] = one_image_pairs(
+                    image, pipeline, runtime, top5(), servers[name][1], W1_PATH, args.images
+                )
+        finally:
+            for process, _ in servers.values():
+                process.terminate()
+                process.wait(timeout=60)
+    rows = []
+    for workload in workloads:
+        new = results[(workload, "defaults")]
+        row = [workload]
+        for name in names:
+            row.append(spread([r for r, _, _ in results[(workload, name)]], "{:.0f}"))
+        for name in names[1:]:
+            ratios = sorted(
+                n[0] / o[0] for n, o in zip(new, results[(workload, name)], strict=True)
+            )
+            row.append(spread(ratios, "{:.3f}"))
+        for name in names:
+            p99_p50 = sorted(p99 / p50 for _, p50, p99 in results[(workload, name)])
+            row.append(spread(p99_p50, "{:.2f}"))
+        rows.append(row)
+    header = [
+        "workload",
+        *(f"{n} req/s" for n in names),
+        *(f"defaults / {n}" for n in names[1:]),
+        *(f"{n} p99/p50" for n in names),
+    ]
+    lone_rows = [
+        [name, f"{inside:.2f}", f"{served:.2f}", f"{inside / served:.3f}"]
+        for name, (inside, served) in lone.items()
+    ]
+    publish(
+        "defaults",
+        f"# defaults vs the configurations they replace ({cpus} CPUs), {args.pairs} rotating "
+        f"pairs of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n\n"
+        f"A lone image, {args.images} alternately in process and served (median ms):\n\n"
+        + table(lone_rows, ["server", "in process ms", "served ms", "served / in process rate"])
+        + "\n",
+    )
+
+
+if __name__ == "__main__":
+    main()
