@@ -473,3 +473,22 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def mlp_body() -> bytes:
+    """W2's request: one row of the 64→256→10 MLP as a JSON tensor (v2 infer)."""
+    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
+    return orjson.dumps({"inputs": [tensor]})
+
+
+def served_repository(root: Path) -> Path:
+    """The repository the side-by-side benches serve: efficientnet_lite0 (W1) and the MLP (W2)."""
+    repository = root / "models"
+    repository.mkdir()
+    (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
+    mlp_models(repository)
+    return repository
+
+
+W2_PATH = "/v2/models/mlp/infer"

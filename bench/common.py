@@ -162,3 +162,31 @@ def worktree(revision: str, folder: Path) -> Iterator[Path]:
             check=False,
             capture_output=True,
         )
+
+
+Workload = tuple[str, bytes, str, int]
+"""A wrk workload: path, body, content type, connections."""
+
+
+def rotating(
+    urls: dict[str, str], workloads: dict[str, Workload], pairs: int, seconds: int
+) -> dict[tuple[str, str], list[WrkResult]]:
+    """Every workload against every server (``urls``: name → base URL), ``pairs`` times, the
+    order of the servers rotating each time, so that a drifting machine falls on all alike.
+    Results by (workload, server), one per pair; any wrk error fails the run."""
+    names = list(urls)
+    results: dict[tuple[str, str], list[WrkResult]] = {}
+    for pair in range(pairs):
+        order = names[pair % len(names) :] + names[: pair % len(names)]
+        for workload, (path, body, content_type, connections) in workloads.items():
+            for name in order:
+                result = wrk(
+                    urls[name] + path,
+                    body,
+                    content_type,
+                    connections=connections,
+                    seconds=seconds,
+                )
+                assert result.errors == 0, (name, workload, result)
+                results.setdefault((workload, name), []).append(result)
+    return results

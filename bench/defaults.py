@@ -24,13 +24,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import orjson
-
-from bench.batching import W1_PATH, in_process, jpeg_640x480, mlp_models, one_image_pairs, top5
-from bench.common import publish, spread, table, wait_until_up, wrk
+from bench.batching import (
+    W1_PATH,
+    W2_PATH,
+    in_process,
+    jpeg_640x480,
+    mlp_body,
+    one_image_pairs,
+    served_repository,
+    top5,
+)
+from bench.common import publish, rotating, spread, table, wait_until_up
 from service.resources import available_cpus
-from tests.server import MODELS, REPO_ROOT, free_port
+from tests.server import REPO_ROOT, free_port
 
 QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
 
@@ -74,47 +80,22 @@ def main() -> None:
         },
     }
     image = jpeg_640x480()
-    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
-    mlp = orjson.dumps(
-        {
-            "inputs": [
-                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
-            ]
-        }
-    )
     workloads = {
         "W1 c=1": (W1_PATH, image, "image/jpeg", 1),
         "W1 c=16": (W1_PATH, image, "image/jpeg", 16),
-        "W2 c=64": ("/v2/models/mlp/infer", mlp, "application/json", 64),
-        "W2 c=1": ("/v2/models/mlp/infer", mlp, "application/json", 1),
+        "W2 c=64": (W2_PATH, mlp_body(), "application/json", 64),
+        "W2 c=1": (W2_PATH, mlp_body(), "application/json", 1),
     }
     names = list(configs)
-    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     lone: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        repository = Path(tmp) / "models"
-        repository.mkdir()
-        (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
-        mlp_models(repository)
+        repository = served_repository(Path(tmp))
         servers = {name: serve(repository, settings) for name, settings in configs.items()}
         try:
             for _, port in servers.values():
                 wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
-            for pair in range(args.pairs):
-                order = names[pair % len(names) :] + names[: pair % len(names)]
-                for workload, (path, body, content_type, connections) in workloads.items():
-                    for name in order:
-                        result = wrk(
-                            f"http://127.0.0.1:{servers[name][1]}{path}",
-                            body,
-                            content_type,
-                            connections=connections,
-                            seconds=args.seconds,
-                        )
-                        assert result.errors == 0, (name, workload, result)
-                        results.setdefault((workload, name), []).append(
-                            (result.requests_per_s, result.p50_ms, result.p99_ms)
-                        )
+            urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in servers.items()}
+            measured = rotating(urls, workloads, args.pairs, args.seconds)
             pipeline, runtime = in_process(cpus)
             for name in ("defaults", "old default"):
                 lone[name] = one_image_pairs(
@@ -124,6 +105,10 @@ def main() -> None:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=60)
+    results = {
+        key: [(r.requests_per_s, r.p50_ms, r.p99_ms) for r in runs]
+        for key, runs in measured.items()
+    }
     rows = []
     for workload in workloads:
         new = results[(workload, "defaults")]

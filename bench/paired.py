@@ -22,12 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import orjson
-
-from bench.batching import W1_PATH, jpeg_640x480, mlp_models
+from bench.batching import W1_PATH, W2_PATH, jpeg_640x480, mlp_body, served_repository
 from bench.common import publish, spread, table, wait_until_up, worktree, wrk
-from tests.server import MODELS, REPO_ROOT, free_port
+from tests.server import REPO_ROOT, free_port
 
 ENV = {
     "TG_WORKERS": "1",  # a code change compared on one process (bench.defaults: the defaults)
@@ -75,26 +72,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     new_env = dict(item.split("=", 1) for item in args.new_env)
-    image = jpeg_640x480()
-    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
-    mlp = orjson.dumps(
-        {
-            "inputs": [
-                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
-            ]
-        }
-    )
     workloads = {
-        "W1 c=16": (W1_PATH, image, "image/jpeg", 16),
-        "W2 c=64": ("/v2/models/mlp/infer", mlp, "application/json", 64),
-        "W2 c=1": ("/v2/models/mlp/infer", mlp, "application/json", 1),
+        "W1 c=16": (W1_PATH, jpeg_640x480(), "image/jpeg", 16),
+        "W2 c=64": (W2_PATH, mlp_body(), "application/json", 64),
+        "W2 c=1": (W2_PATH, mlp_body(), "application/json", 1),
     }
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
-        repository = Path(tmp) / "models"
-        repository.mkdir()
-        (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
-        mlp_models(repository)
+        repository = served_repository(Path(tmp))
         servers = {"old": serve(old_tree, repository), "new": serve(REPO_ROOT, repository, new_env)}
         try:
             for _, url in servers.values():

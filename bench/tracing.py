@@ -22,13 +22,10 @@ import threading
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
-import orjson
-
-from bench.batching import W1_PATH, jpeg_640x480, mlp_models
-from bench.common import publish, spread, table, wait_until_up, wrk
+from bench.batching import W1_PATH, W2_PATH, jpeg_640x480, mlp_body, served_repository
+from bench.common import publish, rotating, spread, table, wait_until_up
 from bench.paired import serve
-from tests.server import MODELS, REPO_ROOT
+from tests.server import REPO_ROOT
 
 
 class _Sink(http.server.BaseHTTPRequestHandler):
@@ -62,31 +59,18 @@ def main() -> None:
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.server_address[1]}",
     }
-    image = jpeg_640x480()
-    x = np.random.default_rng(1).standard_normal((1, 64)).astype(np.float32)
-    mlp = orjson.dumps(
-        {
-            "inputs": [
-                {"name": "x", "datatype": "FP32", "shape": [1, 64], "data": x.ravel().tolist()}
-            ]
-        }
-    )
     workloads = {
-        "W1 c=16": (W1_PATH, image, "image/jpeg", 16),
-        "W2 c=64": ("/v2/models/mlp/infer", mlp, "application/json", 64),
-        "W2 c=1": ("/v2/models/mlp/infer", mlp, "application/json", 1),
+        "W1 c=16": (W1_PATH, jpeg_640x480(), "image/jpeg", 16),
+        "W2 c=64": (W2_PATH, mlp_body(), "application/json", 64),
+        "W2 c=1": (W2_PATH, mlp_body(), "application/json", 1),
     }
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    sampled = {
+        **traced,
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.01",
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        repository = Path(tmp) / "models"
-        repository.mkdir()
-        (repository / "efficientnet_lite0").symlink_to(MODELS / "efficientnet_lite0")
-        mlp_models(repository)
-        sampled = {
-            **traced,
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-            "OTEL_TRACES_SAMPLER_ARG": "0.01",
-        }
+        repository = served_repository(Path(tmp))
         servers = {
             "off": serve(REPO_ROOT, repository),
             "on": serve(REPO_ROOT, repository, traced),
@@ -95,26 +79,14 @@ def main() -> None:
         try:
             for _, url in servers.values():
                 wait_until_up(f"{url}/v2/health/ready", timeout_s=300)
-            for pair in range(args.pairs):
-                sides = ("off", "on", "1 %") if pair % 2 == 0 else ("1 %", "on", "off")
-                for name, (path, body, content_type, connections) in workloads.items():
-                    for side in sides:
-                        result = wrk(
-                            servers[side][1] + path,
-                            body,
-                            content_type,
-                            connections=connections,
-                            seconds=args.seconds,
-                        )
-                        assert result.errors == 0, (side, name, result)
-                        results.setdefault((name, side), []).append(
-                            (result.requests_per_s, result.p50_ms)
-                        )
+            urls = {side: url for side, (_, url) in servers.items()}
+            measured = rotating(urls, workloads, args.pairs, args.seconds)
         finally:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=60)
             sink.shutdown()
+    results = {key: [(r.requests_per_s, r.p50_ms) for r in runs] for key, runs in measured.items()}
     rows = []
     for name in workloads:
         off, on, some = (results[(name, side)] for side in ("off", "on", "1 %"))

@@ -459,8 +459,8 @@ class Scheduler:
             if timing is not None:
                 if callable(p.work):  # made on the instance: no queue, no hand-off
                     timing.compute_input_ns = prepared_ns - timing.started_ns
-                else:
-                    timing.queue_ns += int((started - p.enqueued) * 1e9)
+                else:  # the request's wait: until its last chunk started (chunks overlap)
+                    timing.queue_ns = max(timing.queue_ns, int((started - p.enqueued) * 1e9))
                 timing.compute_infer_ns += infer_ns
                 if timing.trace is not None:
                     traced.append((timing.trace, p.enqueued, callable(p.work)))

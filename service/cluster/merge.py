@@ -58,6 +58,7 @@ SUMMED_GAUGES = {
     "process_open_fds",
     "tensorgate_pending_requests",
     "tensorgate_queued_requests",
+    "tensorgate_requests_in_flight",
     "tensorgate_queue_capacity",
     "tensorgate_instances",
     "tensorgate_instances_busy",

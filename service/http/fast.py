@@ -41,7 +41,11 @@ class InferFastPath:
             return
         headers: dict[str, str] = {}
         for key, value in scope["headers"]:  # the first of repeated headers wins, as in Starlette
-            headers.setdefault(key.decode("latin-1"), value.decode("latin-1"))
+            name = key.decode("latin-1")
+            if name == "content-encoding" and name in headers:  # a list: every coding applies
+                headers[name] += ", " + value.decode("latin-1")
+            else:
+                headers.setdefault(name, value.decode("latin-1"))
         request_id = request_id_for(headers.get("x-request-id", ""))
         REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
         answer = await answer_inference(dataplane, route, headers, receive, reserve_of(scope))

@@ -37,6 +37,8 @@ _V1_BODY = {
 
 async def _answer(request: Request, route: Route) -> Response:
     headers = {key: request.headers[key] for key in request.headers}  # first of repeated ones
+    if "content-encoding" in headers:  # a list: every coding applies (RFC 9110, 5.3)
+        headers["content-encoding"] = ", ".join(request.headers.getlist("content-encoding"))
     answer = await answer_inference(
         dataplane_of(request), route, headers, request.receive, reserve_of(request.scope)
     )

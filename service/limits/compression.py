@@ -18,11 +18,19 @@ _GZIP, _ZLIB, _RAW = 16 + zlib.MAX_WBITS, zlib.MAX_WBITS, -zlib.MAX_WBITS
 def decompress(
     body: bytes, encoding: str, limit: int, reserve: Callable[[int], None] | None = None
 ) -> bytes:
-    """The body under ``encoding`` (``identity``, ``gzip`` or ``deflate``), inflated a chunk at
-    a time: past ``limit`` decompressed bytes it is a 413 at once, so a compression bomb costs
-    at most ``limit`` bytes of memory. ``reserve(size)`` is told of each chunk before it is
-    kept, and may refuse it by raising (the server's budget for bodies in flight)."""
-    encoding = encoding.strip().lower()
+    """The body under ``encoding`` (``identity``, ``gzip`` or ``deflate``, or a list of them in
+    the order they were applied, as repeated headers combine: ``gzip, gzip``), inflated a chunk
+    at a time: past ``limit`` decompressed bytes it is a 413 at once, so a compression bomb
+    costs at most ``limit`` bytes of memory. ``reserve(size)`` is told of each chunk before it
+    is kept, and may refuse it by raising (the server's budget for bodies in flight). A gzip
+    body may hold several members (RFC 1952), each inflated in turn; bytes after the last one,
+    or after a deflate stream, are a 400: they would be dropped unread."""
+    codings = [c.strip().lower() for c in encoding.split(",")]
+    if len(codings) > 1:
+        for coding in reversed(codings):  # the last applied is undone first
+            body = decompress(body, coding, limit, reserve)
+        return body
+    encoding = codings[0]
     if encoding in ("", "identity"):
         return body
     if encoding in ("gzip", "x-gzip"):
@@ -38,26 +46,35 @@ def decompress(
         raise UnsupportedMediaType(
             f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
         )
-    inflater = zlib.decompressobj(wbits)
     parts: list[bytes] = []
     size = 0
     pending = body
     try:
-        while pending:
-            part = inflater.decompress(pending, _CHUNK)
-            size += len(part)
-            if size > limit:
-                raise PayloadTooLarge(
-                    f"the {encoding} request body inflates past the limit of {limit} bytes"
-                )
-            if reserve is not None and part:
-                reserve(len(part))
-            parts.append(part)
-            pending = inflater.unconsumed_tail
-            if inflater.eof:
+        while True:
+            inflater = zlib.decompressobj(wbits)
+            while pending:
+                part = inflater.decompress(pending, _CHUNK)
+                size += len(part)
+                if size > limit:
+                    raise PayloadTooLarge(
+                        f"the {encoding} request body inflates past the limit of {limit} bytes"
+                    )
+                if reserve is not None and part:
+                    reserve(len(part))
+                parts.append(part)
+                pending = inflater.unconsumed_tail
+                if inflater.eof:
+                    break
+            if not inflater.eof:
+                raise InvalidInput(f"the {encoding} request body is cut off")
+            pending = inflater.unused_data
+            if not pending:
                 break
-        if not inflater.eof:
-            raise InvalidInput(f"the {encoding} request body is cut off")
+            if wbits != _GZIP:
+                raise InvalidInput(
+                    f"the request body has {len(pending)} bytes after its {encoding} stream"
+                )
+            # another gzip member: it must be one (its header is checked as it inflates)
     except zlib.error as exc:
         raise InvalidInput(f"the request body is not valid {encoding}: {exc}") from None
     return b"".join(parts)

@@ -74,7 +74,9 @@ def outcome(status: int) -> str:
 class Metrics:
     """The server's metrics; one instance per app."""
 
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(
+        self, repository: ModelRepository, in_flight: Callable[[], int] | None = None
+    ) -> None:
         # A `_created` series per counter and histogram doubles the series count for a
         # timestamp that rate() never needs (process-wide switch: the registry is ours alone).
         disable_created_metrics()  # type: ignore[no-untyped-call]  # the library leaves it untyped
@@ -99,7 +101,7 @@ class Metrics:
         self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
         self._children: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
         ProcessCollector(registry=r)  # process_*: the names stock dashboards and alerts use
-        r.register(_RepositoryCollector(repository))
+        r.register(_RepositoryCollector(repository, in_flight))
         r.register(_GpuCollector())
 
     def record(
@@ -312,9 +314,12 @@ VERSION_SERIES: tuple[
 class _RepositoryCollector(Collector):
     """Model state, queue depth, warmup time and the counters ModelStats keeps, at scrape time."""
 
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(
+        self, repository: ModelRepository, in_flight: Callable[[], int] | None = None
+    ) -> None:
         self.repository = repository
         self.memory_limit = memory_limit_bytes()  # read once: a cgroup's limit is fixed at start
+        self.in_flight = in_flight
 
     def collect(self) -> Iterator[Metric]:
         state = GaugeMetricFamily(
@@ -355,6 +360,13 @@ class _RepositoryCollector(Collector):
         ):
             refused.add_metric([reason], REFUSED[reason])
         yield refused
+        if self.in_flight is not None:
+            yield GaugeMetricFamily(
+                "tensorgate_requests_in_flight",
+                "Inference requests accepted and not yet answered, over every model (reading, "
+                "decoding, queued, running, encoding).",
+                value=self.in_flight(),
+            )
         yield GaugeMetricFamily(
             "tensorgate_memory_limit_bytes",
             "Memory the server may use: its cgroup's limit, else the machine's (alert on "

@@ -304,10 +304,14 @@ def test_keda_replaces_the_base_hpa_with_the_same_targets(tmp_path: Path) -> Non
     assert scaled["spec"]["minReplicaCount"] == base_hpa["minReplicas"]
     assert scaled["spec"]["maxReplicaCount"] == base_hpa["maxReplicas"]
     (pods,) = [m["pods"] for m in base_hpa["metrics"] if m["type"] == "Pods"]
-    (prometheus,) = [t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
-    assert prometheus["metricType"] == "AverageValue"  # the sum over pods, divided by pods
-    assert prometheus["metadata"]["threshold"] == pods["target"]["averageValue"]
-    assert pods["metric"]["name"] in prometheus["metadata"]["query"]
+    triggers = {t["name"]: t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"}
+    assert set(triggers) == {"pending-requests", "requests-in-flight"}
+    for trigger in triggers.values():
+        assert trigger["metricType"] == "AverageValue"  # the sum over pods, divided by pods
+    pending = triggers["pending-requests"]["metadata"]
+    assert pending["threshold"] == pods["target"]["averageValue"]
+    assert pods["metric"]["name"] in pending["query"]
+    assert "tensorgate_requests_in_flight" in triggers["requests-in-flight"]["metadata"]["query"]
 
 
 def test_prometheus_adapter_serves_the_metric_the_base_hpa_reads(tmp_path: Path) -> None:

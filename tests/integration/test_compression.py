@@ -240,3 +240,38 @@ def test_compressed_bodies_hold_what_they_inflate_to_in_the_budget(limited: Serv
         assert blocker.result().status_code == 200
         assert held.result().status_code == 200
     limited.wait_for(lambda: in_flight(limited) == 0)
+
+
+def test_repeated_content_encodings_and_gzip_members_are_each_undone(server: Server) -> None:
+    """Issue #28, finding 21, over HTTP: two Content-Encoding headers are one list (each
+    coding applies), and a gzip body of two members is the two joined."""
+    body = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}
+            ]
+        }
+    )
+    expected = server.client.post(
+        "/v2/models/digits/infer", content=body, headers={"content-type": "application/json"}
+    )
+    assert expected.status_code == 200
+    twice = server.client.post(
+        "/v2/models/digits/infer",
+        content=gzip.compress(gzip.compress(body)),
+        headers=[("content-encoding", "gzip"), ("content-encoding", "gzip")],
+    )
+    assert twice.status_code == 200, twice.text
+    assert twice.json()["outputs"] == expected.json()["outputs"]
+    half = len(body) // 2
+    members = gzip.compress(body[:half]) + gzip.compress(body[half:])
+    joined = server.client.post(
+        "/v2/models/digits/infer", content=members, headers={"content-encoding": "gzip"}
+    )
+    assert joined.status_code == 200, joined.text
+    trailing = server.client.post(
+        "/v2/models/digits/infer",
+        content=gzip.compress(body) + b"junk",
+        headers={"content-encoding": "gzip"},
+    )
+    assert trailing.status_code == 400 and "gzip" in trailing.json()["error"]

@@ -122,6 +122,7 @@ def test_metrics_count_exactly_what_was_served(ops: Server) -> None:
     assert metric(after, "tensorgate_instances_busy", **version) == 0
     assert metric(after, "tensorgate_longest_batch_seconds", **version) == 0
     assert metric(after, "tensorgate_memory_limit_bytes") > 100_000_000
+    assert metric(after, "tensorgate_requests_in_flight") == 0
 
 
 def test_label_values_are_only_names_that_exist(ops: Server) -> None:

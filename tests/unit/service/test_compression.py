@@ -9,6 +9,7 @@ import pytest
 
 from service.errors import InvalidInput, PayloadTooLarge, ServerBusy, UnsupportedMediaType
 from service.limits import compression
+from service.limits.compression import decompress
 
 pytestmark = pytest.mark.unit
 BODY = b'{"inputs": []}' * 100
@@ -72,3 +73,29 @@ def test_broken_and_unknown_encodings_are_refused() -> None:
 )
 def test_the_answer_encoding_follows_accept_encoding(accept: str, chosen: str | None) -> None:
     assert compression.choose(accept) == chosen
+
+
+def test_every_member_of_a_gzip_body_is_inflated() -> None:
+    """Issue #28, finding 21: `cat a.gz b.gz` is one gzip body (RFC 1952); only the first
+    member was read, and the rest dropped in silence."""
+    body = gzip.compress(b"first half, ") + gzip.compress(b"second half")
+    assert decompress(body, "gzip", 1 << 20) == b"first half, second half"
+
+
+def test_bytes_after_the_compressed_stream_are_refused() -> None:
+    for body, encoding in (
+        (gzip.compress(b"payload") + b"trailing garbage", "gzip"),
+        (zlib.compress(b"payload") + b"trailing", "deflate"),
+    ):
+        with pytest.raises(InvalidInput, match=encoding):
+            decompress(body, encoding, 1 << 20)
+
+
+def test_a_list_of_codings_is_undone_last_first_within_the_limit() -> None:
+    """Repeated Content-Encoding headers combine into a list (RFC 9110, 5.3): each applies."""
+    twice = gzip.compress(zlib.compress(b"x" * 1000))
+    assert decompress(twice, "deflate, gzip", 1 << 20) == b"x" * 1000
+    with pytest.raises(PayloadTooLarge):
+        decompress(gzip.compress(gzip.compress(b"x" * 10_000)), "gzip, gzip", 5_000)
+    with pytest.raises(UnsupportedMediaType):
+        decompress(twice, "br, gzip", 1 << 20)

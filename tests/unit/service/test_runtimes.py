@@ -86,8 +86,9 @@ def test_auto_device_falls_back_to_cpu_without_a_gpu() -> None:
     assert resolve_device("cuda:0", "onnx") == "cuda:0"
 
 
-def test_onnx_runtime_reads_the_signature_from_the_graph(tmp_path: Path) -> None:
-    path = tmp_path / "model.onnx"
+def linear_onnx(folder: Path) -> Path:
+    """TrainModeNet (8 → 8, a dynamic batch) as ``folder/model.onnx``."""
+    path = folder / "model.onnx"
     torch.onnx.export(
         TrainModeNet().eval(),
         (torch.zeros(2, 8),),
@@ -97,6 +98,11 @@ def test_onnx_runtime_reads_the_signature_from_the_graph(tmp_path: Path) -> None
         dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
         dynamo=False,
     )
+    return path
+
+
+def test_onnx_runtime_reads_the_signature_from_the_graph(tmp_path: Path) -> None:
+    path = linear_onnx(tmp_path)
     runtime = create_runtime("onnx", RuntimeOptions("cpu", 1))
     signature = runtime.load(path, None, max_batch_size=8)
     assert signature == SIGNATURE
@@ -239,16 +245,7 @@ def test_onnx_io_binding_answers_exactly_as_a_plain_run(tmp_path: Path) -> None:
     give the same bytes as onnxruntime's plain run (read-only request views included)."""
     from service.model_config import GpuConfig
 
-    path = tmp_path / "model.onnx"
-    torch.onnx.export(
-        TrainModeNet().eval(),
-        (torch.zeros(2, 8),),
-        str(path),
-        input_names=["x"],
-        output_names=["y"],
-        dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
-        dynamo=False,
-    )
+    path = linear_onnx(tmp_path)
     plain = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="off")))
     bound = create_runtime("onnx", RuntimeOptions("cpu", 1, gpu=GpuConfig(io_binding="on")))
     for runtime in (plain, bound):
@@ -433,16 +430,7 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     another batch (service.resources.CPU_USE); both answer alike and both are warmed."""
     from service.resources import CPU_USE
 
-    path = tmp_path / "model.onnx"
-    torch.onnx.export(
-        TrainModeNet().eval(),
-        (torch.zeros(2, 8),),
-        str(path),
-        input_names=["x"],
-        output_names=["y"],
-        dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
-        dynamo=False,
-    )
+    path = linear_onnx(tmp_path)
     runtime = create_runtime("onnx", RuntimeOptions("cpu", 2, shared_threads=1))
     runtime.load(path, None, 8)
     wide, shared = runtime._session, runtime._shared  # type: ignore[attr-defined]

@@ -606,3 +606,23 @@ async def test_adaptive_waits_at_most_its_bound_for_a_request_that_never_comes()
     await asyncio.wait_for(s.submit({"x": x}, None, None), 10)
     await s.stop()
     assert sizes == [1]
+
+
+async def test_an_oversize_request_s_queue_time_is_its_wait_not_the_sum_of_its_chunks() -> None:
+    """Issue #28, finding 24: the chunks of one request wait at once; the access log's
+    queue_ms summed their waits (959 s for a request of 17 s)."""
+    from service.batching.stats import RequestTiming
+
+    def slow(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(0.05)  # each chunk waits for the ones before it
+        return {"y": batch["x"]}
+
+    s = scheduler(slow, max_batch_size=2)
+    s.start()
+    timing = RequestTiming()
+    began = time.perf_counter_ns()
+    await s.submit({"x": np.zeros((8, 2), np.float32)}, timing, None)
+    elapsed = time.perf_counter_ns() - began
+    await s.stop()
+    assert 0 < timing.queue_ns <= elapsed
+    assert timing.compute_infer_ns <= elapsed
