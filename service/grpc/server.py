@@ -99,6 +99,10 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
             # (a silent socket is closed then).
             ("grpc.max_allowed_incoming_connections", settings.max_connections),
             ("grpc.server_handshake_timeout_ms", max(1, round(settings.header_timeout_s * 1000))),
+            # grpcio binds with SO_REUSEPORT by default, which lets any process of this user bind
+            # the port beside the server and take a share of its calls. Only several workers
+            # need it (each binds the port: grpcio takes no inherited socket).
+            ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
         ],
     )
     servicer = InferenceServicer(cluster, budget)

@@ -115,6 +115,21 @@ def test_no_other_process_can_bind_the_http_port_beside_the_workers(two: Server)
     assert fresh("GET", f"{two.url}/v2/health/ready").status_code == 200
 
 
+def test_a_single_server_s_grpc_port_is_its_own(repository: Path, tmp_path: Path) -> None:
+    """One process: its gRPC port is bound without SO_REUSEPORT (grpcio's default), so no
+    other process can bind beside it and take calls (issue #28, finding 12)."""
+    server = Server(repository, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        for port in (server.port, server.grpc_port):
+            with socket.socket() as stranger:
+                stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                with pytest.raises(OSError, match="in use"):
+                    stranger.bind(("127.0.0.1", port))
+    finally:
+        assert server.stop() == 0
+
+
 def test_load_and_unload_reach_every_worker(two: Server) -> None:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     url = f"{two.url}/v2/repository/models/digits"
