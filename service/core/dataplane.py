@@ -200,13 +200,14 @@ class DataPlane:
         return _fitted(model, check_inputs(inputs, model.signature, model.config, model.name))
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
-        """When a request must have started: its own timeout, else OIP ``parameters.timeout``
-        (microseconds, as Triton reads it), else the server's default."""
-        if timeout_s is None and parameters and "timeout" in parameters:
+        """When a request must have started: the sooner of its own timeout (a header, a gRPC
+        deadline) and OIP ``parameters.timeout`` (microseconds, as Triton reads it; checked
+        whenever it is sent), else the server's default."""
+        if parameters and "timeout" in parameters:
             micros = parameters["timeout"]
             if not isinstance(micros, int | float) or isinstance(micros, bool) or micros <= 0:
                 raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
-            timeout_s = micros / 1e6
+            timeout_s = micros / 1e6 if timeout_s is None else min(timeout_s, micros / 1e6)
         return time.monotonic() + (timeout_s or self.settings.request_timeout_s)
 
     # -- repository -------------------------------------------------------------------------------

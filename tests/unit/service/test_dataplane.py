@@ -4,6 +4,7 @@ DataPlane, the loader and repository behind it, and the one inference route func
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -223,3 +224,17 @@ def test_a_config_naming_only_inputs_is_refused_when_read(tmp_path: Path) -> Non
     )
     with pytest.raises(ModelLoadError, match="name both 'inputs' and 'outputs', or neither"):
         load_model_config(folder / "config.yaml")
+
+
+def test_parameters_timeout_is_checked_and_the_sooner_deadline_wins(core: InProcess) -> None:
+    """Issue #28, finding 22: with a gRPC deadline (or X-Request-Timeout), an OIP
+    ``parameters.timeout`` went unchecked; now it is checked, and the sooner one applies."""
+    dataplane = core.dataplane
+    with pytest.raises(InvalidInput, match="timeout"):
+        dataplane.deadline(30.0, {"timeout": "soon"})
+    with pytest.raises(InvalidInput, match="timeout"):
+        dataplane.deadline(30.0, {"timeout": -5})
+    now = time.monotonic()
+    assert dataplane.deadline(30.0, {"timeout": 1_000_000}) - now < 2  # 1 s, not 30 s
+    assert 29 < dataplane.deadline(30.0, {"timeout": 60_000_000}) - now < 31
+    assert 0.4 < dataplane.deadline(None, {"timeout": 500_000}) - now < 1.5
