@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from types import ModuleType
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from preprocessing.pipeline import Item, LocalModels, answer_one
-from tests.server import MODELS, Server
+from tests.server import MODELS, Server, copy_model
 
 pytestmark = pytest.mark.integration
 
@@ -140,7 +141,30 @@ def test_not_an_image_is_a_400_naming_the_model(server: Server) -> None:
     assert response.json()["error"].startswith("model 'faces': ")
 
 
-def test_concurrent_requests_batch_at_every_step(server: Server) -> None:
+@pytest.fixture(scope="module")
+def batching_steps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """faces and its networks, the networks waiting up to 5 ms for more calls and four pipeline
+    threads: calls of concurrent requests meet in a queue by design, not by the timing of a
+    loaded machine (with no delay they met, or not, as the CPUs allowed)."""
+    root = tmp_path_factory.mktemp("faces") / "models"
+    for name in ("faces", "faces_pnet", "faces_rnet", "faces_onet"):
+        copy_model(name, root / name)
+    for name in ("faces_pnet", "faces_rnet", "faces_onet"):
+        config = root / name / "config.yaml"
+        document = yaml.safe_load(config.read_text())
+        document["batching"] = {**document.get("batching", {}), "max_queue_delay_ms": 5}
+        config.write_text(yaml.safe_dump(document))
+    running = Server(root, env={"TG_PREPROCESS_THREADS": "4"}, log_path=root.parent / "log")
+    try:
+        running.wait_until(timeout=180)
+        yield running
+    finally:
+        running.stop()
+
+
+def test_concurrent_requests_batch_at_every_step(batching_steps: Server) -> None:
+    server = batching_steps
+
     def counts() -> dict[str, tuple[int, int]]:
         found = {}
         for name in ("faces_pnet", "faces_rnet", "faces_onet"):
