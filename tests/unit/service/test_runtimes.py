@@ -433,7 +433,8 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     path = linear_onnx(tmp_path)
     runtime = create_runtime("onnx", RuntimeOptions("cpu", 2, shared_threads=1))
     runtime.load(path, None, 8)
-    wide, shared = runtime._session, runtime._shared  # type: ignore[attr-defined]
+    # the ONNX runtime's own sessions and lone choice, not on the Runtime type:
+    wide, shared = runtime._session, runtime._shared  # type: ignore[attr-defined]  # see above
     assert shared is not None and shared is not wide
     used: list[object] = []
     for session in (wide, shared):
@@ -445,14 +446,14 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     x = {"x": np.ones((2, 8), np.float32)}
     runtime.warmup(x)  # both warmed, then each timed once: the lone choice's seeds
     assert used == [wide, shared, wide, shared]
-    assert all(runtime._alone.per_row)  # type: ignore[attr-defined]
+    assert all(runtime._alone.per_row)  # type: ignore[attr-defined]  # not on Runtime
     from service.runtimes.onnx import AloneChoice
 
     class Fixed(AloneChoice):  # the estimates this test sets, not the machine's timings
         def record(self, wide: bool, seconds: float, rows: int) -> None:
             pass
 
-    choice = runtime._alone = Fixed()  # type: ignore[attr-defined]
+    choice = runtime._alone = Fixed()  # type: ignore[attr-defined]  # not on Runtime
     choice.per_row = [1.0, 2.0]  # every CPU's threads twice as fast per row (a CNN)
     used.clear()
     with CPU_USE:
@@ -475,4 +476,4 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     assert real.per_row[0] == pytest.approx(0.255)
     single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
     single.load(path, None, 8)
-    assert single._shared is None  # type: ignore[attr-defined]
+    assert single._shared is None  # type: ignore[attr-defined]  # not on Runtime
