@@ -204,13 +204,21 @@ def load_module(spec: str) -> torch.nn.Module:
 
 
 def parse_tensor(text: str) -> TensorConfig:
-    """``name:DTYPE:d1,d2`` → TensorConfig (shape without batch dim)."""
+    """``name:DTYPE:d1,d2`` → TensorConfig (shape without batch dim); ``name:DTYPE:d1:LOW..HIGH``
+    adds the values it may take (inclusive), refused outside with a 400."""
     try:
-        name, datatype, dims = text.split(":")
+        name, datatype, dims, *bounds = text.split(":")
         shape = tuple(int(d) for d in dims.split(",") if d)
-        return TensorConfig.model_validate({"name": name, "datatype": datatype, "shape": shape})
+        spec: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
+        if bounds:
+            (span,) = bounds
+            low, high = span.split("..")
+            spec["range"] = (float(low), float(high))
+        return TensorConfig.model_validate(spec)
     except ValueError as exc:
-        raise SystemExit(f"tensor must be NAME:DTYPE:D1,D2,... (got {text!r}): {exc}") from None
+        raise SystemExit(
+            f"tensor must be NAME:DTYPE:D1,D2,...[:LOW..HIGH] (got {text!r}): {exc}"
+        ) from None
 
 
 def golden_input(spec: TensorConfig, rows: int, seed: int, length: int = 8) -> np.ndarray:

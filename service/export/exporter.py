@@ -319,6 +319,20 @@ def _pt2_step(job: _Job) -> Artifact:
         raise ExportError(
             f"{job.not_exported}; make the module exportable, or leave pt2 out of the formats"
         )
+    declared = {t.name for t in job.inputs if t.range is not None}
+    unproven = {
+        name: how
+        for name, how in export_shapes.unproven_indexes(program, job.inputs).items()
+        if name not in declared
+    }
+    if unproven:
+        name, how = next(iter(unproven.items()))
+        raise ExportError(
+            f"input '{name}' reaches an index ({how}) whose bounds export cannot prove, and a "
+            "compiled model.pt2 kernel aborts the whole process on an out-of-range index: "
+            f"declare the values it may take (--input {name}:DTYPE:DIMS:LOW..HIGH, refused "
+            "outside with a 400) or leave pt2 out of the formats"
+        )
     device = job.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device != "cpu":  # compiled where its weights and inputs are
         example = tuple(t.to(device) for t in _tensors(job.probes[-1], job.inputs))

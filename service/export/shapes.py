@@ -15,6 +15,10 @@
   (or ``F.embedding``, or a parameter by ``[]``), itself or through views of it (a column, a
   reshape), takes ``[0, rows - 1]`` (``[-rows, rows - 1]`` for ``[]``, which counts from the
   end as eager PyTorch does).
+- **Indexes no range proves** (:func:`unproven_indexes`): an input whose values reach an index
+  through anything else (``ids + 1``, a cast, a gather) has no range export can prove; a
+  compiled ``model.pt2`` kernel aborts the whole process on an out-of-range index, so such an
+  input needs a declared range before pt2 is exported.
 """
 
 from __future__ import annotations
@@ -201,11 +205,10 @@ def padding_verdict(
     return ""
 
 
-def _through_views(node: Any) -> Any:
-    """The tensor a chain of views (select, slice, reshape...) reads its values from: the
-    values are the input's own, only fewer or rearranged."""
+def _views() -> set[Any]:
+    """Ops whose values are their input's own, only fewer or rearranged."""
     ops = torch.ops.aten
-    views = {
+    return {
         ops.select.int,
         ops.slice.Tensor,
         ops.squeeze.dim,
@@ -222,6 +225,12 @@ def _through_views(node: Any) -> Any:
         ops.expand.default,
         ops.contiguous.default,
     }
+
+
+def _through_views(node: Any) -> Any:
+    """The tensor a chain of views (select, slice, reshape...) reads its values from: the
+    values are the input's own, only fewer or rearranged."""
+    views = _views()
     while getattr(node, "op", None) == "call_function" and node.target in views:
         node = node.args[0]
     return node
@@ -256,3 +265,122 @@ def index_ranges(
         old = ranges.get(name, bounds)
         ranges[name] = (max(old[0], bounds[0]), min(old[1], bounds[1]))
     return ranges
+
+
+_INDEXING: dict[Any, tuple[int, ...]] = {}
+"""Each indexing op and the positions of its index arguments (a list of them for ``index``)."""
+
+
+def _indexing() -> dict[Any, tuple[int, ...]]:
+    if not _INDEXING:
+        ops = torch.ops.aten
+        _INDEXING.update(
+            {
+                ops.embedding.default: (1,),
+                ops.index.Tensor: (1,),
+                ops.index_select.default: (2,),
+                ops.gather.default: (2,),
+                ops.take.default: (1,),
+                ops.scatter.src: (2,),
+                ops.scatter.value: (2,),
+                ops.scatter_add.default: (2,),
+                ops.index_put.default: (1,),
+                ops.index_add.default: (2,),
+                ops.embedding_bag.default: (1,),
+            }
+        )
+    return _INDEXING
+
+
+def _bounded_by_shape() -> set[Any]:
+    """Ops whose integer results a tensor's shape bounds, whatever the values that made them
+    (positions of a maximum, of a sort, comparisons), or that take only its shape (``zeros_like``,
+    BERT's token types): an index made by them cannot run out."""
+    ops = torch.ops.aten
+    return {
+        ops.zeros_like.default,
+        ops.ones_like.default,
+        ops.empty_like.default,
+        ops.full_like.default,
+        ops.new_zeros.default,
+        ops.new_ones.default,
+        ops.new_full.default,
+        ops.new_empty.default,
+        ops.arange.default,
+        ops.arange.start,
+        ops.arange.start_step,
+        ops.argmax.default,
+        ops.argmin.default,
+        ops.sort.default,
+        ops.sort.stable,
+        ops.topk.default,
+        ops.nonzero.default,
+        ops.eq.Tensor,
+        ops.eq.Scalar,
+        ops.ne.Tensor,
+        ops.ne.Scalar,
+        ops.lt.Tensor,
+        ops.lt.Scalar,
+        ops.le.Tensor,
+        ops.le.Scalar,
+        ops.gt.Tensor,
+        ops.gt.Scalar,
+        ops.ge.Tensor,
+        ops.ge.Scalar,
+        ops.sym_size.int,
+    }
+
+
+def _flat(args: Any) -> list[Any]:
+    if isinstance(args, (list, tuple)):
+        return [a for item in args for a in _flat(item)]
+    return [args]
+
+
+def unproven_indexes(program: ExportedProgram, inputs: Sequence[TensorConfig]) -> dict[str, str]:
+    """Inputs whose values reach an index other than directly (see :func:`index_ranges`), each
+    with the first op that indexes by them (``aten.embedding after aten.add.Tensor``)."""
+    names = dict(zip(program.graph_signature.user_inputs, (t.name for t in inputs), strict=True))
+    indexing = _indexing()
+    bounded = _bounded_by_shape()
+    views = _views()
+    ops = torch.ops.aten
+    # node → the inputs its values derive from, and the ops they passed through on the way
+    reach: dict[Any, dict[str, str]] = {}
+    found: dict[str, str] = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            reach[node] = {names[node.name]: ""}
+            continue
+        if node.op != "call_function" or node.target in bounded:
+            continue
+        if node.target in indexing:
+            for position in indexing[node.target]:
+                if position >= len(node.args):
+                    continue
+                for index in _flat(node.args[position]):
+                    source = _through_views(index)
+                    direct = (
+                        node.target in (ops.embedding.default, ops.index.Tensor)
+                        and getattr(source, "op", None) == "placeholder"
+                        and source.name in names
+                        and getattr(node.args[0], "op", None) == "placeholder"
+                        and node.args[0].name not in names
+                    )
+                    if direct:
+                        continue
+                    for name, path in reach.get(index, {}).items():
+                        found.setdefault(name, f"{_op_name(node.target)}{path}")
+        came: dict[str, str] = {}
+        for arg in _flat([*node.args, *node.kwargs.values()]):
+            for name, path in reach.get(arg, {}).items():
+                changed = not path and node.target not in views
+                came.setdefault(name, f" after {_op_name(node.target)}" if changed else path)
+        if came:
+            reach[node] = came
+    return found
+
+
+def _op_name(target: Any) -> str:
+    name = getattr(target, "__name__", str(target))
+    return f"aten.{name}" if not name.startswith("aten") else name

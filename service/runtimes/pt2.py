@@ -68,6 +68,9 @@ class _IsaChecked(logging.Filter):
 _ISA_CHECKED = _IsaChecked()
 
 
+_INTEGERS = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
+
+
 class Pt2Runtime(TorchRuntime):
     """Runs ``model.pt2`` (``torch._inductor.aoti_compile_and_package``) on CPU or CUDA."""
 
@@ -83,6 +86,17 @@ class Pt2Runtime(TorchRuntime):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {device} asked for, but torch sees no CUDA device")
         needs = package_needs(path)
+        if TORCH_KEY not in needs:  # not made by `tensorgate export`, which proves its indexes
+            unbounded = [
+                t.name for t in declared.inputs if t.range is None and t.datatype in _INTEGERS
+            ]
+            if unbounded:
+                raise ModelLoadError(
+                    f"integer input '{unbounded[0]}' has no range, and a compiled model.pt2 "
+                    "kernel aborts the whole process on an out-of-range index: declare the "
+                    "values it may take in config.yaml (range: [low, high]), or export the "
+                    "model with `tensorgate export`, which proves which inputs index a table"
+                )
         check_pt2(
             {
                 "torch": needs.get(TORCH_KEY),

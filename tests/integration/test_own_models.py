@@ -386,3 +386,70 @@ def test_export_replaces_the_config_it_wrote_and_keeps_a_users_own(tmp_path: Pat
     logs = export(repository, {"shifted": shifted})
     assert config.read_text() == "backend: onnx\nmax_batch_size: 2\n"  # the user's: kept
     assert "kept" in logs["shifted"]
+
+
+def test_pt2_needs_a_range_for_an_index_export_cannot_prove(tmp_path: Path) -> None:
+    """An AOTInductor kernel aborts the process on an out-of-range index (#28 finding 3): an
+    input that reaches one through ``+ 1`` gets no pt2 without a declared range; with one, an
+    out-of-range value is a 400 and the server, and its other models, carry on."""
+    repository = tmp_path / "models"
+    shifted = EXPORTS["shifted"][:-2]  # the default formats: onnx and pt2
+    declared = [*shifted, "--formats", "pt2", "--backend", "pt2"]
+    declared[declared.index("item_id:INT64:1")] = "item_id:INT64:1:-1..998"
+    logs = export(repository, {"shifted": shifted, "declared": declared})
+    manifest = json.loads((repository / "shifted" / "1" / "manifest.json").read_text())
+    assert set(manifest["artifacts"]) == {"onnx"}
+    reason = manifest["skipped"]["pt2"]
+    assert "input 'item_id' reaches an index (aten.embedding" in reason, reason
+    assert "after aten.add" in reason and "--input item_id:DTYPE:DIMS:LOW..HIGH" in reason
+    assert "pt2 left out" in logs["shifted"]
+    declared_manifest = json.loads((repository / "declared" / "1" / "manifest.json").read_text())
+    assert declared_manifest["inputs"][0]["range"] == [-1.0, 998.0]
+
+    server = Server(repository, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        assert server.client.get("/v2/models/declared").json()["platform"] == "pytorch_aoti"
+        for bad in (999, -2, 10**9):
+            response = infer(server.client, "declared", item_id=np.array([[3], [bad]]))
+            assert response.status_code == 400, response.text
+            assert "input 'item_id': values must lie within [-1, 998]" in response.text
+        good = output(infer(server.client, "declared", item_id=np.array([[3], [998], [-1]])))
+        want = eager(user_models.ShiftedLookup(), np.array([[3], [998], [-1]]))
+        np.testing.assert_allclose(good, want, atol=1e-6)
+        assert output(infer(server.client, "shifted", item_id=np.array([[5]]))).shape == (1, 4)
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_bare_pt2_with_an_unranged_integer_input_is_refused(tmp_path: Path) -> None:
+    """A package not made by ``tensorgate export`` carries no proof of which inputs index a
+    table: an integer input without a declared range is refused at load, naming the fix."""
+    models = tmp_path / "models"
+    for name, bounds in (("bare", None), ("bare_ranged", [-1, 998])):
+        version = models / name / "1"
+        version.mkdir(parents=True)
+        program = torch.export.export(
+            user_models.ShiftedLookup().eval(), (torch.zeros((2, 1), dtype=torch.int64),)
+        )
+        torch._inductor.aoti_compile_and_package(program, package_path=str(version / "model.pt2"))
+        item: dict[str, object] = {"name": "item_id", "datatype": "INT64", "shape": [1]}
+        if bounds is not None:
+            item["range"] = bounds
+        config = {
+            "backend": "pt2",
+            "max_batch_size": 0,
+            "inputs": [{**item, "shape": [2, 1]}],
+            "outputs": [{"name": "vector", "datatype": "FP32", "shape": [2, 4]}],
+        }
+        (models / name / "config.yaml").write_text(yaml.safe_dump(config))
+    server = Server(models, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until("/v2/health/startup")
+        metadata = server.client.get("/v2/models/bare").json()
+        assert metadata["state"] == "UNAVAILABLE"
+        assert "integer input 'item_id' has no range" in metadata["reason"], metadata
+        response = infer(server.client, "bare_ranged", item_id=np.array([[3], [999]]))
+        assert response.status_code == 400, response.text
+    finally:
+        assert server.stop() == 0
