@@ -150,8 +150,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if trace is not None:
                 _end(trace, grpc.StatusCode.OK)
             return answer
-        await context.abort(code, message)
-        raise AssertionError("abort() returns only by raising")  # pragma: no cover
+        # The status set and nothing returned, not ``abort()``: its exception's traceback holds
+        # this frame, and through ``work`` the request's message, in a cycle only a full
+        # collection frees (+60 MiB kept per refused 60 MiB call, #28 finding 1). grpc sends no
+        # message for a status that is not OK.
+        context.set_code(code)
+        context.set_details(message)
+        return None  # type: ignore[return-value]  # grpc answers the status alone
 
     def _health_token(self) -> str | None:
         return "api" if self.settings.protect_health_and_metrics else None
