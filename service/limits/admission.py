@@ -2,17 +2,18 @@
 clients send.
 
 Each request's body limit (``max_body_bytes``) bounds one request; this bounds them all
-together. A request whose declared ``Content-Length`` would take the bytes held past
-``max_inflight_bytes`` is answered 503 with ``Retry-After`` before any of its body is read; the
-body is then discarded as it arrives (closing at once would reset the connection under a client
-that is still sending, before it could read the answer). A body without a declared length is counted
-as it arrives and refused the same way once it would pass the budget. A compressed body holds
-what it inflates to as well, counted as it inflates (:data:`RESERVE`): past the budget, 503
-before it is inflated further. Bytes stay counted until the request's answer has been sent,
-since decoding and inference hold them until then. gRPC inference requests hold their message's
-size in the same budget while they are answered (:mod:`service.grpc.servicer`): gRPC has received
-the message by then, so past the budget it is answered UNAVAILABLE at once and let go, instead
-of held through decoding and the queue.
+together. A body is counted as its bytes arrive, never as declared: a ``Content-Length`` is a
+promise, and heads promising the whole budget with no body behind them would otherwise refuse
+everyone else for as long as the body timeout (#28 finding 4). Once the bytes held would pass
+``max_inflight_bytes``, the request is answered 503 with ``Retry-After`` and the rest of its
+body is discarded as it arrives (closing at once would reset the connection under a client
+that is still sending, before it could read the answer). A compressed body holds what it
+inflates to as well, counted as it inflates (:data:`RESERVE`): past the budget, 503 before it
+is inflated further. Bytes stay counted until the request's answer has been sent, since
+decoding and inference hold them until then. gRPC inference requests hold their message's size
+in the same budget while they are answered (:mod:`service.grpc.servicer`): gRPC has received the
+message by then, so past the budget it is answered UNAVAILABLE at once and let go, instead of
+held through decoding and the queue.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import ServerBusy
 from service.telemetry.counters import REFUSED, register_budget
-from service.telemetry.logs import REQUEST_ID, request_id_for
+from service.telemetry.logs import REQUEST_ID
 
 RESERVE = "tensorgate.reserve"
 """The ASGI scope key of a request's ``reserve(size)``: hold ``size`` more bytes for this request
@@ -87,21 +88,12 @@ class BodyBudget:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
         held = 0
 
         def reserve(size: int) -> None:
             nonlocal held
             self.budget.take(size)
             held += size
-
-        # A body over the per-request limit is the route's to refuse (413): reserve nothing.
-        if declared is not None and declared <= self.max_body_bytes:
-            try:
-                reserve(declared)
-            except ServerBusy as exc:
-                await _refuse(scope, send, exc.message)
-                return
 
         async def counting_receive() -> Message:
             message = await receive()
@@ -110,34 +102,6 @@ class BodyBudget:
 
         scope[RESERVE] = reserve
         try:
-            await self.app(scope, receive if declared is not None else counting_receive, send)
+            await self.app(scope, counting_receive, send)
         finally:
             self.budget.release(held)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for key, value in scope["headers"]:
-        if key == b"content-length":
-            return int(value) if value.isdigit() and len(value) < 20 else None
-    return None
-
-
-async def _refuse(scope: Scope, send: Send, message: str) -> None:
-    request_id = request_id_for(
-        next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
-    )
-    REQUEST_ID.set(request_id)
-    body = error_body(message)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"1"),
-                (b"x-request-id", request_id.encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

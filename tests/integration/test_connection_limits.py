@@ -73,11 +73,15 @@ def refused(server: Server) -> dict[str, float]:
     return found
 
 
-def in_flight(server: Server) -> float:
+def gauge(server: Server, name: str) -> float:
     for line in server.client.get("/metrics").text.splitlines():
-        if line.startswith("tensorgate_request_body_bytes_in_flight "):
+        if line.startswith(f"{name} "):
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no tensorgate_request_body_bytes_in_flight in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def in_flight(server: Server) -> float:
+    return gauge(server, "tensorgate_request_body_bytes_in_flight")
 
 
 def served(server: Server) -> bool:
@@ -160,10 +164,11 @@ def test_past_the_connection_limit_new_connections_get_503_and_the_rest_serve(
     assert refused(guarded)["too_many"] >= 1
 
 
-def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: Path) -> None:
-    """Two stalled 400 kB uploads hold 800 kB of a 1 MB budget: a third is refused at once,
-    and so is a 300 kB gRPC message (the protocols share the budget), a small request still
-    fits, and the budget comes back when the stalled clients leave."""
+def test_bodies_past_the_inflight_budget_get_503_as_they_arrive(tmp_path: Path) -> None:
+    """Two uploads stalled one byte short of 400 kB hold 800 kB of a 1 MB budget: a third is
+    refused once its bytes pass it, and so is a 300 kB gRPC message (the protocols share the
+    budget), a small request still fits, and the budget comes back when the stalled clients
+    leave."""
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
     server = Server(root, env={**LIMITS, "TG_BODY_TIMEOUT_S": "120"}, log_path=tmp_path / "log")
@@ -172,9 +177,9 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
         server.wait_until()
         stalled = [connect(server) for _ in range(2)]
         for sock in stalled:
-            sock.sendall(head(length=400_000) + b"{")
+            sock.sendall(head(length=400_000) + b"{" + b" " * 399_998)
         big = b"x" * 300_000
-        server.wait_for(lambda: in_flight(server) == 800_000, timeout=60)  # both reserved
+        server.wait_for(lambda: in_flight(server) == 799_998, timeout=60)  # both as arrived
         answer = server.client.post("/v2/models/digits/infer", content=big)
         assert answer.status_code == 503
         assert answer.headers["retry-after"] == "1"
@@ -199,6 +204,34 @@ def test_bodies_past_the_inflight_budget_get_503_before_they_are_read(tmp_path: 
         assert in_flight(server) == 0
     finally:
         for sock in stalled:
+            sock.close()
+        server.stop()
+
+
+def test_heads_without_bodies_hold_nothing_of_the_budget(tmp_path: Path) -> None:
+    """#28 finding 4: the budget was taken from the declared Content-Length, so 16 heads with
+    no body bytes (3 kB) made every REST and gRPC inference 503/UNAVAILABLE for the body
+    timeout. Now a head holds what has arrived: nothing."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    env = {**LIMITS, "TG_BODY_TIMEOUT_S": "120", "TG_MAX_CONNECTIONS": "64"}
+    server = Server(root, env=env, log_path=tmp_path / "log")
+    heads: list[socket.socket] = []
+    try:
+        server.wait_until()
+        heads = [connect(server) for _ in range(16)]
+        for sock in heads:
+            sock.sendall(head(length=400_000))
+        for _ in range(10):  # the heads reach the app within these rounds, and hold nothing
+            assert served(server)
+            assert in_flight(server) == 0
+            time.sleep(0.1)
+        big = server.client.post("/v2/models/digits/infer", content=b"x" * 300_000)
+        assert big.status_code == 400, big.text  # read, and refused for what it is
+        with grpc.insecure_channel(server.grpc_url) as channel:
+            assert model_infer(channel)(padded_digit(300_000), timeout=30).outputs
+    finally:
+        for sock in heads:
             sock.close()
         server.stop()
 
