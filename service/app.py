@@ -123,7 +123,7 @@ def serving_app(app: FastAPI, settings: Settings) -> ASGIApp:
     """What uvicorn runs: the app, its inference routes answered on plain ASGI, under the
     server-wide budget for request bodies."""
     budget: BytesBudget = app.state.body_budget
-    return BodyBudget(InferFastPath(app), budget, settings.max_body_bytes)
+    return BodyBudget(InferFastPath(app), budget)
 
 
 class RequestIdMiddleware:

@@ -236,60 +236,59 @@ def _through_views(node: Any) -> Any:
     return node
 
 
+def _direct_index(node: Any, names: Mapping[str, str]) -> tuple[str, int, bool] | None:
+    """``(input, table rows, counts from the end)`` when ``node`` indexes a weight by an input
+    itself or a view of it (an ``nn.Embedding``, or a parameter by ``[]``), else None."""
+    ops = torch.ops.aten
+    if node.target is ops.embedding.default:
+        weight, index = node.args[0], node.args[1]
+        negative = False
+    elif node.target is ops.index.Tensor and len(node.args[1]) >= 1:
+        weight, index = node.args[0], node.args[1][0]
+        negative = True
+    else:
+        return None
+    index = _through_views(index)
+    if getattr(index, "op", None) != "placeholder" or index.name not in names:
+        return None
+    if getattr(weight, "op", None) != "placeholder" or weight.name in names:
+        return None  # indexes another input, whose size the request decides
+    return names[index.name], int(weight.meta["val"].shape[0]), negative
+
+
 def index_ranges(
     program: ExportedProgram, inputs: Sequence[TensorConfig]
 ) -> dict[str, tuple[int, int]]:
     """Integer inputs that index a weight directly, and the values that index it."""
     names = dict(zip(program.graph_signature.user_inputs, (t.name for t in inputs), strict=True))
-    ops = torch.ops.aten
     ranges: dict[str, tuple[int, int]] = {}
     for node in program.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or (direct := _direct_index(node, names)) is None:
             continue
-        if node.target is ops.embedding.default:
-            weight, index = node.args[0], node.args[1]
-            negative = False
-        elif node.target is ops.index.Tensor and len(node.args[1]) >= 1:
-            weight, index = node.args[0], node.args[1][0]
-            negative = True
-        else:
-            continue
-        index = _through_views(index)
-        if getattr(index, "op", None) != "placeholder" or index.name not in names:
-            continue
-        if getattr(weight, "op", None) != "placeholder" or weight.name in names:
-            continue  # indexes another input, whose size the request decides
-        rows = int(weight.meta["val"].shape[0])
+        name, rows, negative = direct
         bounds = (-rows if negative else 0, rows - 1)
-        name = names[index.name]
         old = ranges.get(name, bounds)
         ranges[name] = (max(old[0], bounds[0]), min(old[1], bounds[1]))
     return ranges
 
 
-_INDEXING: dict[Any, tuple[int, ...]] = {}
-"""Each indexing op and the positions of its index arguments (a list of them for ``index``)."""
-
-
 def _indexing() -> dict[Any, tuple[int, ...]]:
-    if not _INDEXING:
-        ops = torch.ops.aten
-        _INDEXING.update(
-            {
-                ops.embedding.default: (1,),
-                ops.index.Tensor: (1,),
-                ops.index_select.default: (2,),
-                ops.gather.default: (2,),
-                ops.take.default: (1,),
-                ops.scatter.src: (2,),
-                ops.scatter.value: (2,),
-                ops.scatter_add.default: (2,),
-                ops.index_put.default: (1,),
-                ops.index_add.default: (2,),
-                ops.embedding_bag.default: (1,),
-            }
-        )
-    return _INDEXING
+    """Each indexing op and the positions of its index arguments (a list of them for
+    ``index``)."""
+    ops = torch.ops.aten
+    return {
+        ops.embedding.default: (1,),
+        ops.index.Tensor: (1,),
+        ops.index_select.default: (2,),
+        ops.gather.default: (2,),
+        ops.take.default: (1,),
+        ops.scatter.src: (2,),
+        ops.scatter.value: (2,),
+        ops.scatter_add.default: (2,),
+        ops.index_put.default: (1,),
+        ops.index_add.default: (2,),
+        ops.embedding_bag.default: (1,),
+    }
 
 
 def _bounded_by_shape() -> set[Any]:
@@ -344,7 +343,6 @@ def unproven_indexes(program: ExportedProgram, inputs: Sequence[TensorConfig]) -
     indexing = _indexing()
     bounded = _bounded_by_shape()
     views = _views()
-    ops = torch.ops.aten
     # node → the inputs its values derive from, and the ops they passed through on the way
     reach: dict[Any, dict[str, str]] = {}
     found: dict[str, str] = {}
@@ -355,20 +353,12 @@ def unproven_indexes(program: ExportedProgram, inputs: Sequence[TensorConfig]) -
         if node.op != "call_function" or node.target in bounded:
             continue
         if node.target in indexing:
+            # a direct index is the first at its position (embedding's ids, ``[]``'s first)
+            skip = 0 if _direct_index(node, names) is None else 1
             for position in indexing[node.target]:
                 if position >= len(node.args):
                     continue
-                for index in _flat(node.args[position]):
-                    source = _through_views(index)
-                    direct = (
-                        node.target in (ops.embedding.default, ops.index.Tensor)
-                        and getattr(source, "op", None) == "placeholder"
-                        and source.name in names
-                        and getattr(node.args[0], "op", None) == "placeholder"
-                        and node.args[0].name not in names
-                    )
-                    if direct:
-                        continue
+                for index in _flat(node.args[position])[skip:]:
                     for name, path in reach.get(index, {}).items():
                         found.setdefault(name, f"{_op_name(node.target)}{path}")
         came: dict[str, str] = {}

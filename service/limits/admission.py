@@ -79,10 +79,9 @@ class BytesBudget:
 class BodyBudget:
     """ASGI middleware holding REST request bodies in flight in ``budget``."""
 
-    def __init__(self, app: ASGIApp, budget: BytesBudget, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, budget: BytesBudget) -> None:
         self.app = app
         self.budget = budget
-        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -25,6 +25,7 @@ import torch
 from torch._inductor.package import load_package  # type: ignore[attr-defined]  # not re-exported in its stubs
 
 from service.artifacts.manifest import check_pt2
+from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.runtimes.base import Signature
 from service.runtimes.libtorch import TorchRuntime
@@ -68,9 +69,6 @@ class _IsaChecked(logging.Filter):
 _ISA_CHECKED = _IsaChecked()
 
 
-_INTEGERS = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
-
-
 class Pt2Runtime(TorchRuntime):
     """Runs ``model.pt2`` (``torch._inductor.aoti_compile_and_package``) on CPU or CUDA."""
 
@@ -88,7 +86,9 @@ class Pt2Runtime(TorchRuntime):
         needs = package_needs(path)
         if TORCH_KEY not in needs:  # not made by `tensorgate export`, which proves its indexes
             unbounded = [
-                t.name for t in declared.inputs if t.range is None and t.datatype in _INTEGERS
+                t.name
+                for t in declared.inputs
+                if t.range is None and TO_NUMPY[t.datatype].kind in "iu"
             ]
             if unbounded:
                 raise ModelLoadError(
