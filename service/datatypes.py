@@ -82,6 +82,27 @@ def as_values(array: np.ndarray, datatype: str) -> np.ndarray:
     return bf16_floats(array) if datatype == "BF16" else array
 
 
+NON_FINITE_JSON = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+"""How JSON carries the floats it has no numbers for: proto3's JSON mapping of ``float`` and
+``double``. orjson would write ``null`` for each, which reads back as no value at all; these
+strings read back as themselves (``float()`` and numpy parse them, so tritonclient's
+``as_numpy`` does too), and inputs accept them the same way."""
+
+
+def json_values(values: np.ndarray) -> np.ndarray | list[Any]:
+    """Numbers as a JSON answer carries them: ``values`` itself (orjson writes it) while each is
+    finite, else nested lists in which NaN, +inf and -inf are :data:`NON_FINITE_JSON`'s strings."""
+    if values.dtype.kind != "f" or np.isfinite(values).all():
+        return values
+    held = np.empty(values.shape, dtype=object)
+    held.flat[:] = list(values.flat)  # numpy scalars: orjson writes each at its own precision
+    held[np.isnan(values)] = "NaN"
+    held[values == np.inf] = "Infinity"
+    held[values == -np.inf] = "-Infinity"
+    listed: list[Any] = held.tolist()
+    return listed
+
+
 def cast(array: np.ndarray, given: str, wanted: str) -> np.ndarray:
     """``array`` of datatype ``given`` converted to ``wanted`` (numpy's casting rules)."""
     if "BF16" not in (given, wanted):

@@ -11,8 +11,10 @@ import base64
 import binascii
 from typing import Any
 
+import numpy as np
 import orjson
 
+from service.datatypes import json_values
 from service.errors import InvalidInput, UnsupportedMediaType
 from service.inference import InferenceRequest, InferenceResult
 
@@ -70,10 +72,16 @@ def encode_predictions(result: InferenceResult) -> bytes:
     if result.classifier is not None:
         predictions = [result.classifier(row) for row in per_row]
     elif len(outputs) == 1:
-        predictions = [next(iter(row.values())).tolist() for row in per_row]
+        predictions = [_listed(next(iter(row.values()))) for row in per_row]
     else:
-        predictions = [{k: v.tolist() for k, v in row.items()} for row in per_row]
+        predictions = [{k: _listed(v) for k, v in row.items()} for row in per_row]
     return _dumps(predictions, result.parameters)
+
+
+def _listed(values: np.ndarray) -> Any:
+    """One row's values as JSON lists; NaN and ±inf as :data:`~service.datatypes.NON_FINITE_JSON`."""
+    held = json_values(values)
+    return held.tolist() if isinstance(held, np.ndarray) else held
 
 
 def _dumps(predictions: list[Any], parameters: dict[str, Any]) -> bytes:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.datatypes import TO_NUMPY, as_values, from_values
+from service.datatypes import TO_NUMPY, as_values, from_values, json_values
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 
@@ -334,7 +334,7 @@ def _to_json(data: np.ndarray, datatype: str) -> Any:
             item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
             for item in flat
         ]
-    return np.ascontiguousarray(as_values(flat, datatype))
+    return json_values(np.ascontiguousarray(as_values(flat, datatype)))
 
 
 def to_binary(data: np.ndarray, datatype: str) -> bytes:

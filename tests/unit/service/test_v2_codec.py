@@ -19,6 +19,7 @@ from tritonclient.http._utils import _get_inference_request
 from service.datatypes import TO_NUMPY, bf16_bits
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
+from service.protocol import v1
 from service.protocol.v2 import (
     MAX_BYTES_ELEMENTS,
     binary_default,
@@ -349,3 +350,43 @@ def test_random_json_tensors_never_raise_anything_but_invalid_input(tensor: dict
     # a client's error either way: 400, or 413 for more BYTES elements than the server holds
     with contextlib.suppress(InvalidInput, PayloadTooLarge):
         decode_request(body)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64", "BF16"])
+def test_nan_and_infinities_travel_in_json_as_proto3_strings(datatype: str) -> None:
+    values = np.array([[1.5, np.nan, np.inf], [-np.inf, -0.0, 2.0]])
+    data = bf16_bits(values) if datatype == "BF16" else values.astype(TO_NUMPY[datatype])
+    result = InferenceResult("m", "1", None, [OutputTensor("y", datatype, data)], {}, {}, None, True)
+    body, headers = encode_result(result, False)
+    assert headers["content-type"] == "application/json"
+    sent = orjson.loads(body)["outputs"][0]["data"]
+    assert sent == [1.5, "NaN", "Infinity", "-Infinity", -0.0, 2.0]  # not null: a value
+    if datatype != "BF16":  # ml_dtypes' bfloat16 takes no strings: binary carries BF16 exactly
+        parsed = triton.InferResult.from_response_body(body).as_numpy("y")
+        np.testing.assert_array_equal(parsed, values.astype(TO_NUMPY[datatype]))
+    # what an answer says, a request may say back
+    request = orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": datatype, "shape": [2, 3], "data": sent}]}
+    )
+    np.testing.assert_array_equal(decode_request(request).inputs[0].data.reshape(2, 3), data)
+
+
+def test_finite_json_outputs_keep_numpys_own_encoding() -> None:
+    data = np.array([0.1, 2.5], np.float32)
+    result = InferenceResult("m", "1", None, [OutputTensor("y", "FP32", data)], {}, {}, None, True)
+    body, _ = encode_result(result, False)
+    assert b'"data":[0.1,2.5]' in body
+
+
+def test_v1_predictions_carry_nan_and_infinities_as_strings() -> None:
+    rows = np.array([[np.nan, 1.0], [np.inf, -np.inf]], np.float32)
+    one = InferenceResult("m", "1", None, [], {"y": rows}, {}, None, True)
+    assert orjson.loads(v1.encode_predictions(one))["predictions"] == [
+        ["NaN", 1.0],
+        ["Infinity", "-Infinity"],
+    ]
+    two = InferenceResult("m", "1", None, [], {"y": rows, "z": rows[:, :1]}, {}, None, True)
+    assert orjson.loads(v1.encode_predictions(two))["predictions"][1] == {
+        "y": ["Infinity", "-Infinity"],
+        "z": ["Infinity"],
+    }
