@@ -11,7 +11,9 @@ that stops arriving. This subclass adds them:
 - a head not complete within ``header_timeout_s`` of the connection opening or of the request
   starting (a silent or slowloris client): 408, closed;
 - a body not complete within ``body_timeout_s`` of its head: 408, closed; the application's
-  ``receive`` then reports a disconnect, so nothing waits on it.
+  ``receive`` then reports a disconnect, so nothing waits on it;
+- a half-close after a whole request: the request is answered, then the connection closes
+  (uvicorn closed at once, and the client got nothing).
 
 Each refusal is written straight to the transport (the application never sees the request) and
 counted in :data:`service.telemetry.counters.REFUSED`, by reason, for the metrics.
@@ -93,6 +95,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        """The client half-closed (``shutdown(SHUT_WR)``, as ``curl --data ... | nc -N`` does):
+        a request it sent whole is still answered, and the connection closes after that answer.
+        With no request under way, or one cut off in its head or body, it closes now as uvicorn
+        does (returning None closes the transport)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or cycle.more_body or self._in_head:
+            return None
+        cycle.keep_alive = False  # its answer says ``connection: close`` and closes after
+        return True
 
     def data_received(self, data: bytes) -> None:
         # Bytes of a head already under way are counted; the chunk a head begins in is not

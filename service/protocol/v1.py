@@ -79,7 +79,8 @@ def encode_predictions(result: InferenceResult) -> bytes:
 
 
 def _listed(values: np.ndarray) -> Any:
-    """One row's values as JSON lists; NaN and ±inf as :data:`~service.datatypes.NON_FINITE_JSON`."""
+    """One row's values as JSON lists (NaN and ±inf as :data:`~service.datatypes.json_values`
+    writes them)."""
     held = json_values(values)
     return held.tolist() if isinstance(held, np.ndarray) else held
 

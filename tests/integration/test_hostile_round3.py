@@ -3,6 +3,9 @@ that could end the process, and the protocol's small print, each against a real 
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,3 +87,40 @@ def test_a_refused_grpc_call_lets_its_message_go(
     with pytest.raises(grpc.RpcError) as error:
         stub.ModelInfer(refused[0], timeout=60)
     assert error.value.details() == "unknown model 'nosuch'"  # the status, as abort() sent it
+
+
+DIGIT = json.dumps(
+    {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]}
+).encode()
+
+
+def exchange(server: Server, request: bytes) -> bytes:
+    """Send ``request``, half-close (``shutdown(SHUT_WR)``) and read until the server closes."""
+    chunks = []
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_request_followed_by_a_half_close_is_answered(server: Server) -> None:
+    """#28 finding 20: uvicorn closed the connection on the client's FIN, and the request
+    (already whole) was cancelled unanswered."""
+    post = (
+        b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(DIGIT), DIGIT)
+    )
+    answer = exchange(server, post)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["outputs"][0]["name"]
+    assert exchange(server, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
+        b"HTTP/1.1 200 "
+    )
+    cut = exchange(server, post[:-10])  # a body cut short by the FIN can never be whole
+    assert b"HTTP/1.1 200" not in cut
+    assert server.client.post("/v2/models/digits/infer", content=DIGIT).status_code == 200

@@ -356,7 +356,9 @@ def test_random_json_tensors_never_raise_anything_but_invalid_input(tensor: dict
 def test_nan_and_infinities_travel_in_json_as_proto3_strings(datatype: str) -> None:
     values = np.array([[1.5, np.nan, np.inf], [-np.inf, -0.0, 2.0]])
     data = bf16_bits(values) if datatype == "BF16" else values.astype(TO_NUMPY[datatype])
-    result = InferenceResult("m", "1", None, [OutputTensor("y", datatype, data)], {}, {}, None, True)
+    result = InferenceResult(
+        "m", "1", None, [OutputTensor("y", datatype, data)], {}, {}, None, True
+    )
     body, headers = encode_result(result, False)
     assert headers["content-type"] == "application/json"
     sent = orjson.loads(body)["outputs"][0]["data"]
