@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from service.cluster.view import Cluster
+from service.errors import InvalidInput
 from service.grpc.servicer import SERVICE, InferenceServicer
 from service.limits.admission import BytesBudget
-from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from service.protocol.grpc import Unparsed, parse
+from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("tensorgate.grpc")
@@ -62,6 +65,57 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             await asyncio.sleep(self.WATCH_INTERVAL_S)
 
 
+PARSED_BY_HANDLER = frozenset({"ModelInfer", "ModelStreamInfer"})
+"""The RPCs whose handlers take :class:`~service.protocol.grpc.Unparsed` messages and parse
+them themselves, after the token and the budget (:meth:`InferenceServicer._infer`)."""
+
+
+def inference_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """``inference.GRPCInferenceService``'s method handlers, from its descriptor, as the
+    generated ``add_GRPCInferenceServiceServicer_to_server`` makes them but for how requests
+    are parsed: never by grpc's deserializer (on the event loop, before the token, a malformed
+    message UNKNOWN naming a Python class). The inference RPCs parse their own; every other
+    RPC's message is parsed here, a malformed one INVALID_ARGUMENT naming the message."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        behaviour = getattr(servicer, method.name)
+        if method.name not in PARSED_BY_HANDLER:
+            behaviour = _parsing(behaviour, getattr(pb, method.input_type.name))
+        make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = make(
+            behaviour,
+            request_deserializer=Unparsed,
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    return handlers
+
+
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _parsing(
+    behaviour: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]],
+    message_type: type[Message],
+) -> Callable[[Unparsed, grpc.aio.ServicerContext[Any, Any]], Awaitable[Any]]:
+    """A unary RPC's behaviour, given its message parsed (these are small)."""
+
+    async def handle(request: Unparsed, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            message = parse(message_type, request.raw)
+        except InvalidInput as exc:
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(exc.message)
+            return None
+        return await behaviour(message, context)
+
+    return handle
+
+
 class GrpcServer:
     """The started gRPC server, as the app's lifespan holds it."""
 
@@ -106,9 +160,9 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
         ],
     )
     servicer = InferenceServicer(cluster, budget)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
-        servicer, server
-    )
+    handlers = inference_handlers(servicer)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+    server.add_registered_method_handlers(SERVICE, handlers)  # grpc's fast path, as generated
     health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
         HealthServicer(cluster), server
     )

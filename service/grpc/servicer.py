@@ -51,6 +51,10 @@ SHARED_MEMORY = (
     "(the server may run on another machine than its clients)"
 )
 ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (TG_ADMIN_TOKEN)"
+MESSAGE_COPIES = 2
+"""How many times an inference message's size the server holds for it, and takes from the
+budget: its bytes and the parsed message while it is parsed, then the parsed message and the
+``raw_input_contents`` read from it (upb copies a bytes field each time it is read)."""
 STREAM_IN_FLIGHT = 64
 """Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
 done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
@@ -210,7 +214,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, model)
 
     async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext[Any, Any]
+        self, request: codec.Unparsed, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
         async def infer() -> pb.ModelInferResponse:
             response = await self._infer(request, context.time_remaining())
@@ -220,17 +224,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
 
     async def _infer(
-        self, request: pb.ModelInferRequest, timeout_s: float | None
+        self,
+        request: codec.Unparsed,
+        timeout_s: float | None,
+        parsed: Callable[[pb.ModelInferRequest], None] | None = None,
     ) -> pb.ModelInferResponse:
-        budget = self.budget
-        if budget is None:
-            return await self._answer_infer(request, timeout_s)
-        size = request.ByteSize()
-        budget.take(size)  # past the budget: UNAVAILABLE now, and the message is let go
+        """One inference message: its size taken from the budget before it is parsed (past it:
+        UNAVAILABLE, and the bytes are let go unread), parsed on the pool when large, answered.
+        ``parsed`` is told the message once it is parsed."""
+        raw, request.raw = request.raw, b""
+        size = MESSAGE_COPIES * len(raw)
+        if self.budget is not None:
+            self.budget.take(size)
         try:
-            return await self._answer_infer(request, timeout_s)
+            message = await self.dataplane.offload(len(raw), codec.parse, pb.ModelInferRequest, raw)
+            del raw  # from here the parsed message holds what is needed
+            if parsed is not None:
+                parsed(message)
+            return await self._answer_infer(message, timeout_s)
         finally:
-            budget.release(size)
+            if self.budget is not None:
+                self.budget.release(size)
 
     async def _answer_infer(
         self, request: pb.ModelInferRequest, timeout_s: float | None
@@ -249,7 +263,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(
         self,
-        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        request_iterator: AsyncIterator[codec.Unparsed],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request of the stream answered as ModelInfer answers it, concurrently (they
@@ -271,25 +285,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         carrier = _text(headers)
 
-        async def answer(request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-            request_id = request_id_for(request.id or stream_id)
-            REQUEST_ID.set(request_id)  # this request's task
+        async def answer(request: codec.Unparsed) -> pb.ModelStreamInferResponse:
+            names = ["", "", ""]  # the message's model, version and id, once parsed
+            request_id = request_id_for(stream_id)
+            REQUEST_ID.set(request_id)  # this request's task; its own id once parsed
             trace = None
             if tracing.TRACER is not None:
                 trace = tracing.begin(f"{SERVICE}/ModelStreamInfer", carrier, request_id)
+
+            def parsed(message: pb.ModelInferRequest) -> None:
+                names[:] = [message.model_name, message.model_version, message.id]
+                if message.id:
+                    own = request_id_for(message.id)
+                    REQUEST_ID.set(own)
+                    if trace is not None:
+                        trace.span.set_attribute("tensorgate.request_id", own)
+
             try:
-                response = await self._infer(request, context.time_remaining())
+                response = await self._infer(request, context.time_remaining(), parsed)
                 if trace is not None:
                     _end(trace, grpc.StatusCode.OK)
             except Exception as exc:
                 code, message = grpc_status(exc)
                 if trace is not None:
                     _end(trace, code)
-                failed = pb.ModelInferResponse(
-                    model_name=request.model_name,
-                    model_version=request.model_version,
-                    id=request.id,
-                )
+                model, version, id_ = names
+                failed = pb.ModelInferResponse(model_name=model, model_version=version, id=id_)
                 return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
             return pb.ModelStreamInferResponse(infer_response=response)
 

@@ -96,7 +96,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline = None
         super().connection_lost(exc)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's own signature: uvicorn's says None
         """The client half-closed (``shutdown(SHUT_WR)``, as ``curl --data ... | nc -N`` does):
         a request it sent whole is still answered, and the connection closes after that answer.
         With no request under way, or one cut off in its head or body, it closes now as uvicorn

@@ -9,10 +9,11 @@ bytes, laid out as Triton's binary tensors; typed ``contents`` are read field by
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
+from google.protobuf.message import DecodeError, Message
 
 from service.datatypes import TO_NUMPY
 from service.errors import InvalidInput, PayloadTooLarge
@@ -36,16 +37,45 @@ CONTENTS_FIELD = {
 }
 """Where each datatype's typed ``contents`` live; FP16 and BF16 have none (raw contents only)."""
 
+M = TypeVar("M", bound=Message)
+
+
+class Unparsed:
+    """A request message's bytes as grpc received them, for its handler to parse with
+    :func:`parse`: after the token and the budget, off the event loop when large. grpc's own
+    deserializer parses on the loop, before anything else, and answers a malformed message
+    UNKNOWN with a Python class's name. Handlers take ``raw`` out (leaving ``b""``) so that
+    they alone hold it and can let it go once parsed."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+
+def parse(message_type: type[M], raw: bytes) -> M:
+    """``raw`` as a ``message_type``; 400 (INVALID_ARGUMENT) naming the message if it is not one."""
+    try:
+        message: M = message_type.FromString(raw)
+    except DecodeError:
+        raise InvalidInput(
+            f"the request is not a valid {message_type.DESCRIPTOR.full_name} message "
+            f"({len(raw)} bytes that do not parse as protobuf)"
+        ) from None
+    return message
+
 
 def decode_work(message: pb.ModelInferRequest) -> int:
     """About the bytes :func:`decode_request` works through: 8 for each element of typed
-    ``contents`` (each is read into a numpy array one by one); raw contents are viewed where
-    they lie."""
-    return 8 * sum(
+    ``contents`` (each is read into a numpy array one by one) and 64 for each output asked for
+    and each parameter (each becomes a Python object); raw contents are viewed where they lie."""
+    typed = sum(
         len(getattr(t.contents, CONTENTS_FIELD.get(t.datatype, "fp32_contents")))
         for t in message.inputs
         if t.HasField("contents")
     )
+    entries = len(message.outputs) + len(message.parameters) + len(message.inputs)
+    return 8 * typed + 64 * entries
 
 
 def decode_request(
@@ -64,15 +94,11 @@ def decode_request(
     for index, tensor in enumerate(message.inputs):
         content = raw[index] if raw else None
         inputs.append(_decode_input(tensor, content, max_elements))
-    names = [t.name for t in inputs]
-    if len(set(names)) != len(names):
-        raise InvalidInput(f"an input appears more than once in 'inputs': {names}")
+    _once([t.name for t in inputs], "input", "appears more than once in 'inputs'")
     outputs = None
     if message.outputs:
         outputs = [RequestedOutput(o.name, parameters(o.parameters)) for o in message.outputs]
-        asked = [o.name for o in outputs]
-        if len(set(asked)) != len(asked):
-            raise InvalidInput(f"an output is requested more than once: {asked}")
+        _once([o.name for o in outputs], "output", "is requested more than once")
     return InferenceRequest(
         message.model_name,
         message.model_version or None,
@@ -82,6 +108,15 @@ def decode_request(
         id=message.id or None,
         timeout_s=timeout_s,
     )
+
+
+def _once(names: list[str], kind: str, what: str) -> None:
+    """400 naming the first name that repeats (only it: a message may hold millions)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise InvalidInput(f"{kind} {name[:200]!r} {what}")
+        seen.add(name)
 
 
 def _decode_input(
@@ -123,6 +158,12 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) ->
         raise InvalidInput(
             f"input '{name}': {datatype} has no typed 'contents' in the protocol; send it in "
             "raw_input_contents (2-byte little-endian words)"
+        )
+    unused = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+    if unused:  # values the model would never see: the client's mistake, not noise to skip
+        raise InvalidInput(
+            f"input '{name}': a {datatype} tensor's values go in contents.{field}; "
+            f"contents.{', contents.'.join(unused)} is set too"
         )
     values = getattr(tensor.contents, field)
     if len(values) != count:

@@ -124,3 +124,73 @@ def test_a_request_followed_by_a_half_close_is_answered(server: Server) -> None:
     cut = exchange(server, post[:-10])  # a body cut short by the FIN can never be whole
     assert b"HTTP/1.1 200" not in cut
     assert server.client.post("/v2/models/digits/infer", content=DIGIT).status_code == 200
+
+
+MALFORMED = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, 4 GiB long: cut off
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("ModelInfer", "inference.ModelInferRequest"),
+        ("ModelMetadata", "inference.ModelMetadataRequest"),
+        ("ServerLive", "inference.ServerLiveRequest"),
+    ],
+)
+def test_a_malformed_message_is_invalid_argument_naming_it(
+    server: Server, method: str, message: str
+) -> None:
+    """#28 finding 22: grpc's deserializer failed on the event loop and the client read
+    UNKNOWN with a Python class's name."""
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        with pytest.raises(grpc.RpcError) as error:
+            call(MALFORMED, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == (
+        f"the request is not a valid {message} message (6 bytes that do not parse as protobuf)"
+    )
+
+
+def test_a_malformed_message_in_a_stream_is_that_requests_error(server: Server) -> None:
+    good = pb.ModelInferRequest(
+        model_name="digits",
+        id="good",
+        inputs=[
+            pb.ModelInferRequest.InferInputTensor(name="image", datatype="FP32", shape=[1, 1, 8, 8])
+        ],
+        raw_input_contents=[bytes(256)],
+    ).SerializeToString()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        answers = list(stream(iter([MALFORMED, good]), timeout=60))
+    errors = [a.error_message for a in answers if a.error_message]
+    assert errors == [
+        "the request is not a valid inference.ModelInferRequest message "
+        "(6 bytes that do not parse as protobuf)"
+    ]
+    assert [a.infer_response.id for a in answers if not a.error_message] == ["good"]
+
+
+def test_typed_contents_the_datatype_does_not_read_are_refused(
+    stub: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """#28 finding 22: values in another field than the datatype's were silently dropped."""
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name="image", datatype="FP32", shape=[1, 1, 8, 8]
+    )
+    tensor.contents.fp32_contents.extend([0.5] * 64)
+    tensor.contents.int64_contents.extend([7] * 3)
+    request = pb.ModelInferRequest(model_name="digits", inputs=[tensor])
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(request, timeout=30)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == (
+        "input 'image': a FP32 tensor's values go in contents.fp32_contents; "
+        "contents.int64_contents is set too"
+    )
+    request.inputs[0].contents.ClearField("int64_contents")
+    assert stub.ModelInfer(request, timeout=30).outputs  # the same values alone are served

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.core.dataplane import OFFLOAD_BYTES
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
 from service.protocol import grpc as codec
@@ -95,3 +96,29 @@ def test_bf16_travels_as_two_byte_words_both_ways() -> None:
     )
     assert response.raw_output_contents[0] == words.tobytes()  # and so every output goes raw
     assert response.outputs[0].datatype == "BF16" and list(response.outputs[0].shape) == [1, 3]
+
+
+def test_a_message_of_many_outputs_or_parameters_is_decoded_off_the_event_loop() -> None:
+    """#28 finding 9: 2 M ``outputs`` entries were decoded on the loop (4.4 s of stall): each
+    entry counts, so such a message is decoded on the pool."""
+    many = pb.ModelInferRequest(model_name="m")
+    for i in range(OFFLOAD_BYTES // 64):
+        many.outputs.add(name=f"o{i}")
+    assert codec.decode_work(many) >= OFFLOAD_BYTES
+    params = pb.ModelInferRequest(model_name="m")
+    for i in range(OFFLOAD_BYTES // 64):
+        params.parameters[f"p{i}"].int64_param = i
+    assert codec.decode_work(params) >= OFFLOAD_BYTES
+    assert codec.decode_work(pb.ModelInferRequest(model_name="m")) < OFFLOAD_BYTES
+
+
+def test_a_repeated_name_is_named_alone() -> None:
+    """The error names the repeated output, not every name the message holds."""
+    message = pb.ModelInferRequest(model_name="m")
+    tensor = message.inputs.add(name="x", datatype="FP32", shape=[1])
+    tensor.contents.fp32_contents.append(1.0)
+    for name in ["a", "b", *(f"o{i}" for i in range(1000)), "b"]:
+        message.outputs.add(name=name)
+    with pytest.raises(InvalidInput) as error:
+        codec.decode_request(message, None)
+    assert error.value.message == "output 'b' is requested more than once"
