@@ -5,6 +5,7 @@ folder only this user may open (service/cluster/supervisor.py says how the worke
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from prometheus_client import generate_latest
 
-from service.cluster.supervisor import Worker
+from service.cluster.supervisor import Worker, control_key
 from service.errors import TensorgateError
 from service.repository import metadata
 
@@ -35,11 +36,15 @@ class WorkerFailed(TensorgateError):
 
 
 class ControlServer:
-    """What a worker answers the others: questions about itself alone, one JSON line each."""
+    """What a worker answers the others: questions about itself alone, one JSON line each,
+    each carrying the server's control key (:func:`~service.cluster.supervisor.control_key`);
+    a question without it is answered 401 and logged. Loads and unloads are answered only
+    when the server has an admin token: without one no route asks for them."""
 
     def __init__(self, dataplane: DataPlane, worker: Worker) -> None:
         self.dataplane = dataplane
         self.worker = worker
+        self.key = control_key().encode()
         self.server: asyncio.AbstractServer | None = None
         self.ops: dict[str, Callable[..., Awaitable[Any]]] = {
             "live": self._probe("live"),
@@ -48,9 +53,10 @@ class ControlServer:
             "model_ready": self._model_ready,
             "statistics": self._statistics,
             "metrics": self._metrics,
-            "load": dataplane.load_model,
-            "unload": dataplane.unload_model,
         }
+        if dataplane.settings.admin_token is not None:
+            self.ops["load"] = dataplane.load_model
+            self.ops["unload"] = dataplane.unload_model
 
     async def start(self) -> None:
         path = self.worker.socket_path(self.worker.index)
@@ -82,10 +88,21 @@ class ControlServer:
         try:
             line = await reader.readline()
             question = orjson.loads(line)
-            try:
-                answer = {"value": await self.ops[question["op"]](*question["args"])}
-            except TensorgateError as exc:
-                answer = {"error": exc.message, "status": exc.status}
+            key = question.get("key") if isinstance(question, dict) else None
+            op = question.get("op") if isinstance(question, dict) else None
+            if not isinstance(key, str) or not hmac.compare_digest(key.encode(), self.key):
+                log.warning("control socket: a question without this server's key, refused")
+                answer: dict[str, Any] = {
+                    "error": "this server's control key is needed",
+                    "status": 401,
+                }
+            elif op not in self.ops:
+                answer = {"error": f"no operation {str(op)[:100]!r}", "status": 400}
+            else:
+                try:
+                    answer = {"value": await self.ops[op](*question["args"])}
+                except TensorgateError as exc:
+                    answer = {"error": exc.message, "status": exc.status}
             writer.write(orjson.dumps(answer) + b"\n")
             await writer.drain()
         except Exception:  # a peer that went away mid-answer; it will say so itself
@@ -99,6 +116,7 @@ class Siblings:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.key = control_key()
 
     async def ask(self, op: str, *args: Any, timeout: float = ASK_TIMEOUT_S) -> list[Any]:
         """Every other worker's answer to ``op``, in worker order: its value, or the
@@ -111,7 +129,8 @@ class Siblings:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_unix_connection(str(path))
                 try:
-                    writer.write(orjson.dumps({"op": op, "args": args}) + b"\n")
+                    question = {"op": op, "args": args, "key": self.key}
+                    writer.write(orjson.dumps(question) + b"\n")
                     answer = orjson.loads(await reader.readline())
                 finally:
                     writer.close()

@@ -27,8 +27,10 @@ its supervisor does, however the supervisor ended (``PR_SET_PDEATHSIG``): no orp
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -54,6 +56,8 @@ LISTEN_FD_ENV = "TENSORGATE_LISTEN_FD"
 """The HTTP listening socket a worker inherits from its supervisor (a descriptor number)."""
 """Set by the supervisor for each worker: ``<index>/<count>/<supervisor pid>/<replacement>/
 <control folder>``. Not a ``TG_*`` setting: a user never sets it."""
+KEY_FD_ENV = "TENSORGATE_CONTROL_KEY_FD"
+"""The read end of a pipe that holds this server's control key (:func:`control_key`)."""
 STARTUP_S = 60.0
 """A worker that exits with an error this soon after the server started, on its first start,
 is a server that cannot start: the supervisor stops, rather than retry for ever."""
@@ -116,6 +120,8 @@ class Supervisor:
         self.due: dict[int, float] = {}
         self.stopping = False
         self.folder = Path(tempfile.mkdtemp(prefix="tensorgate-workers-"))  # mode 0700
+        self.key = secrets.token_hex(32)
+        """What every question on the control socket must carry (:func:`control_key`)."""
 
     def run(self) -> int:
         # HTTP: one listening socket, the supervisor's, inherited by every worker. One accept
@@ -152,20 +158,27 @@ class Supervisor:
     def _start(self, index: int, port: int, replacement: bool = False) -> None:
         worker = Worker(index, self.count, os.getpid(), self.folder, replacement)
         fd = self.listener.fileno()
+        key, writing = os.pipe()  # the key in a pipe: never in the environment or on disk
+        os.write(writing, self.key.encode())
+        os.close(writing)
         env = {
             **os.environ,
             WORKER_ENV: worker.encode(),
             "TG_PORT": str(port),
             LISTEN_FD_ENV: str(fd),
+            KEY_FD_ENV: str(key),
         }
         # A session of its own: a signal to the supervisor's process group (Ctrl-C, `kill` of a
         # `make run`) reaches the workers once, forwarded, instead of twice ("stop now").
-        self.processes[index] = subprocess.Popen(
-            [sys.executable, "-m", "service", *self.argv],
-            env=env,
-            start_new_session=True,
-            pass_fds=(fd,),
-        )
+        try:
+            self.processes[index] = subprocess.Popen(
+                [sys.executable, "-m", "service", *self.argv],
+                env=env,
+                start_new_session=True,
+                pass_fds=(fd, key),
+            )
+        finally:
+            os.close(key)
         self.started_at[index] = time.monotonic()
         log.info("worker %d started (pid %d)", index, self.processes[index].pid)
 
@@ -228,6 +241,19 @@ def shared_listener(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+@functools.cache
+def control_key() -> str:
+    """This worker's server's control key, which every question on the control socket carries:
+    read once from the pipe its supervisor handed it. The socket's folder is this user's alone,
+    but any process of this user could connect and load or unload one worker; the environment
+    and the disk are readable by them too (``/proc/<pid>/environ``), a drained pipe is not."""
+    fd = os.environ.pop(KEY_FD_ENV, None)
+    if fd is None:
+        raise RuntimeError(f"{KEY_FD_ENV} is not set: a worker is started by its supervisor")
+    with os.fdopen(int(fd), "rb") as pipe:
+        return pipe.read().decode()
 
 
 def inherited_listener() -> socket.socket:

@@ -150,6 +150,29 @@ def test_load_and_unload_reach_every_worker(two: Server) -> None:
     assert codes == [200] * 16
 
 
+def test_the_control_socket_answers_no_process_without_the_servers_key(two: Server) -> None:
+    """#28 finding 19: any process of this user could connect to a worker's control socket
+    and unload its models (one worker unloaded, the other serving: split state)."""
+    place = workers(two)[0].environ()["TENSORGATE_WORKER"]
+    index, folder = place.split("/")[0], place.split("/", 4)[4]
+    for question in (
+        {"op": "unload", "args": ["digits"]},
+        {"op": "unload", "args": ["digits"], "key": "0" * 64},
+    ):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(30)
+            sock.connect(f"{folder}/worker-{index}.sock")
+            sock.sendall(json.dumps(question).encode() + b"\n")
+            answer = json.loads(sock.makefile().readline())
+        assert answer == {"error": "this server's control key is needed", "status": 401}
+    codes = [
+        fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+        for _ in range(16)
+    ]
+    assert codes == [200] * 16  # every worker still serves
+    assert "control socket: a question without this server's key, refused" in two.log()
+
+
 def test_a_dead_worker_is_replaced_while_the_other_serves(two: Server) -> None:
     victim, survivor = workers(two)
     victim.kill()
