@@ -207,7 +207,9 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                 max_header_bytes=settings.max_header_bytes,
                 header_timeout_s=settings.header_timeout_s,
                 body_timeout_s=settings.body_timeout_s,
-            )
+                write_timeout_s=settings.write_timeout_s,
+            ),
+            app.state.body_budget,
         ),
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn says int; it takes seconds as a float (loop.call_later)
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),

@@ -100,6 +100,10 @@ class Settings(BaseSettings):
     request's first byte, on a kept-alive connection): silent or slow senders get 408, closed."""
     body_timeout_s: float = Field(default=60.0, gt=0)
     """A request's body must arrive within this long of its head; else 408, closed."""
+    write_timeout_s: float = Field(default=60.0, gt=0)
+    """An answer written must be taken by its client within this long (the connection's send
+    buffer empty again); else the connection is aborted and what it held let go. While unsent,
+    an answer's bytes count in TG_MAX_INFLIGHT_BYTES."""
     keep_alive_timeout_s: float = Field(default=5.0, gt=0)
     """An idle connection between two requests is closed after this long."""
     drain_pre_stop_s: float = Field(default=5.0, ge=0)

@@ -70,6 +70,13 @@ class BytesBudget:
                 )
             self.held += size
 
+    def hold(self, size: int) -> None:
+        """Count ``size`` more bytes (fewer when negative) that are already held and cannot be
+        refused: answers written and not yet taken by their clients
+        (:mod:`service.limits.connections`). They make the next bodies wait their turn."""
+        with self._lock:
+            self.held += size
+
     def release(self, size: int) -> None:
         """Give back ``size`` bytes once the request that held them has been answered."""
         with self._lock:

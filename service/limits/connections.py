@@ -13,7 +13,12 @@ that stops arriving. This subclass adds them:
 - a body not complete within ``body_timeout_s`` of its head: 408, closed; the application's
   ``receive`` then reports a disconnect, so nothing waits on it;
 - a half-close after a whole request: the request is answered, then the connection closes
-  (uvicorn closed at once, and the client got nothing).
+  (uvicorn closed at once, and the client got nothing);
+- an answer its client does not take (the transport's send buffer not empty again within
+  ``write_timeout_s`` of filling): the connection is aborted, its buffer let go. Until then
+  the buffer's bytes count in the server's budget (:mod:`service.limits.admission`), so
+  answers piling up for clients that do not read refuse new bodies instead of growing memory
+  (#28 finding 5: 200 answers never read held +4.6 GiB, with no timeout).
 
 Each refusal is written straight to the transport (the application never sees the request) and
 counted in :data:`service.telemetry.counters.REFUSED`, by reason, for the metrics.
@@ -22,12 +27,14 @@ counted in :data:`service.telemetry.counters.REFUSED`, by reason, for the metric
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.limits.admission import BytesBudget
 from service.telemetry.counters import REFUSED
 
 SWEEP_S = 0.25
@@ -40,6 +47,7 @@ _REASONS = {
     "header_timeout": (408, b"Request Timeout"),
     "body_timeout": (408, b"Request Timeout"),
 }
+log = logging.getLogger("tensorgate.server")
 
 
 @dataclass(frozen=True)
@@ -50,15 +58,19 @@ class ConnectionLimits:
     max_header_bytes: int
     header_timeout_s: float
     body_timeout_s: float
+    write_timeout_s: float = 60.0
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+def guarded_protocol(
+    limits: ConnectionLimits, budget: BytesBudget | None = None
+) -> type[GuardedHttpProtocol]:
     """The protocol class uvicorn instantiates per connection, bound to ``limits`` (one class a
-    server: its sweep and its set of connections are its own)."""
+    server: its sweep and its set of connections are its own); answers not yet taken by their
+    clients count in ``budget``."""
     return type(
         "GuardedHttpProtocol",
         (GuardedHttpProtocol,),
-        {"limits": limits, "_sweep": None, "_open": set()},
+        {"limits": limits, "budget": budget, "_sweep": None, "_open": set()},
     )
 
 
@@ -66,6 +78,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the guards of this module."""
 
     limits: ClassVar[ConnectionLimits]
+    budget: ClassVar[BytesBudget | None] = None
     _sweep: ClassVar[asyncio.TimerHandle | None] = None
     _open: ClassVar[set[Any]] = set()
 
@@ -78,6 +91,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._waiting_for = ("", 0.0)
         self._in_head = False  # a request has begun and its head is not complete yet
         self._head_bytes = 0
+        self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
+        self._filled_at: float | None = None  # when that buffer last stopped being empty
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
         super().connection_made(transport)
@@ -94,6 +109,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
+        if self.budget is not None and self._unsent:
+            self.budget.hold(-self._unsent)
+        self._unsent = 0
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's own signature: uvicorn's says None
@@ -142,20 +160,47 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _schedule_sweep(self) -> None:
         cls = type(self)
         if cls._sweep is None:
-            interval = min(SWEEP_S, self.limits.header_timeout_s, self.limits.body_timeout_s)
+            limits = self.limits
+            interval = min(
+                SWEEP_S, limits.header_timeout_s, limits.body_timeout_s, limits.write_timeout_s
+            )
             cls._sweep = self.loop.call_later(interval, cls._sweep_once, self.loop, interval)
 
     @classmethod
     def _sweep_once(cls, loop: asyncio.AbstractEventLoop, interval: float) -> None:
-        """Every ``interval``: refuse each connection whose head or body is overdue."""
+        """Every ``interval``: refuse each connection whose head or body is overdue, count
+        what each has not sent yet, and abort those whose client has stopped taking it."""
         cls._sweep = None
         now = loop.time()
         for connection in list(cls._open):
             deadline = getattr(connection, "_deadline", None)
             if deadline is not None and now >= deadline:
                 connection._expire()
+            if hasattr(connection, "_filled_at"):
+                connection._check_unsent(now)
         if cls._open:
             cls._sweep = loop.call_later(interval, cls._sweep_once, loop, interval)
+
+    def _check_unsent(self, now: float) -> None:
+        transport = self.transport
+        unsent = transport.get_write_buffer_size()  # also while closing: it flushes first
+        if self.budget is not None and unsent != self._unsent:
+            self.budget.hold(unsent - self._unsent)
+        self._unsent = unsent
+        if not unsent:
+            self._filled_at = None
+        elif self._filled_at is None:
+            self._filled_at = now
+        elif now - self._filled_at >= self.limits.write_timeout_s:
+            REFUSED["write_timeout"] += 1
+            log.warning(
+                "a client left %d bytes of answer untaken for %g s (TG_WRITE_TIMEOUT_S): "
+                "connection aborted",
+                unsent,
+                self.limits.write_timeout_s,
+            )
+            self._filled_at = None
+            transport.abort()  # the buffer is dropped; connection_lost gives the budget back
 
     def _expire(self) -> None:
         self._deadline = None

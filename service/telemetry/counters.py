@@ -10,7 +10,8 @@ from typing import Protocol
 
 REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
-``header_too_large``, ``header_timeout``, ``body_timeout`` (:mod:`service.limits.connections`)
+``header_too_large``, ``header_timeout``, ``body_timeout``, ``write_timeout``
+(:mod:`service.limits.connections`)
 and ``body_budget`` (:mod:`service.limits.admission`)."""
 
 

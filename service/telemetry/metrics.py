@@ -348,7 +348,8 @@ class _RepositoryCollector(Collector):
             "tensorgate_refused",
             "Connections or requests refused by a server-wide bound before the application "
             "read them: too_many (connections), header_too_large, header_timeout, "
-            "body_timeout, body_budget (TG_MAX_INFLIGHT_BYTES).",
+            "body_timeout, write_timeout (an answer the client did not take), body_budget "
+            "(TG_MAX_INFLIGHT_BYTES).",
             labels=["reason"],
         )
         for reason in (
@@ -356,6 +357,7 @@ class _RepositoryCollector(Collector):
             "header_too_large",
             "header_timeout",
             "body_timeout",
+            "write_timeout",
             "body_budget",
         ):
             refused.add_metric([reason], REFUSED[reason])
@@ -375,7 +377,8 @@ class _RepositoryCollector(Collector):
         )
         yield GaugeMetricFamily(
             "tensorgate_request_body_bytes_in_flight",
-            "Request body bytes (and gRPC inference messages) held now over all connections "
+            "Request body bytes (and gRPC inference messages, and REST answers written and "
+            "not yet taken by their clients) held now over all connections "
             "(TG_MAX_INFLIGHT_BYTES bounds it).",
             value=bytes_held(),
         )

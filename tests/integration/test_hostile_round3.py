@@ -14,6 +14,7 @@ import pytest
 
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from tests.identity import write_identity_model
 from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
@@ -194,3 +195,72 @@ def test_typed_contents_the_datatype_does_not_read_are_refused(
     )
     request.inputs[0].contents.ClearField("int64_contents")
     assert stub.ModelInfer(request, timeout=30).outputs  # the same values alone are served
+
+
+def unread_answer(server: Server, values: int) -> socket.socket:
+    """A connection that asks the identity model for ``values`` FP32 values back in binary and
+    never reads them (a small receive buffer, so that the answer stays with the server)."""
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "in_FP32",
+                    "datatype": "FP32",
+                    "shape": [1, values],
+                    "parameters": {"binary_data_size": 4 * values},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    body = header + bytes(4 * values)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(header), len(body), body)
+    )
+    return sock
+
+
+def metric(server: Server, line_start: str) -> float:
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {line_start} in /metrics")
+
+
+def test_answers_a_client_does_not_take_count_in_the_budget_and_time_out(tmp_path: Path) -> None:
+    """#28 finding 5: answers written for clients that never read them were held with no
+    bound and no timeout (+4.6 GiB for 200). Now they count in the budget while unsent, and a
+    connection whose client takes nothing for TG_WRITE_TIMEOUT_S is aborted."""
+    root = tmp_path / "models"
+    write_identity_model(root / "identity", max_batch_size=1, datatypes=("FP32",), width=1 << 20)
+    env = {"TG_WORKERS": "1", "TG_WRITE_TIMEOUT_S": "3", "TG_MAX_INFLIGHT_BYTES": str(64 * MIB)}
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    held: list[socket.socket] = []
+    try:
+        server.wait_until()
+        bytes_held = "tensorgate_request_body_bytes_in_flight "
+        held = [unread_answer(server, 1 << 20) for _ in range(3)]  # 4 MiB answers, unread
+        server.wait_for(lambda: metric(server, bytes_held) >= 3 * MIB, timeout=60)
+        assert server.client.get("/v2/health/ready").status_code == 200  # others are served
+        server.wait_for(
+            lambda: metric(server, 'tensorgate_refused_total{reason="write_timeout"}') >= 3,
+            timeout=60,
+        )
+        server.wait_for(lambda: metric(server, bytes_held) == 0, timeout=30)
+        for sock in held:  # aborted: what the client gets is cut off, then a reset or EOF
+            received = 0
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(1 << 16):
+                    received += len(chunk)
+            assert received < 4 << 20
+        assert "bytes of answer untaken for 3 s (TG_WRITE_TIMEOUT_S)" in server.log()
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
