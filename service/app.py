@@ -67,6 +67,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         metrics = Metrics(repository, lambda: drain.in_flight)
         observer = Observer(repository, metrics, drain, settings.access_log)
         app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
+        app.state.dataplane.budget = budget  # what raw items decode into is held in it too
         app.state.cluster = Cluster(app.state.dataplane)
         loading = asyncio.create_task(asyncio.to_thread(_load, repository))
         loading.add_done_callback(lambda _: start_schedulers(repository))

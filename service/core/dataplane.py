@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import orjson
@@ -40,6 +41,7 @@ from service.core.validation import (
     encoded_items,
     instance_tensors,
 )
+from service.datatypes import TO_NUMPY
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -51,6 +53,7 @@ from service.pipelines.classification import ANSWER, CLASSIFICATION, classificat
 from service.pipelines.inputs import BUILT_IN, Prepared
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
+from service.repository.serving import ServedVersion
 from service.settings import Settings
 from service.telemetry.observation import Drain, Observer
 from service.telemetry.tracing import RequestTrace
@@ -82,6 +85,9 @@ class DataPlane:
         self.pool = pool
         self.observer = observer
         self.drain = drain
+        self.budget: Budget | None = None
+        """The server's budget for what clients make it hold (set by the app: the one its
+        bodies and messages are held in); raw items hold what they decode into in it."""
 
     async def offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, in the thread pool when ``size`` (the bytes it works on) is large."""
@@ -138,6 +144,16 @@ class DataPlane:
     async def preprocess(self, request: InferenceRequest) -> dict[str, np.ndarray]:
         """What ``infer`` would feed the model for the request: the tensors, not the answer."""
         _, served = self.repository.ready_model(request.model)
+        held = [0]
+        try:
+            return await self._preprocess(served, request, held)
+        finally:
+            if self.budget is not None and held[0]:
+                self.budget.release(held[0])
+
+    async def _preprocess(
+        self, served: ServedVersion, request: InferenceRequest, held: list[int]
+    ) -> dict[str, np.ndarray]:
         with served.use():
             rows = len(request.raw or request.rows or [])
             if rows > PREPROCESS_MAX_ROWS:
@@ -146,12 +162,17 @@ class DataPlane:
                     "answer is the model's input tensors, far larger than the request)"
                 )
             deadline = self.deadline(request.timeout_s, request.parameters)
-            work = (await self.prepare(served.loaded, request, False, deadline)).work
+            work = (await self.prepare(served.loaded, request, False, deadline, held)).work
             assert isinstance(work, dict), "not alone: prepared here, never on an instance"
             return work
 
     async def prepare(
-        self, model: LoadedVersion, request: InferenceRequest, alone: bool, deadline: float
+        self,
+        model: LoadedVersion,
+        request: InferenceRequest,
+        alone: bool,
+        deadline: float,
+        held: list[int] | None = None,
     ) -> Prepared:
         """The request's inputs as the model's batch: raw items through its pipeline, tensors
         (or rows) checked against its signature and padded to its buckets.
@@ -160,12 +181,20 @@ class DataPlane:
         model, on the instance's own thread (one thread hop in all); else in the pool, items in
         parallel unless the pipeline batches them itself. A model's own code always runs in the
         pool, bounded by the request's ``deadline`` (a hung step must not hold an instance), and
-        what it made is checked against the model's signature and fitted to its buckets."""
+        what it made is checked against the model's signature and fitted to its buckets.
+
+        Raw items first take what they will decode into (rows × the model's input row at its
+        largest bucket) from the budget, adding it to ``held[0]`` for the caller to release
+        once answered: a request of 1,024 one-pixel PNGs (108 KB) decodes into 616 MB."""
         items, pipeline = _items(model, request), model.pipeline
         if items is None:
             return self._tensors(model, request)
         assert pipeline is not None
         check_rows(len(items), model.config, model.name)
+        if self.budget is not None and held is not None:
+            size = len(items) * row_bytes(model)
+            self.budget.take(size)
+            held[0] += size
         contexts: list[dict[str, Any]] = [{} for _ in items]
         make = partial(_preprocess, pipeline, items, contexts, model)
         loop = asyncio.get_running_loop()
@@ -288,6 +317,27 @@ def _classify(
     return classification_tensor(classifier, source if model.batched else source[None], top_k)
 
 
+class Budget(Protocol):
+    """What the core takes from the server's budget
+    (:class:`service.limits.admission.BytesBudget`)."""
+
+    def take(self, size: int) -> None: ...
+
+    def release(self, size: int) -> None: ...
+
+
+def row_bytes(model: LoadedVersion) -> int:
+    """The bytes one row of the model's inputs holds: each input's shape with dynamic dims at
+    the largest bucket (1 without buckets), times its item size (8 for BYTES: a reference)."""
+    longest = max(model.config.shape_buckets(), default=1)
+    total = 0
+    for tensor in model.signature.inputs:
+        dims = [dim if dim > 0 else longest for dim in tensor.shape]
+        itemsize = 8 if tensor.datatype == "BYTES" else TO_NUMPY[tensor.datatype].itemsize
+        total += math.prod(dims) * itemsize
+    return total
+
+
 class Call:
     """One inference request inside the core (:meth:`DataPlane.call`). A protocol adapter runs
     its own steps in order inside it: decode, :meth:`infer`, :meth:`encode`.
@@ -297,6 +347,7 @@ class Call:
 
     __slots__ = (
         "_arriving",
+        "_held",
         "_in_use",
         "_observing",
         "asked",
@@ -310,6 +361,7 @@ class Call:
     def __init__(self, dataplane: DataPlane, protocol: str, model: str, version: str | None):
         self._observing = dataplane.observer.observe(protocol, model, version)
         self.dataplane, self.model, self.asked = dataplane, model, version
+        self._held = [0]  # bytes raw items took from the budget (DataPlane.prepare)
 
     def __enter__(self) -> Call:
         observation = self._observing.__enter__()
@@ -331,6 +383,8 @@ class Call:
     ) -> None:
         if self._arriving:  # failed (or was answered) before it reached the queue
             self.served.arriving -= 1
+        if self._held[0] and (budget := self.dataplane.budget) is not None:
+            budget.release(self._held[0])
         self._in_use.__exit__(kind, exc, tb)
         self._observing.__exit__(kind, exc, tb)
 
@@ -343,7 +397,7 @@ class Call:
         alone = served.in_flight == 1
         trace = observation.trace
         preparing = 0 if trace is None else time.perf_counter_ns()
-        prepared = await self.dataplane.prepare(loaded, request, alone, deadline)
+        prepared = await self.dataplane.prepare(loaded, request, alone, deadline, self._held)
         if isinstance(prepared.work, dict):
             observation.rows = rows_of(prepared.work, loaded.batched)
             now = time.perf_counter_ns()
