@@ -13,7 +13,8 @@ that stops arriving. This subclass adds them:
 - a body not complete within ``body_timeout_s`` of its head: 408, closed; the application's
   ``receive`` then reports a disconnect, so nothing waits on it;
 - a half-close after a whole request: the request is answered, then the connection closes
-  (uvicorn closed at once, and the client got nothing);
+  (uvicorn closed at once, and the client got nothing); a client that closed and left is told
+  apart by the reset its socket answers an interim ``100 Continue`` with (:meth:`eof_received`);
 - an answer its client does not take (the transport's send buffer not empty again within
   ``write_timeout_s`` of filling): the connection is aborted, its buffer let go. Until then
   the buffer's bytes count in the server's budget (:mod:`service.limits.admission`), so
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,6 +39,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.limits.admission import BytesBudget
 from service.telemetry.counters import REFUSED
 
+PROBE_S = 0.05
+"""How long after a half-close's probe its reset is first looked for (loopback: well past)."""
 SWEEP_S = 0.25
 """How often overdue heads and bodies are looked for: a timeout fires up to this late."""
 
@@ -93,6 +97,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
         self._filled_at: float | None = None  # when that buffer last stopped being empty
+        self._half_closed = False  # the client's FIN came with a request waiting: probed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
         super().connection_made(transport)
@@ -115,15 +120,35 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's own signature: uvicorn's says None
-        """The client half-closed (``shutdown(SHUT_WR)``, as ``curl --data ... | nc -N`` does):
-        a request it sent whole is still answered, and the connection closes after that answer.
+        """The client sent its FIN. That is a half-close (``shutdown(SHUT_WR)``, as ``nc -N``
+        does) or a client that closed and left (a timeout): TCP shows no difference until the
+        server writes, when a closed socket answers with a reset. So while a request sent whole
+        waits for its answer, the connection stays open for writing and, on HTTP/1.1, is sent
+        an interim ``100 Continue`` (a 1xx every HTTP/1.1 client must accept before its
+        answer): a client that left resets the connection, and its work is cancelled as for any
+        disconnect; one that half-closed gets its answer, and the connection closes after it.
         With no request under way, or one cut off in its head or body, it closes now as uvicorn
         does (returning None closes the transport)."""
         cycle = self.cycle
         if cycle is None or cycle.response_complete or cycle.more_body or self._in_head:
             return None
         cycle.keep_alive = False  # its answer says ``connection: close`` and closes after
+        if not cycle.response_started and cycle.scope.get("http_version") == "1.1":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # asyncio stops reading once EOF is kept open, so the reset is looked for here
+            # (soon, and by each sweep until the answer is written)
+            self._half_closed = True
+            self.loop.call_later(PROBE_S, self._check_gone)
         return True
+
+    def _check_gone(self) -> None:
+        """After a probe: a reset, if the client left, is the socket's pending error."""
+        if not self._half_closed or self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self._half_closed = False
+            self.transport.abort()  # connection_lost: the app's receive() reports a disconnect
 
     def data_received(self, data: bytes) -> None:
         # Bytes of a head already under way are counted; the chunk a head begins in is not
@@ -178,6 +203,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 connection._expire()
             if hasattr(connection, "_filled_at"):
                 connection._check_unsent(now)
+                connection._check_gone()
         if cls._open:
             cls._sweep = loop.call_later(interval, cls._sweep_once, loop, interval)
 

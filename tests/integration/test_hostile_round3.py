@@ -3,7 +3,9 @@ that could end the process, and the protocol's small print, each against a real 
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import json
 import socket
 from collections.abc import Iterator
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from PIL import Image
 
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
@@ -115,13 +118,14 @@ def test_a_request_followed_by_a_half_close_is_answered(server: Server) -> None:
         b"Content-Length: %d\r\n\r\n%s" % (len(DIGIT), DIGIT)
     )
     answer = exchange(server, post)
+    interim, _, answer = answer.partition(b"\r\n\r\n")  # the probe for a client that left
+    assert interim == b"HTTP/1.1 100 Continue"
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), answer[:200]
     assert b"connection: close" in head.lower()
     assert json.loads(body)["outputs"][0]["name"]
-    assert exchange(server, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
-        b"HTTP/1.1 200 "
-    )
+    ready = exchange(server, b"GET /v2/health/ready HTTP/1.0\r\nHost: x\r\n\r\n")
+    assert ready.startswith(b"HTTP/1.1 200 ")  # HTTP/1.0: no interim answer, just the answer
     cut = exchange(server, post[:-10])  # a body cut short by the FIN can never be whole
     assert b"HTTP/1.1 200" not in cut
     assert server.client.post("/v2/models/digits/infer", content=DIGIT).status_code == 200
@@ -263,4 +267,39 @@ def test_answers_a_client_does_not_take_count_in_the_budget_and_time_out(tmp_pat
     finally:
         for sock in held:
             sock.close()
+        server.stop()
+
+
+def pixels(count: int) -> bytes:
+    """A v1 predict body of ``count`` one-pixel PNGs (about 100 bytes each, base64)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1), (200, 10, 10)).save(buffer, format="PNG")
+    item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
+    return json.dumps({"instances": [item] * count}).encode()
+
+
+def test_what_raw_items_decode_into_counts_in_the_budget(tmp_path: Path) -> None:
+    """#28 finding 6: 1,024 one-pixel PNGs (108 KB) became 616 MB of float32 rows, counted
+    nowhere: 4 such requests +4.0 GiB. Each row now takes its 3×224×224 float32 from the
+    budget before it is decoded."""
+    root = tmp_path / "models"
+    copy_model("efficientnet_lite0", root / "efficientnet_lite0")
+    env = {
+        "TG_WORKERS": "1",
+        "TG_MAX_BODY_BYTES": str(8 * MIB),
+        "TG_MAX_INFLIGHT_BYTES": str(64 * MIB),  # 111 rows of 588 KiB
+    }
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until(timeout=180)
+        predict = "/v1/models/efficientnet_lite0:predict"
+        refused = server.client.post(predict, content=pixels(200), timeout=60)
+        assert refused.status_code == 503, refused.text[:300]
+        assert "needs 120422400 more" in refused.json()["error"]
+        assert "TG_MAX_INFLIGHT_BYTES" in refused.json()["error"]
+        served = server.client.post(predict, content=pixels(50), timeout=120)
+        assert served.status_code == 200, served.text[:300]
+        assert len(served.json()["predictions"]) == 50
+        assert metric(server, "tensorgate_request_body_bytes_in_flight ") == 0  # given back
+    finally:
         server.stop()
