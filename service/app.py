@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import PROCESS_STARTED, __version__
 from service.artifacts.pins import check_pinned
-from service.cluster.control import ControlServer, Siblings
+from service.cluster.control import ControlServer, Siblings, follow_siblings
 from service.cluster.supervisor import Worker
 from service.cluster.view import Cluster
 from service.core.dataplane import DataPlane
@@ -76,15 +76,24 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
             polling = asyncio.create_task(_poll(app.state.dataplane, settings.poll_interval_s))
         # In this event loop, beside uvicorn's: one DataPlane, one Drain, shared schedulers.
         # gRPC's messages count in the budget REST bodies are held in
-        grpc_server = await start_grpc(app.state.cluster, budget) if settings.grpc_port else None
-        control = None
         worker = Worker.from_environment()
+        replacement = worker is not None and worker.replacement
+        grpc_server = None
+        if settings.grpc_port and not replacement:
+            grpc_server = await start_grpc(app.state.cluster, budget)
+        control = None
         if worker is not None:  # one of several processes: answer the others, ask them
             control = ControlServer(app.state.dataplane, worker)
             await control.start()
-            app.state.cluster.siblings = Siblings(worker)
-            if worker.replacement:  # uvicorn listens once this returns: not before it serves
+            app.state.cluster.siblings = siblings = Siblings(worker)
+            if worker.replacement:
+                # Uvicorn listens once this returns, and gRPC binds below: the kernel gives a
+                # replacement no connection, on either protocol, before its models serve, and
+                # it serves only what its siblings serve (a model unloaded stays unloaded).
                 await asyncio.shield(loading)
+                await follow_siblings(app.state.dataplane, siblings)
+                if settings.grpc_port:
+                    grpc_server = await start_grpc(app.state.cluster, budget)
         try:
             yield
         finally:

@@ -53,6 +53,7 @@ class ControlServer:
             "model_ready": self._model_ready,
             "statistics": self._statistics,
             "metrics": self._metrics,
+            "unloaded": self._unloaded,
         }
         if dataplane.settings.admin_token is not None:
             self.ops["load"] = dataplane.load_model
@@ -80,6 +81,9 @@ class ControlServer:
 
     async def _statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         return metadata.statistics(self.dataplane.repository, name, version)
+
+    async def _unloaded(self) -> list[str]:
+        return sorted(n for n, e in self.dataplane.repository.models.items() if e.unloaded)
 
     async def _metrics(self) -> str:
         return generate_latest(self.dataplane.observer.metrics.registry).decode()
@@ -109,6 +113,19 @@ class ControlServer:
             log.debug("control connection ended early", exc_info=True)
         finally:
             writer.close()
+
+
+async def follow_siblings(dataplane: DataPlane, siblings: Siblings) -> None:
+    """A replacement worker, once loaded: unload what every sibling that answers has unloaded,
+    so that a restart does not bring back a model the server was told to stop serving (the
+    replacement loads the whole repository, as every worker does at start)."""
+    answers = [a for a in await siblings.ask("unloaded") if isinstance(a, list)]
+    if not answers:
+        return
+    unloaded = set.intersection(*(set(a) for a in answers))
+    for name in sorted(unloaded & set(dataplane.repository.models)):
+        log.info("model %s is unloaded in the other workers: unloading it here too", name)
+        await dataplane.unload_model(name)
 
 
 class Siblings:

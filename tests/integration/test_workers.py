@@ -197,6 +197,45 @@ def test_a_dead_worker_is_replaced_while_the_other_serves(two: Server) -> None:
     assert "worker" in two.log() and "exited with status -9" in two.log()
 
 
+def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_ready(
+    two: Server,
+) -> None:
+    """#28 findings 18 and 10: a replacement loaded the whole repository again (after an
+    unload, 11 of 20 requests were served by it while the index said unloaded), and bound its
+    gRPC port while its models loaded (calls it took were UNAVAILABLE ... LOADING)."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = f"{two.url}/v2/repository/models/digits"
+    assert fresh("POST", f"{url}/unload", headers=admin).status_code == 200
+    try:
+        victim = workers(two)[0]
+        index = int(victim.environ()["TENSORGATE_WORKER"].split("/")[0])
+        logged = len(two.log().splitlines())
+        victim.kill()
+        victim.wait(10)
+
+        def replacement_lines() -> list[str]:
+            tail = two.log().splitlines()[logged:]
+            lines = [json.loads(text) for text in tail if text.startswith("{")]
+            return [line["msg"] for line in lines if line.get("worker") == index]
+
+        two.wait_for(lambda: any("gRPC listening" in m for m in replacement_lines()), timeout=120)
+        messages = replacement_lines()
+        ready = messages.index("model digits version 1 is ready")
+        followed = messages.index(
+            "model digits is unloaded in the other workers: unloading it here too"
+        )
+        bound = next(i for i, m in enumerate(messages) if "gRPC listening" in m)
+        assert ready < followed < bound
+        codes = [
+            fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
+            for _ in range(20)
+        ]
+        assert 200 not in codes  # neither worker serves it
+    finally:
+        assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
+    two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
+
+
 def test_no_worker_outlives_its_supervisor_however_it_ends(tmp_path: Path) -> None:
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
