@@ -204,6 +204,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         http=guarded_protocol(
             ConnectionLimits(
                 max_connections=settings.max_connections,
+                max_connections_per_client=settings.max_connections_per_client,
                 max_header_bytes=settings.max_header_bytes,
                 header_timeout_s=settings.header_timeout_s,
                 body_timeout_s=settings.body_timeout_s,

@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     """Open connections at most, on HTTP and on gRPC each; one more is answered 503 +
     Retry-After and closed (gRPC: closed before it is read). Default: 4096, or a quarter of
     the open-file limit when that is lower."""
+    max_connections_per_client: int = Field(default=0, ge=0)
+    """Open HTTP connections from one client address at most; one more is answered 503 +
+    Retry-After and closed. Default (0): half of TG_MAX_CONNECTIONS, so that one client never
+    holds every connection. Behind a proxy every connection has the proxy's address: set it to
+    TG_MAX_CONNECTIONS there."""
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     """Largest request head (request line and headers); a larger one gets 431, closed."""
     header_timeout_s: float = Field(default=10.0, gt=0)
@@ -170,6 +175,13 @@ class Settings(BaseSettings):
         # The pool works only when several requests are in flight (a lone one is preprocessed
         # on its instance's thread): its share of the CPUs, as a loaded machine has.
         self.preprocess_threads = self.preprocess_threads or max(1, self.cpus // self.workers)
+        return self
+
+    @model_validator(mode="after")
+    def _size_connections_per_client(self) -> Self:
+        if self.max_connections_per_client == 0:
+            self.max_connections_per_client = max(1, self.max_connections // 2)
+        self.max_connections_per_client = min(self.max_connections_per_client, self.max_connections)
         return self
 
     @model_validator(mode="after")

@@ -6,7 +6,9 @@ descriptor: enough idle ones and every new client is reset), no timeout for a co
 never sends a request, no limit on a request head's size and no timeout for a head or a body
 that stops arriving. This subclass adds them:
 
-- more than ``max_connections`` open: the new one is answered 503 (``Retry-After``) and closed;
+- more than ``max_connections`` open, or more than ``max_connections_per_client`` from one
+  address: the new one is answered 503 (``Retry-After``) and closed (#28 finding 16: 4,096
+  silent connections from one client made 118 of 125 other clients' requests 503);
 - a request head larger than ``max_header_bytes``: 431, closed;
 - a head not complete within ``header_timeout_s`` of the connection opening or of the request
   starting (a silent or slowloris client): 408, closed;
@@ -47,6 +49,7 @@ SWEEP_S = 0.25
 
 _REASONS = {
     "too_many": (503, b"Service Unavailable"),
+    "too_many_from_client": (503, b"Service Unavailable"),
     "header_too_large": (431, b"Request Header Fields Too Large"),
     "header_timeout": (408, b"Request Timeout"),
     "body_timeout": (408, b"Request Timeout"),
@@ -63,6 +66,8 @@ class ConnectionLimits:
     header_timeout_s: float
     body_timeout_s: float
     write_timeout_s: float = 60.0
+    max_connections_per_client: int | None = None
+    """None: as many as ``max_connections``."""
 
 
 def guarded_protocol(
@@ -74,7 +79,7 @@ def guarded_protocol(
     return type(
         "GuardedHttpProtocol",
         (GuardedHttpProtocol,),
-        {"limits": limits, "budget": budget, "_sweep": None, "_open": set()},
+        {"limits": limits, "budget": budget, "_sweep": None, "_open": set(), "_per_client": {}},
     )
 
 
@@ -85,6 +90,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     budget: ClassVar[BytesBudget | None] = None
     _sweep: ClassVar[asyncio.TimerHandle | None] = None
     _open: ClassVar[set[Any]] = set()
+    _per_client: ClassVar[dict[str, int]] = {}
+    """Open connections by client address (the limit per client)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -98,6 +105,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
         self._filled_at: float | None = None  # when that buffer last stopped being empty
         self._half_closed = False  # the client's FIN came with a request waiting: probed
+        self._address: str | None = None  # counted in _per_client while open
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
         super().connection_made(transport)
@@ -108,12 +116,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 "retry shortly",
             )
             return
+        per_client = self.limits.max_connections_per_client
+        peer = transport.get_extra_info("peername")
+        if per_client is not None and isinstance(peer, tuple) and peer:
+            counts = type(self)._per_client
+            address = str(peer[0])
+            if counts.get(address, 0) >= per_client:
+                self._refuse(
+                    "too_many_from_client",
+                    f"this client has {per_client} connections open, the limit for one "
+                    "address (TG_MAX_CONNECTIONS_PER_CLIENT); reuse them, or retry shortly",
+                )
+                return
+            counts[address] = counts.get(address, 0) + 1
+            self._address = address
         type(self)._open = self.connections  # uvicorn's set of this server's connections
         self._expect("header_timeout", self.limits.header_timeout_s)
         self._schedule_sweep()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
+        if self._address is not None:
+            counts = type(self)._per_client
+            left = counts.pop(self._address) - 1
+            if left:
+                counts[self._address] = left
+            self._address = None
         if self.budget is not None and self._unsent:
             self.budget.hold(-self._unsent)
         self._unsent = 0

@@ -10,6 +10,7 @@ from typing import Protocol
 
 REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
+``too_many_from_client``,
 ``header_too_large``, ``header_timeout``, ``body_timeout``, ``write_timeout``
 (:mod:`service.limits.connections`)
 and ``body_budget`` (:mod:`service.limits.admission`)."""

@@ -347,13 +347,15 @@ class _RepositoryCollector(Collector):
         refused = CounterMetricFamily(
             "tensorgate_refused",
             "Connections or requests refused by a server-wide bound before the application "
-            "read them: too_many (connections), header_too_large, header_timeout, "
+            "read them: too_many (connections), too_many_from_client (connections from one "
+            "address), header_too_large, header_timeout, "
             "body_timeout, write_timeout (an answer the client did not take), body_budget "
             "(TG_MAX_INFLIGHT_BYTES).",
             labels=["reason"],
         )
         for reason in (
             "too_many",
+            "too_many_from_client",
             "header_too_large",
             "header_timeout",
             "body_timeout",

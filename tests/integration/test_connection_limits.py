@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 LIMITS = {
     "TG_MAX_CONNECTIONS": "40",
+    "TG_MAX_CONNECTIONS_PER_CLIENT": "10",
     "TG_MAX_HEADER_BYTES": "8192",
     "TG_HEADER_TIMEOUT_S": "1.5",
     "TG_BODY_TIMEOUT_S": "1.5",
@@ -43,9 +44,12 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         server.stop()
 
 
-def connect(server: Server) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=15)
-    return sock
+def connect(server: Server, source: str = "") -> socket.socket:
+    """A connection to the server, from ``source`` (another loopback address) if given."""
+    source_address = (source, 0) if source else None
+    return socket.create_connection(
+        ("127.0.0.1", server.port), timeout=15, source_address=source_address
+    )
 
 
 def read_all(sock: socket.socket) -> bytes:
@@ -149,8 +153,8 @@ def test_past_the_connection_limit_new_connections_get_503_and_the_rest_serve(
 ) -> None:
     held = []
     try:
-        for _ in range(45):  # the limit is 40 (the test client holds one more)
-            sock = connect(guarded)
+        for i in range(45):  # the limit is 40 (the test client holds one more), 10 a client
+            sock = connect(guarded, f"127.0.0.{2 + i // 9}")
             held.append(sock)
         with connect(guarded) as extra:
             answer = read_all(extra)
@@ -162,6 +166,32 @@ def test_past_the_connection_limit_new_connections_get_503_and_the_rest_serve(
             sock.close()
     guarded.wait_for(lambda: served(guarded), timeout=30)  # closed ones free their slots
     assert refused(guarded)["too_many"] >= 1
+
+
+def test_one_client_holds_at_most_its_share_of_the_connections(guarded: Server) -> None:
+    """#28 finding 16: the connection cap was global, so 4,096 silent connections from one
+    client made 118 of 125 other clients' requests 503."""
+    before = refused(guarded).get("too_many_from_client", 0)
+    held = []
+    try:
+        held = [connect(guarded, "127.0.0.2") for _ in range(10)]
+        with connect(guarded, "127.0.0.2") as extra:
+            answer = read_all(extra)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert b"this client has 10 connections open" in answer
+        assert b"TG_MAX_CONNECTIONS_PER_CLIENT" in answer
+        assert served_from(guarded, "127.0.0.3")  # another client is served
+    finally:
+        for sock in held:
+            sock.close()
+    assert refused(guarded)["too_many_from_client"] == before + 1
+    guarded.wait_for(lambda: served_from(guarded, "127.0.0.2"))  # closed: its share is back
+
+
+def served_from(server: Server, source: str) -> bool:
+    with connect(server, source) as sock:
+        sock.sendall(head() + DIGIT)
+        return sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
 def test_bodies_past_the_inflight_budget_get_503_as_they_arrive(tmp_path: Path) -> None:

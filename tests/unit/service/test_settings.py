@@ -90,3 +90,14 @@ def test_the_inflight_budget_is_sized_to_the_machine_and_fits_one_largest_body()
         ValidationError, match="TG_MAX_INFLIGHT_BYTES .* is below TG_MAX_BODY_BYTES"
     ):
         Settings(max_inflight_bytes=10, max_body_bytes=100)
+
+
+def test_one_client_may_hold_half_the_connections_by_default() -> None:
+    assert Settings(max_connections=100).max_connections_per_client == 50
+    assert Settings(max_connections=1).max_connections_per_client == 1
+    assert (
+        Settings(max_connections=100, max_connections_per_client=7).max_connections_per_client == 7
+    )
+    assert (
+        Settings(max_connections=10, max_connections_per_client=70).max_connections_per_client == 10
+    )
