@@ -104,6 +104,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
                 await grpc_server.stop(settings.drain_grace_s)
             if polling is not None:
                 polling.cancel()
+            repository.stopping.set()  # a load under way stops at its next warmup batch
             await asyncio.shield(loading)
             # close() waits on schedulers running in this loop: it must run off the loop.
             await asyncio.to_thread(repository.close)

@@ -101,6 +101,11 @@ class ClassificationConfig(_Strict):
     """Which output to read (default: the first)."""
 
 
+MAX_WARMUP_ROWS = 16384
+"""Rows one load's warmup may run over all its batch sizes: ``warmup: all`` with
+``max_batch_size: 100000`` ran for hours, holding every other load (#28 finding 13)."""
+
+
 class WarmupConfig(_Strict):
     """Shapes run at load, before the model reports ready: every batch size × every bucket."""
 
@@ -209,6 +214,14 @@ class ModelConfig(_Strict):
                     f"batching.preferred_batch_sizes has {size}, outside 1..max_batch_size "
                     f"({self.max_batch_size})"
                 )
+        rows = sum(self.warmup_batch_sizes())
+        if rows > MAX_WARMUP_ROWS:
+            raise ValueError(
+                f"warmup runs {rows} rows in all (warmup.batch_sizes "
+                f"{self.warmup.batch_sizes!r}, max_batch_size {self.max_batch_size}); at most "
+                f"{MAX_WARMUP_ROWS}: name the batch sizes the scheduler will form, e.g. "
+                "preferred_batch_sizes and max_batch_size, with pad_batches: true"
+            )
         if self.max_batch_size > 0 and any(
             size > self.max_batch_size for size in self.warmup_batch_sizes()
         ):

@@ -14,6 +14,7 @@ naming the refusal, which leaves the version UNAVAILABLE with that reason:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -155,7 +156,12 @@ class LoadedVersion:
 
 
 def load_version(
-    name: str, path: Path, config: ModelConfig, settings: Settings, models: Models | None = None
+    name: str,
+    path: Path,
+    config: ModelConfig,
+    settings: Settings,
+    models: Models | None = None,
+    stop: threading.Event | None = None,
 ) -> LoadedVersion:
     """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal."""
     started = time.perf_counter()
@@ -180,9 +186,9 @@ def load_version(
         else None
     )
     gated_at = time.perf_counter()
-    warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes)
+    warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes, stop)
     for runtime in runtimes[1:]:  # each device compiles (and captures) its own shapes
-        _warm_up(runtime, signature, config, shapes)
+        _warm_up(runtime, signature, config, shapes, stop)
     done = time.perf_counter()
     timings = {
         "load_s": loaded_at - started,
@@ -344,10 +350,15 @@ def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | Non
 
 
 def _warm_up(
-    runtime: Runtime, signature: Signature, config: ModelConfig, shapes: ShapePolicy
+    runtime: Runtime,
+    signature: Signature,
+    config: ModelConfig,
+    shapes: ShapePolicy,
+    stop: threading.Event | None = None,
 ) -> tuple[dict[str, float], set[BatchShape]]:
     """Step 5: run every batch size × combination of the axes' buckets; return the timings
-    and the shapes now warm."""
+    and the shapes now warm. Once ``stop`` is set (the server stopping), the load ends at the
+    next batch, refused, instead of holding the process for the rest of its warmup."""
     batched = config.max_batch_size > 0
     sizes = config.warmup_batch_sizes() if batched else (0,)
     offset = 1 if batched else 0
@@ -355,6 +366,8 @@ def _warm_up(
     warmed: set[BatchShape] = set()
     for size in sizes:
         for dims in shapes.warm_sizes():
+            if stop is not None and stop.is_set():
+                raise ModelLoadError("loading stopped: the server is shutting down")
             batch = {
                 t.name: _zeros(_warm_shape(t, size, dims, offset), t) for t in signature.inputs
             }

@@ -81,6 +81,8 @@ class ModelRepository:
         self.root = settings.model_repository
         self.models: dict[str, ModelEntry] = {}
         self.loading_done = threading.Event()
+        self.stopping = threading.Event()
+        """Set when the server stops: a load under way ends at its next warmup batch."""
         self._change = threading.Lock()  # one load/unload at a time
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         self.steps: Models | None = None
@@ -154,8 +156,13 @@ class ModelRepository:
             self._load_version(entry.config, version)
 
     def _load_version(self, config: ModelConfig, version: ModelVersion) -> None:
+        if self.stopping.is_set():
+            version.state, version.reason = ModelState.UNAVAILABLE, "the server is shutting down"
+            return
         try:
-            loaded = load_version(version.name, version.path, config, self.settings, self.steps)
+            loaded = load_version(
+                version.name, version.path, config, self.settings, self.steps, self.stopping
+            )
         except ModelLoadError as exc:
             version.state, version.reason = ModelState.UNAVAILABLE, str(exc)
             version.waits_for_step = isinstance(exc, StepNotReady)

@@ -4,6 +4,7 @@ DataPlane, the loader and repository behind it, and the one inference route func
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,13 @@ import numpy as np
 import orjson
 import pytest
 
-from service.errors import InvalidInput, ModelNotFound, ServerBusy, UnsupportedMediaType
+from service.errors import (
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    ServerBusy,
+    UnsupportedMediaType,
+)
 from service.http.answer import Route, answer_inference
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.model_config import load_model_config
@@ -238,3 +245,19 @@ def test_parameters_timeout_is_checked_and_the_sooner_deadline_wins(core: InProc
     assert dataplane.deadline(30.0, {"timeout": 1_000_000}) - now < 2  # 1 s, not 30 s
     assert 29 < dataplane.deadline(30.0, {"timeout": 60_000_000}) - now < 31
     assert 0.4 < dataplane.deadline(None, {"timeout": 500_000}) - now < 1.5
+
+
+def test_a_load_stops_at_its_next_warmup_batch_once_the_server_stops(tmp_path: Path) -> None:
+    """#28 finding 13: a load in warmup held SIGTERM for the rest of its warmup."""
+    write_identity_model(tmp_path / "identity", max_batch_size=4, warmup="{batch_sizes: all}")
+    config = load_model_config(tmp_path / "identity" / "config.yaml")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ModelLoadError, match="loading stopped: the server is shutting down"):
+        load_version(
+            "identity",
+            tmp_path / "identity" / "1",
+            config,
+            Settings(model_repository=tmp_path),
+            stop=stop,
+        )

@@ -79,3 +79,20 @@ def test_a_value_range_is_written_only_when_set() -> None:
         TensorConfig(name="s", datatype="BYTES", shape=(1,), range=(0, 1))
     with pytest.raises(ValueError, match="low ≤ high"):
         TensorConfig(name="x", datatype="FP32", shape=(1,), range=(2, 1))
+
+
+def test_a_warmup_of_more_rows_than_the_bound_is_refused_naming_it(tmp_path: Path) -> None:
+    """#28 finding 13: ``warmup: all`` with ``max_batch_size: 100000`` ran for hours."""
+    path = tmp_path / "config.yaml"
+    path.write_text("backend: onnx\nmax_batch_size: 100000\nwarmup: {batch_sizes: all}\n")
+    with pytest.raises(
+        ModelLoadError, match=r"warmup runs 5000050000 rows in all .* at most 16384"
+    ):
+        load_model_config(path)
+    path.write_text(
+        "backend: onnx\nmax_batch_size: 100000\nwarmup: {batch_sizes: [1, 64, 100000]}\n"
+    )
+    with pytest.raises(ModelLoadError, match="warmup runs 100065 rows"):
+        load_model_config(path)
+    path.write_text("backend: onnx\nmax_batch_size: 180\nwarmup: {batch_sizes: all}\n")
+    assert load_model_config(path).max_batch_size == 180  # 16,290 rows: within
