@@ -122,7 +122,9 @@ class Settings(BaseSettings):
     """A request that has not started running this long after it arrived is answered 504.
     Per request: header ``X-Request-Timeout`` (seconds) or OIP ``parameters.timeout`` (µs)."""
     stuck_instance_s: float = Field(default=60.0, gt=0)
-    """/v2/health/live fails when one batch has run longer than this (a wedged instance)."""
+    """/v2/health/live fails when one batch has run longer than this (a wedged instance); with
+    several workers, a worker that has not answered its supervisor for this long (stopped, or
+    its event loop blocked) is killed and replaced."""
     strict_readiness: bool = True
     """Ready only when every model meant to load is READY; false: when any model is READY."""
     api_token: str | None = None

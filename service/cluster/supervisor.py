@@ -37,11 +37,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import orjson
 
 from service.resources import create_cpu_use_file
 
@@ -61,6 +64,8 @@ KEY_FD_ENV = "TENSORGATE_CONTROL_KEY_FD"
 STARTUP_S = 60.0
 """A worker that exits with an error this soon after the server started, on its first start,
 is a server that cannot start: the supervisor stops, rather than retry for ever."""
+PING_S = 1.0
+"""How often the supervisor asks each worker whether it is live (its control socket)."""
 RESTART_BACKOFF_S = (1.0, 30.0)
 """A dead worker is started again after the first delay, doubled each time it dies within a
 minute of starting, up to the second."""
@@ -122,6 +127,8 @@ class Supervisor:
         self.folder = Path(tempfile.mkdtemp(prefix="tensorgate-workers-"))  # mode 0700
         self.key = secrets.token_hex(32)
         """What every question on the control socket must carry (:func:`control_key`)."""
+        self.answered: dict[int, float] = {}
+        """When each worker's control socket last answered (monotonic), since it started."""
 
     def run(self) -> int:
         # HTTP: one listening socket, the supervisor's, inherited by every worker. One accept
@@ -142,9 +149,11 @@ class Supervisor:
             self.settings.intra_op_threads,
             self.settings.cpus,
         )
+        pinging = threading.Thread(target=self._ping, name="ping-workers", daemon=True)
         try:
             for index in range(self.count):
                 self._start(index, port)
+            pinging.start()
             status = self._watch(port)
         finally:
             reserved.close()
@@ -179,6 +188,7 @@ class Supervisor:
             )
         finally:
             os.close(key)
+        self.answered.pop(index, None)  # judged only once it has answered
         self.started_at[index] = time.monotonic()
         log.info("worker %d started (pid %d)", index, self.processes[index].pid)
 
@@ -214,6 +224,7 @@ class Supervisor:
                     code,
                     self.backoff[index],
                 )
+            self._replace_wedged(now)
             for index, when in list(self.due.items()):
                 if self.stopping:
                     del self.due[index]
@@ -223,6 +234,45 @@ class Supervisor:
             if self.stopping and not self.processes:
                 return 1 if failed else 0
             time.sleep(0.1)  # a poll interval: children are few and rarely change
+
+    def _ping(self) -> None:
+        """Ask each worker ``live`` over its control socket, every :data:`PING_S`, and note
+        when it answers (a thread: a wedged worker's silence must not hold the watch loop)."""
+        question = orjson.dumps({"op": "live", "args": [], "key": self.key}) + b"\n"
+        while not self.stopping:
+            for index in list(self.processes):
+                path = str(self.folder / f"worker-{index}.sock")
+                try:
+                    with socket.socket(socket.AF_UNIX) as sock:
+                        sock.settimeout(PING_S)
+                        sock.connect(path)
+                        sock.sendall(question)
+                        if sock.makefile("rb").readline():
+                            self.answered[index] = time.monotonic()
+                except OSError:
+                    pass  # not listening yet, or not answering: its silence is measured
+            time.sleep(PING_S)
+
+    def _replace_wedged(self, now: float) -> None:
+        """A worker that answered once and then not for ``TG_STUCK_INSTANCE_S`` (stopped, or
+        its event loop blocked) is killed, and so replaced as a dead one is (#28 finding 11:
+        a SIGSTOPped worker held the connections it took, and nobody noticed)."""
+        limit = self.settings.stuck_instance_s
+        if self.stopping:
+            return
+        for index, process in self.processes.items():
+            answered = self.answered.get(index)
+            if answered is None or now - answered < limit or process.poll() is not None:
+                continue
+            log.error(
+                "worker %d (pid %d) has not answered for %.0f s (TG_STUCK_INSTANCE_S): killing "
+                "it to start another",
+                index,
+                process.pid,
+                now - answered,
+            )
+            self.answered.pop(index)
+            process.kill()
 
     def _forward(self, sig: int, frame: object) -> None:
         """First SIGTERM: every worker drains. A second: every worker stops now."""

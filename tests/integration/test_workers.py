@@ -236,6 +236,30 @@ def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_r
     two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
 
 
+def test_a_wedged_worker_is_killed_and_replaced(tmp_path: Path) -> None:
+    """#28 finding 11: a SIGSTOPped worker was noticed by no one: the connections it took
+    hung and the supervisor did nothing."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    server = start(root, tmp_path / "server.log", TG_STUCK_INSTANCE_S="3")
+    try:
+        victim = workers(server)[0]
+        victim.suspend()
+        server.wait_for(lambda: victim.pid not in {p.pid for p in workers(server)}, timeout=60)
+        assert "s (TG_STUCK_INSTANCE_S): killing it to start another" in server.log()
+        server.wait_for(lambda: len(workers(server)) == 2, timeout=60)
+        server.wait_for(
+            lambda: fresh("GET", f"{server.url}/v2/health/ready").status_code == 200, timeout=120
+        )
+        codes = [
+            fresh("POST", f"{server.url}/v2/models/digits/infer", json=DIGIT).status_code
+            for _ in range(16)
+        ]
+        assert codes == [200] * 16
+    finally:
+        assert server.stop() == 0
+
+
 def test_no_worker_outlives_its_supervisor_however_it_ends(tmp_path: Path) -> None:
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
