@@ -75,10 +75,31 @@ def test_no_more_than_the_limit_is_read_while_answers_are_pending() -> None:
         assert gate.read == [1, 2]
         gate.event(1).set()
         assert await first == "answer 1"
-        await gate.until(lambda: len(gate.read) == 3)
-        for n in (2, 3, 4):
+        gate.event(2).set()
+        assert await anext(stream) == "answer 2"  # answer 1 taken: a third is read
+        await gate.until(lambda: len(gate.read) >= 3)
+        for n in (3, 4):
             gate.event(n).set()
-        assert sorted([x async for x in stream]) == ["answer 2", "answer 3", "answer 4"]
+        assert sorted([x async for x in stream]) == ["answer 3", "answer 4"]
+
+    asyncio.run(run())
+
+
+def test_a_client_that_stops_taking_answers_holds_at_most_the_limit() -> None:
+    """#28 finding 8: answers done but not taken freed their slot, so a client that sent and
+    never read made answers pile up without bound."""
+
+    async def run() -> None:
+        gate = Gate()
+        for n in range(100):
+            gate.event(n).set()  # every answer is ready at once
+        stream = completion_order(gate.requests(list(range(100))), gate.answer, limit=4)
+        assert await anext(stream) == "answer 0"  # then nobody takes another
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(gate.read) <= 5  # the limit, and the one taken
+        rest = {x async for x in stream}
+        assert rest == {f"answer {n}" for n in range(1, 100)}
 
     asyncio.run(run())
 
