@@ -39,8 +39,8 @@ async def completion_order(
     here. An answer is in flight until it has been taken (the caller came back for the next
     one, which gRPC does once it has sent the last): a client that stops reading its answers
     holds at most ``limit`` of them (#28 finding 8: answers done but unsent piled up, +0.5 MB/s
-    for as long as the client kept sending). When ``stop`` is set, reading stops and the requests already read are answered. If
-    ``answer`` raises (it should turn errors into answers), that error ends the stream. Closing
+    for as long as the client kept sending). When ``stop`` is set, reading stops and the
+    requests already read are answered. If ``answer`` raises (it should turn errors into answers), that error ends the stream. Closing
     the iterator early (the client cancelled) cancels every request still being answered, and
     waits for them to let go.
     """
