@@ -40,9 +40,9 @@ async def completion_order(
     one, which gRPC does once it has sent the last): a client that stops reading its answers
     holds at most ``limit`` of them (#28 finding 8: answers done but unsent piled up, +0.5 MB/s
     for as long as the client kept sending). When ``stop`` is set, reading stops and the
-    requests already read are answered. If ``answer`` raises (it should turn errors into answers), that error ends the stream. Closing
-    the iterator early (the client cancelled) cancels every request still being answered, and
-    waits for them to let go.
+    requests already read are answered. If ``answer`` raises (it should turn errors into
+    answers), that error ends the stream. Closing the iterator early (the client cancelled)
+    cancels every request still being answered, and waits for them to let go.
     """
     ready: asyncio.Queue[Answer | _Failed | _Ended] = asyncio.Queue()
     slots = asyncio.Semaphore(limit)
