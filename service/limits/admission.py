@@ -24,7 +24,7 @@ from collections.abc import Callable
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import ServerBusy
+from service.errors import PayloadTooLarge, ServerBusy
 from service.telemetry.counters import REFUSED, register_budget
 from service.telemetry.logs import REQUEST_ID
 
@@ -59,7 +59,16 @@ class BytesBudget:
 
     def take(self, size: int) -> None:
         """Hold ``size`` more bytes, or raise :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when
-        that would pass the limit. Callable from any thread."""
+        that would pass the limit. Callable from any thread. More than the whole limit can never
+        be held: :class:`PayloadTooLarge` (413), not a 503 to retry for ever."""
+        if size > self.limit:
+            REFUSED["body_budget"] += 1
+            raise PayloadTooLarge(
+                f"this request needs {size} bytes held at once while it is read and decoded; "
+                f"the server holds at most {self.limit} for every request together "
+                "(TG_MAX_INFLIGHT_BYTES): send it in smaller requests, or its tensors in "
+                "binary (a JSON body holds about 20 times its size while it is decoded)"
+            )
         with self._lock:
             if self.held + size > self.limit:
                 REFUSED["body_budget"] += 1

@@ -221,9 +221,10 @@ def test_grpc_answers_are_compressed_as_the_client_accepts_when_large_enough(
 
 
 def test_compressed_bodies_hold_what_they_inflate_to_in_the_budget(limited: Server) -> None:
-    """A 3 kB gzip body that inflates to 3 MiB holds 3 MiB of the 4 MiB budget while it is
-    served: a second one is 503 instead of being inflated too, and the budget comes back."""
-    inflating = gzip.compress(orjson.dumps(slow_body(1.0)) + b" " * (3 << 20))  # JSON whitespace
+    """A gzip body of a few kB that inflates to 160 KiB of JSON holds that and 20 times it
+    (what JSON holds while it is decoded), 3.3 MiB of the 4 MiB budget, while it is served: a
+    second one is 503 instead of being inflated too, and the budget comes back."""
+    inflating = gzip.compress(orjson.dumps(slow_body(1.0)) + b" " * (160 << 10))  # whitespace
     assert len(inflating) < 16 << 10
     headers = {"content-encoding": "gzip", "content-type": "application/json"}
     with ThreadPoolExecutor(2) as pool:

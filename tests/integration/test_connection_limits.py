@@ -27,6 +27,8 @@ LIMITS = {
     "TG_MAX_BODY_BYTES": "400000",
     "TG_MAX_INFLIGHT_BYTES": "1000000",
 }
+SHORT_HEADER = {"Inference-Header-Content-Length": "10"}
+"""A body whose JSON part is its first 10 bytes: the rest counts once, as binary tensors."""
 DIGIT = json.dumps(
     {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]}
 ).encode()
@@ -210,7 +212,7 @@ def test_bodies_past_the_inflight_budget_get_503_as_they_arrive(tmp_path: Path) 
             sock.sendall(head(length=400_000) + b"{" + b" " * 399_998)
         big = b"x" * 300_000
         server.wait_for(lambda: in_flight(server) == 799_998, timeout=60)  # both as arrived
-        answer = server.client.post("/v2/models/digits/infer", content=big)
+        answer = server.client.post("/v2/models/digits/infer", content=big, headers=SHORT_HEADER)
         assert answer.status_code == 503
         assert answer.headers["retry-after"] == "1"
         assert "TG_MAX_INFLIGHT_BYTES" in answer.json()["error"]
@@ -225,7 +227,10 @@ def test_bodies_past_the_inflight_budget_get_503_as_they_arrive(tmp_path: Path) 
                 sock.close()
             server.wait_for(  # read now, and refused for what it is
                 lambda: (
-                    server.client.post("/v2/models/digits/infer", content=big).status_code == 400
+                    server.client.post(
+                        "/v2/models/digits/infer", content=big, headers=SHORT_HEADER
+                    ).status_code
+                    == 400
                 ),
                 timeout=60,
             )
@@ -238,13 +243,32 @@ def test_bodies_past_the_inflight_budget_get_503_as_they_arrive(tmp_path: Path) 
         server.stop()
 
 
+def test_a_json_body_holds_what_it_decodes_into(guarded: Server) -> None:
+    """#28 finding 14: a JSON body holds 14–20 times its size while orjson and numpy decode it,
+    and the budget counted it once. A JSON body is now held at 20× before it is parsed; one
+    that could never fit the whole budget is 413, not a 503 to retry for ever."""
+    values = json.dumps([0.5] * 13_000).encode()  # 52 kB: 1.04 MB held, the budget is 1 MB
+    body = b'{"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": '
+    answer = guarded.client.post("/v2/models/digits/infer", content=body + values + b"}]}")
+    assert answer.status_code == 413, answer.text
+    assert "holds about 20 times its size" in answer.json()["error"]
+    assert "TG_MAX_INFLIGHT_BYTES" in answer.json()["error"]
+    assert served(guarded)  # a small JSON body fits (20 × 400 bytes)
+    assert in_flight(guarded) == 0
+
+
 def test_heads_without_bodies_hold_nothing_of_the_budget(tmp_path: Path) -> None:
     """#28 finding 4: the budget was taken from the declared Content-Length, so 16 heads with
     no body bytes (3 kB) made every REST and gRPC inference 503/UNAVAILABLE for the body
     timeout. Now a head holds what has arrived: nothing."""
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
-    env = {**LIMITS, "TG_BODY_TIMEOUT_S": "120", "TG_MAX_CONNECTIONS": "64"}
+    env = {
+        **LIMITS,
+        "TG_BODY_TIMEOUT_S": "120",
+        "TG_MAX_CONNECTIONS": "64",
+        "TG_MAX_CONNECTIONS_PER_CLIENT": "64",
+    }
     server = Server(root, env=env, log_path=tmp_path / "log")
     heads: list[socket.socket] = []
     try:
@@ -256,7 +280,9 @@ def test_heads_without_bodies_hold_nothing_of_the_budget(tmp_path: Path) -> None
             assert served(server)
             assert in_flight(server) == 0
             time.sleep(0.1)
-        big = server.client.post("/v2/models/digits/infer", content=b"x" * 300_000)
+        big = server.client.post(
+            "/v2/models/digits/infer", content=b"x" * 300_000, headers=SHORT_HEADER
+        )
         assert big.status_code == 400, big.text  # read, and refused for what it is
         with grpc.insecure_channel(server.grpc_url) as channel:
             assert model_infer(channel)(padded_digit(300_000), timeout=30).outputs
