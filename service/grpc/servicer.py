@@ -239,6 +239,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             message = await self.dataplane.offload(len(raw), codec.parse, pb.ModelInferRequest, raw)
             del raw  # from here the parsed message holds what is needed
+            typed = codec.TYPED_HELD_PER_ELEMENT * codec.typed_elements(message)
+            if typed and self.budget is not None:
+                self.budget.take(typed)  # what typed contents hold while they are decoded
+                size += typed
             if parsed is not None:
                 parsed(message)
             return await self._answer_infer(message, timeout_s)

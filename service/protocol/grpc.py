@@ -69,13 +69,23 @@ def decode_work(message: pb.ModelInferRequest) -> int:
     """About the bytes :func:`decode_request` works through: 8 for each element of typed
     ``contents`` (each is read into a numpy array one by one) and 64 for each output asked for
     and each parameter (each becomes a Python object); raw contents are viewed where they lie."""
-    typed = sum(
+    entries = len(message.outputs) + len(message.parameters) + len(message.inputs)
+    return 8 * typed_elements(message) + 64 * entries
+
+
+TYPED_HELD_PER_ELEMENT = 48
+"""What one element of typed ``contents`` holds at the peak of its decoding (a Python number
+each, then numpy's copies): 96 MB for 2 M INT64 values that took 6 MB on the wire (measured
+with tracemalloc), against 8 bytes in raw contents."""
+
+
+def typed_elements(message: pb.ModelInferRequest) -> int:
+    """How many values the message's inputs carry in typed ``contents``."""
+    return sum(
         len(getattr(t.contents, CONTENTS_FIELD.get(t.datatype, "fp32_contents")))
         for t in message.inputs
         if t.HasField("contents")
     )
-    entries = len(message.outputs) + len(message.parameters) + len(message.inputs)
-    return 8 * typed + 64 * entries
 
 
 def decode_request(

@@ -333,3 +333,23 @@ def padded_digit(size: int) -> pb.ModelInferRequest:
 def test_a_body_over_the_per_request_limit_is_still_413(guarded: Server) -> None:
     answer = guarded.client.post("/v2/models/digits/infer", content=b"x" * 500_000)
     assert answer.status_code == 413
+
+
+def test_typed_contents_hold_what_they_decode_into(guarded: Server) -> None:
+    """#28 finding 14, gRPC: typed ``contents`` hold about 48 bytes a value while decoded (a
+    Python number each), 16 times their size on the wire; they counted at twice it."""
+
+    def typed(rows: int) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="digits")
+        tensor = request.inputs.add(name="image", datatype="FP32", shape=[rows, 1, 8, 8])
+        tensor.contents.fp32_contents.extend([0.5] * (rows * 64))
+        return request
+
+    with grpc.insecure_channel(guarded.grpc_url) as channel:
+        infer = model_infer(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(typed(469), timeout=30)  # 120 kB on the wire, 1.44 MB held: past 1 MB
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "TG_MAX_INFLIGHT_BYTES" in (refused.value.details() or "")
+        assert len(infer(typed(4), timeout=30).outputs) > 0  # a small one is served
+    assert in_flight(guarded) == 0
