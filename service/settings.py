@@ -121,6 +121,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=60.0, gt=0)
     """A request that has not started running this long after it arrived is answered 504.
     Per request: header ``X-Request-Timeout`` (seconds) or OIP ``parameters.timeout`` (µs)."""
+    load_timeout_s: float = Field(default=600.0, gt=0)
+    """How long loading one model version may take, its gates and warmup included: past it
+    the load ends at its next warmup batch and is refused (the versions serving go on)."""
     stuck_instance_s: float = Field(default=60.0, gt=0)
     """/v2/health/live fails when one batch has run longer than this (a wedged instance); with
     several workers, a worker that has not answered its supervisor for this long (stopped, or

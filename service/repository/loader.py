@@ -155,19 +155,79 @@ class LoadedVersion:
             runtime.close()
 
 
+class LoadBound:
+    """When one version's load must end, checked before and at each warmup batch: the server
+    stopping, an unload of the model asked meanwhile, or ``TG_LOAD_TIMEOUT_S`` gone by."""
+
+    def __init__(self, stopping: threading.Event, timeout_s: float) -> None:
+        self._stopping = stopping
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._cancelled: str | None = None
+
+    def cancel(self, why: str) -> None:
+        self._cancelled = why
+
+    def check(self) -> None:
+        if self._stopping.is_set():
+            raise ModelLoadError("loading stopped: the server is shutting down")
+        if self._cancelled is not None:
+            raise ModelLoadError(f"loading stopped: {self._cancelled}")
+        if time.monotonic() > self._deadline:
+            raise ModelLoadError(
+                f"loading stopped: it took longer than TG_LOAD_TIMEOUT_S ({self._timeout_s:g} s);"
+                " warm fewer batch sizes or shapes (warmup.batch_sizes, shape buckets), or raise"
+                " TG_LOAD_TIMEOUT_S"
+            )
+
+
 def load_version(
     name: str,
     path: Path,
     config: ModelConfig,
     settings: Settings,
     models: Models | None = None,
-    stop: threading.Event | None = None,
+    bound: LoadBound | None = None,
 ) -> LoadedVersion:
-    """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal."""
+    """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal.
+    ``bound`` ends it early (the server stopping, the model unloaded, its time up)."""
     started = time.perf_counter()
     manifest = read_manifest(path)
     warnings = _check_pins(name, config, manifest)
     runtimes, signature, devices = _open_runtimes(name, path, config, manifest, settings, warnings)
+    try:
+        return _gate_and_warm(
+            name,
+            path,
+            config,
+            models,
+            bound,
+            manifest,
+            warnings,
+            runtimes,
+            signature,
+            devices,
+            started,
+        )
+    except BaseException:
+        for runtime in runtimes:  # now, not at the next garbage collection
+            runtime.close()
+        raise
+
+
+def _gate_and_warm(
+    name: str,
+    path: Path,
+    config: ModelConfig,
+    models: Models | None,
+    bound: LoadBound | None,
+    manifest: Manifest | None,
+    warnings: list[str],
+    runtimes: list[Runtime],
+    signature: Signature,
+    devices: list[str],
+    started: float,
+) -> LoadedVersion:
     loaded_at = time.perf_counter()
     golden, tolerance = _check_artifact(path, config, manifest, runtimes, warnings)
     shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
@@ -186,9 +246,11 @@ def load_version(
         else None
     )
     gated_at = time.perf_counter()
-    warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes, stop)
+    if bound is not None:
+        bound.check()
+    warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes, bound)
     for runtime in runtimes[1:]:  # each device compiles (and captures) its own shapes
-        _warm_up(runtime, signature, config, shapes, stop)
+        _warm_up(runtime, signature, config, shapes, bound)
     done = time.perf_counter()
     timings = {
         "load_s": loaded_at - started,
@@ -354,11 +416,12 @@ def _warm_up(
     signature: Signature,
     config: ModelConfig,
     shapes: ShapePolicy,
-    stop: threading.Event | None = None,
+    bound: LoadBound | None = None,
 ) -> tuple[dict[str, float], set[BatchShape]]:
     """Step 5: run every batch size × combination of the axes' buckets; return the timings
-    and the shapes now warm. Once ``stop`` is set (the server stopping), the load ends at the
-    next batch, refused, instead of holding the process for the rest of its warmup."""
+    and the shapes now warm. Once ``bound`` says stop (the server stopping, the model
+    unloaded, the load's time up), the load ends at the next batch, refused, instead of
+    holding the process for the rest of its warmup."""
     batched = config.max_batch_size > 0
     sizes = config.warmup_batch_sizes() if batched else (0,)
     offset = 1 if batched else 0
@@ -366,8 +429,8 @@ def _warm_up(
     warmed: set[BatchShape] = set()
     for size in sizes:
         for dims in shapes.warm_sizes():
-            if stop is not None and stop.is_set():
-                raise ModelLoadError("loading stopped: the server is shutting down")
+            if bound is not None:
+                bound.check()
             batch = {
                 t.name: _zeros(_warm_shape(t, size, dims, offset), t) for t in signature.inputs
             }

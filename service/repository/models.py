@@ -28,7 +28,7 @@ from service.errors import (
     StepNotReady,
 )
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
-from service.repository.loader import load_version
+from service.repository.loader import LoadBound, load_version
 from service.repository.serving import ServedVersion
 from service.settings import Settings
 
@@ -83,7 +83,11 @@ class ModelRepository:
         self.loading_done = threading.Event()
         self.stopping = threading.Event()
         """Set when the server stops: a load under way ends at its next warmup batch."""
-        self._change = threading.Lock()  # one load/unload at a time
+        self._changes: dict[str, threading.Lock] = {}
+        """One load or unload of a model at a time; other models' go on beside it."""
+        self._loads: dict[str, set[LoadBound]] = {}
+        """Each model's loads under way: an unload, or the server stopping, ends them."""
+        self._guard = threading.Lock()  # guards the two dicts above
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         self.steps: Models | None = None
         """The server's models, for pipeline code that calls them (set by the app)."""
@@ -159,9 +163,12 @@ class ModelRepository:
         if self.stopping.is_set():
             version.state, version.reason = ModelState.UNAVAILABLE, "the server is shutting down"
             return
+        bound = LoadBound(self.stopping, self.settings.load_timeout_s)
+        with self._guard:
+            self._loads.setdefault(version.name, set()).add(bound)
         try:
             loaded = load_version(
-                version.name, version.path, config, self.settings, self.steps, self.stopping
+                version.name, version.path, config, self.settings, self.steps, bound
             )
         except ModelLoadError as exc:
             version.state, version.reason = ModelState.UNAVAILABLE, str(exc)
@@ -173,6 +180,9 @@ class ModelRepository:
             version.reason = f"unexpected error while loading: {type(exc).__name__}: {exc}"
             log.exception("model %s version %d failed to load", version.name, version.version)
             return
+        finally:
+            with self._guard:
+                self._loads[version.name].discard(bound)
         version.waits_for_step = False
         version.served = ServedVersion(loaded, partial(self._broken, version))
         version.state = ModelState.READY
@@ -185,7 +195,7 @@ class ModelRepository:
         loaded (the versions already serving go on).
         """
         folder = self._folder(name)
-        with self._change:
+        with self._change(name):
             # Recorded first: a model that fails is retried by --poll only when it changes.
             self._fingerprints[name] = fingerprint(folder)
             fresh = _scan_model(name, folder)
@@ -207,11 +217,24 @@ class ModelRepository:
 
     def unload_model(self, name: str) -> None:
         """Stop serving a model; in-flight requests finish first. Blocking."""
-        entry = self.entry(name)
-        with self._change:
+        with self._guard:  # a load of it under way stops at its next warmup batch
+            loading = list(self._loads.get(name, ()))
+        for bound in loading:
+            bound.cancel(f"model '{name}' was unloaded meanwhile")
+        if not loading:
+            self.entry(name)  # 404 before waiting on anything
+        with self._change(name):
+            entry = self.models.get(name)
+            if entry is None:  # its first load, stopped: nothing served to retire
+                log.info("model %s: its load was stopped by an unload", name)
+                return
             self.models[name] = ModelEntry(name, entry.path, entry.config, unloaded=True)
         _retire(entry)
         log.info("model %s unloaded", name)
+
+    def _change(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._changes.setdefault(name, threading.Lock())
 
     def changes(self) -> tuple[list[str], list[str]]:
         """Models whose folder changed since they were loaded, and models whose folder is gone

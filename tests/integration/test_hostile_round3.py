@@ -6,13 +6,19 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import itertools
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from service.protocol.pb import grpc_service_pb2 as pb
@@ -302,5 +308,84 @@ def test_what_raw_items_decode_into_counts_in_the_budget(tmp_path: Path) -> None
         assert served.status_code == 200, served.text[:300]
         assert len(served.json()["predictions"]) == 50
         assert metric(server, "tensorgate_request_body_bytes_in_flight ") == 0  # given back
+    finally:
+        server.stop()
+
+
+def write_slow_model(folder: Path, rows: int = 180, width: int = 1024, depth: int = 64) -> None:
+    """An ONNX model of ``depth`` width×width MatMuls (one weight, 4 MiB), warmed at every
+    batch size up to ``rows``: about 2 TFLOP of warmup, tens of seconds on one thread."""
+    weight = numpy_helper.from_array(np.eye(width, dtype=np.float32), "w")
+    names = ["x"] + [f"h{i}" for i in range(1, depth)] + ["y"]
+    nodes = [helper.make_node("MatMul", [a, "w"], [b]) for a, b in itertools.pairwise(names)]
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (folder / "1").mkdir(parents=True)
+    onnx.save(model, str(folder / "1" / "model.onnx"))
+    config = f"backend: onnx\nmax_batch_size: {rows}\nwarmup:\n  batch_sizes: all\n"
+    (folder / "config.yaml").write_text(config)
+
+
+def test_a_long_load_blocks_no_other_model_and_ends_on_unload_or_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 13: one load with a long warmup held every other load and unload for as
+    long as it ran, with no bound. Loads of different models now run beside each other, an
+    unload of the model stops its load at the next warmup batch, and a load past
+    TG_LOAD_TIMEOUT_S is refused the same way."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    admin = {"Authorization": "Bearer admin-s3cret-token-123"}
+    env = {"TG_WORKERS": "1", "TG_ADMIN_TOKEN": "admin-s3cret-token-123"}
+    server = Server(root, env={**env, "TG_LOAD_TIMEOUT_S": "10"}, log_path=tmp_path / "server.log")
+    repository = f"{server.url}/v2/repository/models"
+
+    def load_in_background(name: str) -> tuple[threading.Thread, list[httpx.Response]]:
+        answers: list[httpx.Response] = []
+
+        def load() -> None:
+            answers.append(httpx.post(f"{repository}/{name}/load", headers=admin, timeout=300))
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        return thread, answers
+
+    try:
+        server.wait_until()
+        write_slow_model(root / "slow")
+        slow, answers = load_in_background("slow")
+        # Meanwhile another model unloads, loads again and serves
+        assert httpx.post(f"{repository}/digits/unload", headers=admin, timeout=300).is_success
+        assert httpx.post(f"{repository}/digits/load", headers=admin, timeout=300).is_success
+        image = {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}
+        digit = {"inputs": [image]}
+        assert server.client.post("/v2/models/digits/infer", json=digit).status_code == 200
+        assert slow.is_alive(), "the slow model's load ended before the other model's changes"
+        slow.join(timeout=120)
+        assert not slow.is_alive()
+        assert answers[0].status_code == 400, answers[0].text[:300]
+        assert "took longer than TG_LOAD_TIMEOUT_S (10 s)" in answers[0].json()["error"]
+
+        # An unload stops a load under way (the model's first load, here)
+        slow, answers = load_in_background("slow")
+        unloaded = None
+        for _ in range(200):
+            unloaded = httpx.post(f"{repository}/slow/unload", headers=admin, timeout=300)
+            if unloaded.status_code == 200 or not slow.is_alive():
+                break
+            threading.Event().wait(0.05)
+        assert unloaded is not None and unloaded.status_code == 200, unloaded
+        slow.join(timeout=60)
+        assert not slow.is_alive()
+        assert answers[0].status_code == 400, answers[0].text[:300]
+        assert "model 'slow' was unloaded meanwhile" in answers[0].json()["error"]
+        assert server.client.post("/v2/models/digits/infer", json=digit).status_code == 200
     finally:
         server.stop()

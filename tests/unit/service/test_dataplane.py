@@ -23,7 +23,7 @@ from service.errors import (
 from service.http.answer import Route, answer_inference
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.model_config import load_model_config
-from service.repository.loader import LoadedVersion, load_version
+from service.repository.loader import LoadBound, LoadedVersion, load_version
 from service.settings import Settings
 from tests.asgi import InProcess
 from tests.identity import write_identity_model
@@ -259,5 +259,21 @@ def test_a_load_stops_at_its_next_warmup_batch_once_the_server_stops(tmp_path: P
             tmp_path / "identity" / "1",
             config,
             Settings(model_repository=tmp_path),
-            stop=stop,
+            bound=LoadBound(stop, 600),
         )
+
+
+def test_a_load_stops_once_its_time_is_up_or_it_is_cancelled(tmp_path: Path) -> None:
+    """#28 finding 13: a load ran for as long as its warmup took, with no bound."""
+    write_identity_model(tmp_path / "identity", max_batch_size=4, warmup="{batch_sizes: all}")
+    config = load_model_config(tmp_path / "identity" / "config.yaml")
+    settings = Settings(model_repository=tmp_path)
+    path = tmp_path / "identity" / "1"
+    late = LoadBound(threading.Event(), 1e-9)
+    with pytest.raises(ModelLoadError, match=r"longer than TG_LOAD_TIMEOUT_S \(1e-09 s\)"):
+        load_version("identity", path, config, settings, bound=late)
+    cancelled = LoadBound(threading.Event(), 600)
+    cancelled.cancel("model 'identity' was unloaded meanwhile")
+    with pytest.raises(ModelLoadError, match="stopped: model 'identity' was unloaded meanwhile"):
+        load_version("identity", path, config, settings, bound=cancelled)
+    assert load_version("identity", path, config, settings, bound=LoadBound(threading.Event(), 600))
