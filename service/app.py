@@ -35,6 +35,7 @@ from service.http import routers
 from service.http.answer import CLIENT_GONE, Answer, ClientGone, error_answer
 from service.http.fast import InferFastPath
 from service.limits.admission import BodyBudget, BytesBudget, error_body
+from service.limits.memory import Trimmer
 from service.repository.models import ModelRepository
 from service.settings import Settings
 from service.telemetry import tracing
@@ -61,6 +62,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         tracing.start(settings.tracing, __version__, span_exporter)
         repository = ModelRepository(settings)
         repository.steps = Steps(repository, asyncio.get_running_loop(), settings.request_timeout_s)
+        repository.budget = budget  # batches of several requests hold their copy in it
         repository.scan()
         pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
         drain = Drain()
@@ -69,6 +71,8 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
         app.state.dataplane.budget = budget  # what raw items decode into is held in it too
         app.state.cluster = Cluster(app.state.dataplane)
+        trimmer = Trimmer(budget)  # what the budget lets go goes back to the system
+        trimmer.start()
         loading = asyncio.create_task(asyncio.to_thread(_load, repository))
         loading.add_done_callback(lambda _: start_schedulers(repository))
         polling = None
@@ -110,6 +114,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
             await asyncio.to_thread(repository.close)
             pool.shutdown(wait=True)
             await asyncio.to_thread(tracing.stop)  # exports what is buffered
+            trimmer.stop()
             log.info("stopped")
 
     app = FastAPI(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -53,3 +55,18 @@ def write_identity_model(
     lines = ["backend: onnx", f"max_batch_size: {max_batch_size}"]
     lines += [f"{key}: {value}" for key, value in config.items()]
     (folder / "config.yaml").write_text("\n".join(lines) + "\n")
+
+
+def binary_request(values: int, fill: float = 1.0) -> tuple[bytes, int]:
+    """A v2 infer body for the FP32 identity model: ``values`` values of ``fill`` as one
+    binary tensor, the answer asked for in binary; and its JSON header's length (for
+    ``Inference-Header-Content-Length``)."""
+    data = np.full((1, values), fill, np.float32).tobytes()
+    tensor = {"name": "in_FP32", "datatype": "FP32", "shape": [1, values]}
+    header = json.dumps(
+        {
+            "inputs": [{**tensor, "parameters": {"binary_data_size": len(data)}}],
+            "outputs": [{"name": "out_FP32", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return header + data, len(header)

@@ -54,6 +54,8 @@ class BytesBudget:
         self.held = 0
         """Bytes of the requests being handled now (declared or read so far, and what
         compressed ones have inflated to)."""
+        self.high = 0
+        """The most held since :class:`service.limits.memory.Trimmer` last looked."""
         self._lock = threading.Lock()  # bodies inflate on the thread pool
         register_budget(self)
 
@@ -78,6 +80,19 @@ class BytesBudget:
                     "retry shortly"
                 )
             self.held += size
+            if self.held > self.high:
+                self.high = self.held
+
+    def try_take(self, size: int) -> bool:
+        """Hold ``size`` more bytes if they fit; False (nothing refused, nothing counted) if
+        not: for what the server can do another way, such as a batch run a request at a time."""
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            if self.held > self.high:
+                self.high = self.held
+            return True
 
     def hold(self, size: int) -> None:
         """Count ``size`` more bytes (fewer when negative) that are already held and cannot be
@@ -85,6 +100,8 @@ class BytesBudget:
         (:mod:`service.limits.connections`). They make the next bodies wait their turn."""
         with self._lock:
             self.held += size
+            if self.held > self.high:
+                self.high = self.held
 
     def release(self, size: int) -> None:
         """Give back ``size`` bytes once the request that held them has been answered."""

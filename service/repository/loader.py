@@ -323,6 +323,7 @@ def _open_runtimes(
                 config.gpu,
                 path,
                 settings.shared_threads,
+                bool(config.shape_buckets()),
             ),
         )
         for instance_device in (devices if device.startswith("cuda") else devices[:1])

@@ -20,6 +20,7 @@ from typing import Any
 
 from preprocessing.pipeline import Models
 from preprocessing.spec import PythonSpec
+from service.batching.scheduler import BatchBudget
 from service.errors import (
     ModelLoadError,
     ModelLoadRefused,
@@ -90,6 +91,8 @@ class ModelRepository:
         self._guard = threading.Lock()  # guards the two dicts above
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         self.steps: Models | None = None
+        self.budget: BatchBudget | None = None
+        """The server's budget, where batches hold what they concatenate (set by the app)."""
         """The server's models, for pipeline code that calls them (set by the app)."""
 
     # -- discovery and loading --------------------------------------------------------------
@@ -184,7 +187,7 @@ class ModelRepository:
             with self._guard:
                 self._loads[version.name].discard(bound)
         version.waits_for_step = False
-        version.served = ServedVersion(loaded, partial(self._broken, version))
+        version.served = ServedVersion(loaded, partial(self._broken, version), self.budget)
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
 

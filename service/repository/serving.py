@@ -10,7 +10,13 @@ from types import TracebackType
 
 import numpy as np
 
-from service.batching.scheduler import ADAPTIVE_DELAY_S, Scheduler, SchedulerConfig, Work
+from service.batching.scheduler import (
+    ADAPTIVE_DELAY_S,
+    BatchBudget,
+    Scheduler,
+    SchedulerConfig,
+    Work,
+)
 from service.batching.stats import ModelStats, RequestTiming
 from service.errors import ModelNotReady
 from service.model_config import ModelConfig
@@ -23,9 +29,14 @@ class ServedVersion:
     thread and waits for the requests in flight."""
 
     def __init__(
-        self, loaded: LoadedVersion, on_broken: Callable[[str], None] | None = None
+        self,
+        loaded: LoadedVersion,
+        on_broken: Callable[[str], None] | None = None,
+        budget: BatchBudget | None = None,
     ) -> None:
         self.loaded = loaded
+        self.budget = budget
+        """The server's budget, for the batches its scheduler concatenates."""
         self.on_broken = on_broken
         """Told why, when a golden replay after a lone failure shows the model broken."""
         self.stats = ModelStats()
@@ -62,6 +73,7 @@ class ServedVersion:
                 on_broken=self.on_broken,
                 devices=self.loaded.devices,
                 arriving=lambda: self.arriving,
+                budget=self.budget,
             )
             self.scheduler.start()
         return self.scheduler

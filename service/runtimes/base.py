@@ -28,6 +28,8 @@ class RuntimeOptions:
     """Threads for a batch that runs beside another one (``service.resources.CPU_USE``): the
     process's share of the CPUs. 0, or ``intra_op_threads`` or more: always
     ``intra_op_threads``."""
+    bucketed: bool = False
+    """The model's config names shape buckets: its dynamic dims never pass the largest."""
 
 
 def shape_fits(want: tuple[int, ...], got: tuple[int, ...]) -> bool:

@@ -114,6 +114,10 @@ class OnnxRuntime(Runtime):
             ort.preload_dlls()
         try:
             self._session = ort.InferenceSession(str(path), options, providers=providers)
+            bounded = self.options.bucketed or self.options.device != "cpu"
+            if not bounded and _unbounded(self._session, declared, max_batch_size):
+                options.enable_cpu_mem_arena = False
+                self._session = ort.InferenceSession(str(path), options, providers=providers)
             self._shared: ort.InferenceSession | None = None
             self._alone = AloneChoice()
             shared = self.options.shared_threads
@@ -315,6 +319,24 @@ def _text(name: str, array: np.ndarray) -> np.ndarray:
             f"input '{name}': onnxruntime string tensors hold UTF-8 text, and an element is not"
         ) from None
     return text
+
+
+def _unbounded(
+    session: ort.InferenceSession, declared: Signature | None, max_batch_size: int
+) -> bool:
+    """Whether a request can make a batch of any size: an input dim, other than the batch's,
+    that neither the graph nor the config fixes. onnxruntime's CPU arena grows to the largest
+    batch a session ran and never gives it back (its shrinkage option frees nothing of it):
+    for such a model one large request would keep its memory for good (16 × 61 MiB requests
+    left +440 MiB after they were answered), so it runs without the arena. A model whose
+    shapes are bounded keeps it: its arena reached its largest at warmup, and what it saves
+    is within noise here (a lone efficientnet_lite0 image without it: 0.96–1.15 × the median
+    time in four runs, the minimums within 1 %; docs/performance.md, "Memory after an
+    attack"), so nothing is given up where it costs no memory."""
+    inputs = declared.inputs if declared is not None else None
+    if inputs is None:
+        inputs = tuple(_tensor(arg, max_batch_size) for arg in session.get_inputs())
+    return any(-1 in tensor.shape for tensor in inputs)
 
 
 def _tensor(arg: ort.NodeArg, max_batch_size: int) -> TensorConfig:

@@ -11,6 +11,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -23,7 +24,7 @@ from PIL import Image
 
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
-from tests.identity import write_identity_model
+from tests.identity import binary_request, write_identity_model
 from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
@@ -387,5 +388,57 @@ def test_a_long_load_blocks_no_other_model_and_ends_on_unload_or_its_timeout(
         assert answers[0].status_code == 400, answers[0].text[:300]
         assert "model 'slow' was unloaded meanwhile" in answers[0].json()["error"]
         assert server.client.post("/v2/models/digits/infer", json=digit).status_code == 200
+    finally:
+        server.stop()
+
+
+def vm(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc status")
+
+
+def test_batches_of_dynamic_dims_hold_their_copy_in_the_budget_and_memory_returns(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 15: same-shape requests to a model with a dynamic dim and no buckets were
+    concatenated into batches counted nowhere (7 × 61 MiB → +3.6 GiB), and what they took
+    stayed with the process: onnxruntime's CPU arena kept the largest batch and glibc the
+    freed bodies (RSS +440 MiB after every round). Now a batch holds its copy in the budget
+    (its requests run one at a time when it does not fit), such a model runs without the
+    arena, and freed memory is trimmed back."""
+    root = tmp_path / "models"
+    write_identity_model(root / "identity", max_batch_size=8, datatypes=("FP32",), width="w")
+    budget = 256 * MIB
+    env = {"TG_WORKERS": "1", "TG_MAX_INFLIGHT_BYTES": str(budget)}
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    pid = server.process.pid
+    try:
+        server.wait_until()
+
+        def send(fill: int, values: int = 30 * MIB // 4) -> tuple[int, bytes]:
+            body, header = binary_request(values, fill)
+            answer = httpx.post(
+                f"{server.url}/v2/models/identity/infer",
+                content=body,
+                headers={"Inference-Header-Content-Length": str(header)},
+                timeout=120,
+            )
+            return answer.status_code, answer.content[-4:]
+
+        assert send(7, values=1024) == (200, np.float32(7).tobytes())
+        start = vm(pid, "VmRSS")  # after the first request's one-off allocations
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(3):
+                answers = list(pool.map(send, range(8)))
+                served = [(i, tail) for i, (code, tail) in enumerate(answers) if code == 200]
+                assert served, answers
+                for fill, tail in served:  # each answer is its own request's values
+                    assert np.frombuffer(tail, np.float32)[0] == fill
+        server.wait_for(lambda: metric(server, "tensorgate_request_body_bytes_in_flight ") == 0)
+        peak = vm(pid, "VmHWM") - start
+        assert peak < 3 * budget, f"peak +{peak >> 20} MiB against a {budget >> 20} MiB budget"
+        server.wait_for(lambda: vm(pid, "VmRSS") < start * 1.1, timeout=10)
     finally:
         server.stop()

@@ -30,6 +30,8 @@ from service.errors import (
     PayloadTooLarge,
     ServerBusy,
 )
+from service.limits.admission import BytesBudget
+from service.telemetry.counters import REFUSED
 
 A = (("x", "<f4", (3,)),)
 B = (("x", "<f4", (5,)),)
@@ -182,6 +184,28 @@ async def test_an_oversize_request_is_split_into_chunks_and_reassembled() -> Non
     await s.stop()
     result = sizes
     assert result == [4, 4, 3]
+
+
+async def test_a_batch_holds_its_copy_in_the_budget_or_runs_its_requests_one_at_a_time() -> None:
+    """#28 finding 15: a batch's concatenated inputs were held beside the requests' bodies,
+    counted nowhere."""
+    budget = BytesBudget(limit=1000)
+    sizes: list[int] = []
+    s = scheduler(doubling(sizes), max_queue_delay_s=0.05)
+    s.budget = budget
+    s.start()
+    inputs = [np.full((1, 25), i, np.float32) for i in range(4)]  # 100 bytes each
+    answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
+    assert sizes == [4] and budget.held == 0 and budget.high == 400  # held while it ran
+    budget.take(700)  # the bodies, say: 400 more bytes would not fit
+    refused = REFUSED["body_budget"]
+    sizes.clear()
+    answers = await asyncio.gather(*(s.submit({"x": x}, None, None) for x in inputs))
+    for x, answer in zip(inputs, answers, strict=True):
+        np.testing.assert_array_equal(answer["y"], x * 2)
+    assert sizes == [1, 1, 1, 1] and budget.held == 700
+    assert REFUSED["body_budget"] == refused  # nothing was refused: the batch ran another way
+    await s.stop()
 
 
 def _blocking() -> tuple[threading.Event, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]]:
