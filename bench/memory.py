@@ -13,6 +13,7 @@ Writes bench/results/memory.md.
 from __future__ import annotations
 
 import argparse
+import gzip
 import statistics
 import sys
 import tempfile
@@ -36,7 +37,7 @@ def status(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field}")
 
 
-def attack(rounds: int, requests: int) -> list[list[str]]:
+def attack(rounds: int, requests: int, compress: bool = False) -> list[list[str]]:
     sys.path.insert(0, str(REPO))
     from tests.identity import binary_request, write_identity_model
     from tests.server import Server
@@ -49,18 +50,23 @@ def attack(rounds: int, requests: int) -> list[list[str]]:
             server.wait_until()
             pid = server.process.pid
             body, header = binary_request(61 * MIB // 4)
+            headers = {"Inference-Header-Content-Length": str(header)}
+            if compress:  # 61 MiB of ones: about 60 KB on the wire, inflated by the server
+                body = gzip.compress(body, compresslevel=6)
+                headers["Content-Encoding"] = "gzip"
             codes: list[int] = []
 
             def send() -> None:
                 answer = httpx.post(
                     f"{server.url}/v2/models/identity/infer",
                     content=body,
-                    headers={"Inference-Header-Content-Length": str(header)},
+                    headers=headers,
                     timeout=300,
                 )
                 codes.append(answer.status_code)
 
-            rows = [["before", f"{status(pid, 'VmRSS') / MIB:.0f}", ""]]
+            kind = "gzip" if compress else "binary"
+            rows = [[f"{kind}: before", f"{status(pid, 'VmRSS') / MIB:.0f}", ""]]
             for index in range(rounds):
                 threads = [threading.Thread(target=send) for _ in range(requests)]
                 for thread in threads:
@@ -70,9 +76,13 @@ def attack(rounds: int, requests: int) -> list[list[str]]:
                 time.sleep(2)
                 served = f"{codes.count(200)} of {len(codes)} answered 200 so far"
                 rows.append(
-                    [f"2 s after round {index + 1}", f"{status(pid, 'VmRSS') / MIB:.0f}", served]
+                    [
+                        f"{kind}: 2 s after round {index + 1}",
+                        f"{status(pid, 'VmRSS') / MIB:.0f}",
+                        served,
+                    ]
                 )
-            rows.append(["peak (VmHWM)", f"{status(pid, 'VmHWM') / MIB:.0f}", ""])
+            rows.append([f"{kind}: peak (VmHWM)", f"{status(pid, 'VmHWM') / MIB:.0f}", ""])
             return rows
         finally:
             server.stop()
@@ -115,13 +125,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--pairs", type=int, default=40)
     args = parser.parse_args()
-    memory = attack(args.rounds, args.requests)
+    memory = attack(args.rounds, args.requests) + attack(args.rounds, args.requests, True)
     cost = arena(args.pairs)
     text = "\n\n".join(
         [
             "# Memory after an attack (`python -m bench.memory`)",
-            f"{args.requests} concurrent binary requests of 61 MiB, {args.rounds} rounds, "
-            "identity model with a dynamic dim (max_batch_size 8), default budget:",
+            f"{args.requests} concurrent binary requests of 61 MiB (as they are, then gzipped), "
+            f"{args.rounds} rounds, identity model with a dynamic dim (max_batch_size 8), "
+            "default budget (1 GiB here):",
             table(memory, ["when", "server RSS MiB", ""]),
             f"onnxruntime's CPU arena, one efficientnet_lite0 image in process ({args.pairs} "
             "alternated blocks of 10 runs):",
