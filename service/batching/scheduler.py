@@ -449,10 +449,10 @@ class Scheduler:
         if self._broken is not None:  # queued before the verdict, or after: none runs on it
             _fail(items, ModelNotReady(f"model '{self.model}' is broken: {self._broken}"))
             return
-        held = 0
-        if len(items) > 1 and self.budget is not None:
+        budget, held = self.budget, 0
+        if len(items) > 1 and budget is not None:
             held = sum(a.nbytes for p in items if isinstance(p.work, dict) for a in p.work.values())
-            if not self.budget.try_take(held):
+            if not budget.try_take(held):
                 for p in items:
                     if not p.future.done():
                         await self._execute(instance, [p], failures)
@@ -460,8 +460,8 @@ class Scheduler:
         try:
             await self._run_batch(instance, items, failures)
         finally:
-            if held:
-                self.budget.release(held)  # type: ignore[union-attr]  # held only with one
+            if held and budget is not None:
+                budget.release(held)
 
     async def _run_batch(
         self,
