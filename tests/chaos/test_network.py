@@ -117,11 +117,15 @@ def test_a_slow_link_is_answered_rightly_and_its_deadlines_hold(
                 raw_input_contents=[np.arange(4, dtype=np.float32).tobytes()],
             )
         # A fresh connection over the same link serves (the first still carries what the
-        # client had written of the message when it gave up)
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_proxy.port}") as channel:
+        # client had written of the message when it gave up). A channel's own subchannel pool:
+        # grpc otherwise hands a new channel to the same target the old TCP connection.
+        with grpc.insecure_channel(
+            f"127.0.0.1:{grpc_proxy.port}", options=[("grpc.use_local_subchannel_pool", 1)]
+        ) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             answer = stub.ModelInfer(small, timeout=30)
             assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [0, 1, 2, 3]
+        assert grpc_proxy.connections == 2  # the answer came over a connection of its own
     finally:
         seen_slow, seen_normal = slow.stop(), normal.stop()
         proxy.close()
