@@ -4,6 +4,7 @@ body is large enough to gain. Pure functions over bytes."""
 
 from __future__ import annotations
 
+import io
 import zlib
 from collections.abc import Callable
 
@@ -46,7 +47,9 @@ def decompress(
         raise UnsupportedMediaType(
             f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none"
         )
-    parts: list[bytes] = []
+    # Parts go into one buffer as they are inflated; getvalue() hands it over uncopied, so the
+    # inflated body is held once (a list of parts and their join would hold it twice).
+    parts = io.BytesIO()
     size = 0
     pending = body
     try:
@@ -61,7 +64,8 @@ def decompress(
                     )
                 if reserve is not None and part:
                     reserve(len(part))
-                parts.append(part)
+                parts.write(part)
+                del part
                 pending = inflater.unconsumed_tail
                 if inflater.eof:
                     break
@@ -77,7 +81,7 @@ def decompress(
             # another gzip member: it must be one (its header is checked as it inflates)
     except zlib.error as exc:
         raise InvalidInput(f"the request body is not valid {encoding}: {exc}") from None
-    return b"".join(parts)
+    return parts.getvalue()
 
 
 def choose(accept: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import tracemalloc
 import zlib
 
 import pytest
@@ -99,3 +100,17 @@ def test_a_list_of_codings_is_undone_last_first_within_the_limit() -> None:
         decompress(gzip.compress(gzip.compress(b"x" * 10_000)), "gzip, gzip", 5_000)
     with pytest.raises(UnsupportedMediaType):
         decompress(twice, "br, gzip", 1 << 20)
+
+
+def test_an_inflated_body_is_held_once_not_twice() -> None:
+    """A list of parts and their join hold the inflated body twice at the join (#28 finding 14)."""
+    size = 32 << 20
+    packed = gzip.compress(bytes(size), 1)
+    tracemalloc.start()
+    try:
+        body = decompress(packed, "gzip", size)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert body == bytes(size)
+    assert peak < 1.3 * size, f"peak {peak >> 20} MiB for {size >> 20} MiB inflated"

@@ -4,6 +4,7 @@ import contextlib
 import json
 import math
 import struct
+import tracemalloc
 from typing import Any
 
 import ml_dtypes
@@ -392,3 +393,18 @@ def test_v1_predictions_carry_nan_and_infinities_as_strings() -> None:
         "y": ["Infinity", "-Infinity"],
         "z": ["Infinity"],
     }
+
+
+def test_a_binary_answer_is_held_once_beside_its_outputs() -> None:
+    """A copy of each output and then their join would hold the answer twice (#28 finding 14)."""
+    data = np.arange(8 << 20, dtype=np.float32).reshape(2, -1)  # 32 MiB, made before counting
+    result = InferenceResult("m", "1", None, [OutputTensor("a", "FP32", data)], {}, {}, None, True)
+    tracemalloc.start()
+    try:
+        body, headers = encode_result(result, True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    header = int(headers["inference-header-content-length"])
+    assert np.array_equal(np.frombuffer(body, "<f4", offset=header), data.reshape(-1))
+    assert peak < 1.3 * data.nbytes, f"peak {peak >> 20} MiB for {data.nbytes >> 20} MiB"
