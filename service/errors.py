@@ -68,6 +68,13 @@ class ServerBusy(TensorgateError):
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
 
 
+class MessageTimeout(TensorgateError):
+    """A gRPC inference message did not arrive in full within TG_BODY_TIMEOUT_S of its call
+    (REST's slow bodies get 408 from the connection itself, service/limits/connections.py)."""
+
+    status = 408
+
+
 class DeadlineExceeded(TensorgateError):
     """The request waited past its deadline before it could run."""
 

@@ -104,7 +104,8 @@ class Settings(BaseSettings):
     """A request's head must arrive within this long of the connection opening (or of the
     request's first byte, on a kept-alive connection): silent or slow senders get 408, closed."""
     body_timeout_s: float = Field(default=60.0, gt=0)
-    """A request's body must arrive within this long of its head; else 408, closed."""
+    """A request's body must arrive within this long of its head; else 408, closed. A gRPC
+    ModelInfer message, within this long of its call's headers; else DEADLINE_EXCEEDED."""
     write_timeout_s: float = Field(default=60.0, gt=0)
     """An answer written must be taken by its client within this long (the connection's send
     buffer empty again); else the connection is aborted and what it held let go. While unsent,

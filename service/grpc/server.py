@@ -70,6 +70,17 @@ PARSED_BY_HANDLER = frozenset({"ModelInfer", "ModelStreamInfer"})
 them themselves, after the token and the budget (:meth:`InferenceServicer._infer`)."""
 
 
+MAX_STREAMS_PER_CONNECTION = 128
+"""Calls (and streams) one gRPC connection carries at once, HTTP/2's SETTINGS_MAX_CONCURRENT_
+STREAMS: a client's next call waits for one to end. Each holds at most its message, so a
+connection holds a bounded amount (it was any number of streams, #28 finding 2)."""
+
+READ_BY_HANDLER = frozenset({"ModelInfer"})
+"""Unary RPCs served by a client-streaming handler that reads the one message itself
+(:meth:`InferenceServicer.ModelInfer`): the wire is the same, and the handler runs when the
+call's headers arrive, so the token and a time limit apply before the message is held."""
+
+
 def inference_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
     """``inference.GRPCInferenceService``'s method handlers, from its descriptor, as the
     generated ``add_GRPCInferenceServiceServicer_to_server`` makes them but for how requests
@@ -81,7 +92,8 @@ def inference_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodH
         behaviour = getattr(servicer, method.name)
         if method.name not in PARSED_BY_HANDLER:
             behaviour = _parsing(behaviour, getattr(pb, method.input_type.name))
-        make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
+        reads_itself = method.name in READ_BY_HANDLER
+        make = _HANDLER_KINDS[method.client_streaming or reads_itself, method.server_streaming]
         handlers[method.name] = make(
             behaviour,
             request_deserializer=Unparsed,
@@ -152,6 +164,7 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
             # TG_HEADER_TIMEOUT_S for a new connection's HTTP/2 preface and settings to arrive
             # (a silent socket is closed then).
             ("grpc.max_allowed_incoming_connections", settings.max_connections),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.server_handshake_timeout_ms", max(1, round(settings.header_timeout_s * 1000))),
             # grpcio binds with SO_REUSEPORT by default, which lets any process of this user bind
             # the port beside the server and take a share of its calls. Only several workers

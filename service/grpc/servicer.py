@@ -19,7 +19,13 @@ import grpc
 from google.protobuf import json_format
 
 from service.cluster.view import Cluster
-from service.errors import ModelNotFound, ServerBusy, TensorgateError
+from service.errors import (
+    InvalidInput,
+    MessageTimeout,
+    ModelNotFound,
+    ServerBusy,
+    TensorgateError,
+)
 from service.grpc.streaming import completion_order
 from service.limits.admission import BytesBudget
 from service.limits.auth import check_authorization
@@ -40,6 +46,7 @@ _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     415: grpc.StatusCode.INVALID_ARGUMENT,
     499: grpc.StatusCode.CANCELLED,
@@ -213,15 +220,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         return await self._answer(context, model)
 
-    async def ModelInfer(
-        self, request: codec.Unparsed, context: grpc.aio.ServicerContext[Any, Any]
+    async def ModelInfer(  # it reads its one message itself: see the docstring
+        self, requests: object, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ModelInferResponse:
+        """Served as a client-streaming handler (the wire is the same as a unary call's), so
+        that it runs when the call's headers arrive, not once gRPC holds the whole message:
+        the token is checked before any of the message is read (gRPC's flow control holds the
+        client back meanwhile), and a message that does not arrive in full within
+        TG_BODY_TIMEOUT_S is DEADLINE_EXCEEDED and let go, as REST's slow bodies are 408."""
+
         async def infer() -> pb.ModelInferResponse:
+            request = await self._receive(context)
             response = await self._infer(request, context.time_remaining())
             _compress_if_worth_it(context, response)
             return response
 
         return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
+
+    async def _receive(self, context: grpc.aio.ServicerContext[Any, Any]) -> codec.Unparsed:
+        """The call's one message, within TG_BODY_TIMEOUT_S."""
+        limit_s = self.settings.body_timeout_s
+        try:
+            message = await asyncio.wait_for(context.read(), limit_s)
+        except TimeoutError:
+            raise MessageTimeout(
+                f"the request message did not arrive in full within {limit_s:g} s "
+                "(TG_BODY_TIMEOUT_S)"
+            ) from None
+        if not isinstance(message, codec.Unparsed):  # grpc.aio.EOF: the client sent none
+            raise InvalidInput("ModelInfer takes one ModelInferRequest; the call sent none")
+        return message
 
     async def _infer(
         self,

@@ -10,9 +10,11 @@ import itertools
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -22,8 +24,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
+from service.grpc.server import MAX_STREAMS_PER_CONNECTION
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from tests.chaos.netfault import Faults, FaultyProxy
 from tests.identity import binary_request, write_identity_model
 from tests.server import Server, copy_model
 
@@ -442,3 +446,100 @@ def test_batches_of_dynamic_dims_hold_their_copy_in_the_budget_and_memory_return
         server.wait_for(lambda: vm(pid, "VmRSS") < start * 1.1, timeout=10)
     finally:
         server.stop()
+
+
+TOKEN = "api-s3cret-token-456"
+
+
+def digits_call(token: str | None = TOKEN, raw: bytes | None = None) -> tuple[Any, Any]:
+    """A ModelInfer for digits (``raw``: one input of those bytes instead) and its metadata."""
+    image = np.full((1, 1, 8, 8), 0.5, np.float32).tobytes() if raw is None else raw
+    request = pb.ModelInferRequest(
+        model_name="digits",
+        inputs=[
+            pb.ModelInferRequest.InferInputTensor(
+                name="image", datatype="FP32", shape=[1, 1, 8, 8] if raw is None else [1]
+            )
+        ],
+        raw_input_contents=[image],
+    )
+    return request, (() if token is None else (("authorization", f"Bearer {token}"),))
+
+
+def test_a_grpc_message_is_held_only_after_its_token_and_within_the_body_timeout(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 2: gRPC held each inference message whole before any handler ran, so
+    neither the token nor a time limit applied to it: a client without the token could make
+    the server hold 64 MiB per call, and a message stalled short of its end was held as long
+    as the client liked. Over a link of 200 kB/s, an 8 MiB message (40 s to send) is now
+    refused for its token within seconds, and with the token it is DEADLINE_EXCEEDED at
+    TG_BODY_TIMEOUT_S; a direct client is served throughout."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    env = {"TG_WORKERS": "1", "TG_API_TOKEN": TOKEN, "TG_BODY_TIMEOUT_S": "3"}
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    proxy = None
+    try:
+        server.wait_until()
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(rate=200_000))
+        direct = grpc.insecure_channel(server.grpc_url, options=options)
+        served = pb_grpc.GRPCInferenceServiceStub(direct)
+        for token, code, says in (
+            (None, grpc.StatusCode.UNAUTHENTICATED, "Authorization: Bearer"),
+            (TOKEN, grpc.StatusCode.DEADLINE_EXCEEDED, "TG_BODY_TIMEOUT_S"),
+        ):
+            request, metadata = digits_call(token, bytes(8 * MIB))
+            with grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options) as channel:
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as refused:
+                    pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+                        request, metadata=metadata, timeout=30
+                    )
+                took = time.monotonic() - started
+            print(f"{code.name}: {refused.value.details()!r} after {took:.1f} s")
+            assert refused.value.code() is code and says in (refused.value.details() or "")
+            assert took < 15  # not the 40 s the message takes (0.04–7 s seen: the link's buffers)
+            request, metadata = digits_call()
+            answer = served.ModelInfer(request, metadata=metadata, timeout=10)
+            assert answer.model_name == "digits"
+        direct.close()
+    finally:
+        if proxy is not None:
+            proxy.close()
+        server.stop()
+
+
+def test_a_grpc_connection_carries_at_most_its_stream_cap(server: Server) -> None:
+    """#28 finding 2: one connection carried any number of streams (300 × 5 MiB messages held
+    +1.47 GiB). It carries MAX_STREAMS_PER_CONNECTION now: one more waits at the client until
+    a stream ends, while another connection is served at once."""
+    release = threading.Event()
+
+    def idle() -> Iterator[pb.ModelInferRequest]:
+        release.wait(60)
+        return
+        yield  # a generator that sends nothing until released
+
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    crowded = grpc.insecure_channel(server.grpc_url, options=options)
+    stub = pb_grpc.GRPCInferenceServiceStub(crowded)
+    try:
+        streams = [stub.ModelStreamInfer(idle()) for _ in range(MAX_STREAMS_PER_CONNECTION)]
+        with pytest.raises(grpc.RpcError) as waited:
+            stub.ModelInfer(digits_call(None)[0], timeout=3)
+        assert waited.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        with grpc.insecure_channel(server.grpc_url, options=options) as other:
+            answer = pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
+                digits_call(None)[0], timeout=10
+            )
+            assert answer.model_name == "digits"
+        release.set()
+        for stream in streams:
+            assert list(stream) == []
+        answer = stub.ModelInfer(digits_call(None)[0], timeout=10)  # the streams ended: room
+        assert answer.model_name == "digits"
+    finally:
+        release.set()
+        crowded.close()
