@@ -6,7 +6,7 @@ one inference request straight through, in one direction::
     with dataplane.call(protocol, model, version) as call:    # 404 / 503 before any work
         request = await call.decode(work, <decoder>, body)      # the protocol's codec
         result = await call.infer(request)                      # pipeline, batch, run
-        body = call.encode(<encoder>, result)                   # the protocol's codec, timed
+        body = await call.encode(<encoder>, result)             # the protocol's codec, timed
 
 Nothing here knows a wire format. Where each step runs is decided here, by its work: a model's
 pipeline runs in the thread pool, or on the instance's own thread for a request alone (one
@@ -462,16 +462,29 @@ class Call:
         trace.stage("decode", started, time.perf_counter_ns())
         return decoded
 
-    def encode(self, encode: Callable[..., T], *args: Any) -> T:
-        """``encode(*args)``, timed as the request's postprocessing."""
+    async def encode(
+        self, encode: Callable[..., T], result: InferenceResult, *args: Any, pooled: bool = False
+    ) -> T:
+        """``encode(result, *args)``, timed as the request's postprocessing. ``pooled``: in the
+        thread pool when the outputs are large (gRPC: building and serializing a 60 MiB answer
+        on the event loop held every other request for tens of milliseconds each). REST's
+        encoders stay on the loop: a binary answer is one copy of its outputs, and pooled, the
+        round-three dynamic-dims test's RSS stayed more than 10 % up after 30 MiB answers
+        (likely glibc's per-thread arenas; not proven)."""
         started = time.perf_counter_ns()
         try:
-            return encode(*args)
+            size = answer_bytes(result) if pooled else 0
+            return await self.dataplane.offload(size, encode, result, *args)
         finally:
             ended = time.perf_counter_ns()
             self.observation.timing.compute_output_ns += ended - started
             if (trace := self.observation.trace) is not None:
                 trace.stage("encode", started, ended)
+
+
+def answer_bytes(result: InferenceResult) -> int:
+    """What a result's outputs hold: the bytes an encoder goes through, at least."""
+    return sum(output.data.nbytes for output in result.outputs)
 
 
 def _fitted(

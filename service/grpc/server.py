@@ -97,9 +97,16 @@ def inference_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodH
         handlers[method.name] = make(
             behaviour,
             request_deserializer=Unparsed,
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+            # ModelInfer serializes its answer itself, on the pool when it is large
+            response_serializer=_as_serialized
+            if reads_itself
+            else getattr(pb, method.output_type.name).SerializeToString,
         )
     return handlers
+
+
+def _as_serialized(message: bytes) -> bytes:
+    return message
 
 
 _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {

@@ -160,7 +160,7 @@ async def _infer(
             timeout_s,
         )
         result = await call.infer(request)
-        content, headers = call.encode(v2.encode_result, result, v2.binary_default(request))
+        content, headers = await call.encode(v2.encode_result, result, v2.binary_default(request))
     return Answer(200, content, headers)
 
 
@@ -177,7 +177,7 @@ async def _predict(
     with dataplane.call("v1", route.model, None) as call:
         request = await call.decode(v1.decode_work(body, content_type), *decode)
         result = await call.infer(request)
-        content = call.encode(v1.encode_predictions, result)
+        content = await call.encode(v1.encode_predictions, result)
     return Answer(200, content, {"content-type": "application/json"})
 
 

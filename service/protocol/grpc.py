@@ -68,7 +68,8 @@ def parse(message_type: type[M], raw: bytes) -> M:
 def decode_work(message: pb.ModelInferRequest) -> int:
     """About the bytes :func:`decode_request` works through: 8 for each element of typed
     ``contents`` (each is read into a numpy array one by one) and 64 for each output asked for
-    and each parameter (each becomes a Python object); raw contents are viewed where they lie."""
+    and each parameter (each becomes a Python object). Raw contents are not counted here (their
+    size cannot be read without the copy upb makes of each): the caller adds the message's."""
     entries = len(message.outputs) + len(message.parameters) + len(message.inputs)
     return 8 * typed_elements(message) + 64 * entries
 

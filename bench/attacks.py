@@ -1,0 +1,382 @@
+"""Peak memory under each attack of #28, a normal client beside it. Loopback only, bounded.
+
+    .venv/bin/python -m bench.attacks [--hold 10]
+
+One server as the README starts it (default settings, one worker so that one process holds
+everything), serving digits, efficientnet_lite0 and an identity model with a dynamic dim. For
+each attack in turn: the server's RSS before, its peak during (VmHWM, reset before each attack
+through /proc/PID/clear_refs), its RSS two seconds after, and a normal client's latency
+throughout (a digits request over REST every 50 ms: median, max, and how many failed). Each
+attack is held ``--hold`` seconds where it holds anything. Writes bench/results/attacks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import gzip
+import io
+import json
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+
+from bench.common import publish, table
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+sys.path.insert(0, str(REPO))
+
+from service.protocol.pb import grpc_service_pb2 as pb  # noqa: E402
+from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
+from service.settings import Settings  # noqa: E402
+from tests.identity import binary_request, write_identity_model  # noqa: E402
+from tests.server import Server, copy_model  # noqa: E402
+
+DIGIT = json.dumps(
+    {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]}
+).encode()
+
+
+def status(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field}")
+
+
+def _probe(url: str, stop: Any, out: Any) -> None:
+    """The normal client's loop, in a process of its own (the attack's clients would otherwise
+    hold its GIL and add their own delays to what it measures)."""
+    latencies, failed = [], 0
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while not stop.wait(0.05):
+            started = time.perf_counter()
+            try:
+                answer = client.post(
+                    "/v2/models/digits/infer",
+                    content=DIGIT,
+                    headers={"Content-Type": "application/json"},
+                )
+                ok = answer.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append(time.perf_counter() - started)
+            failed += not ok
+    out.put((latencies, failed))
+
+
+class Probe:
+    """A normal client: one digits request over REST every 50 ms, its latencies kept."""
+
+    def __init__(self, url: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._out: Any = context.Queue()
+        self._process = context.Process(target=_probe, args=(url, self._stop, self._out))
+        self.latencies: list[float] = []
+        self.failed = 0
+
+    def __enter__(self) -> Probe:
+        self._process.start()
+        time.sleep(1.0)  # its imports done, its first request made
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self.latencies, self.failed = self._out.get(timeout=60)
+        self._process.join(30)
+
+
+def concurrently(count: int, work: Callable[[int], object]) -> list[object]:
+    results: list[object] = [None] * count
+
+    def run(index: int) -> None:
+        try:
+            results[index] = work(index)
+        except Exception as exc:  # an attack's call that fails is part of what it measures
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def outcome(results: list[object]) -> str:
+    counts: dict[str, int] = {}
+    for result in results:
+        if isinstance(result, grpc.RpcError):
+            key = result.code().name  # type: ignore[attr-defined]
+        elif isinstance(result, Exception):
+            key = type(result).__name__
+        else:
+            key = str(result)
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{v} × {k}" for k, v in sorted(counts.items()))
+
+
+def uploads(server: Server, hold: float, compress: bool = False) -> str:
+    """16 concurrent binary requests of 61 MiB to the dynamic-dim identity (#28 14, 15)."""
+    body, header = binary_request(61 * MIB // 4)
+    headers = {"Inference-Header-Content-Length": str(header)}
+    if compress:
+        body = gzip.compress(body, compresslevel=6)
+        headers["Content-Encoding"] = "gzip"
+    url = f"{server.url}/v2/models/identity/infer"
+    results = concurrently(
+        16, lambda _: httpx.post(url, content=body, headers=headers, timeout=300).status_code
+    )
+    return outcome(results)
+
+
+def heads(server: Server, hold: float) -> str:
+    """16 heads declaring 61 MiB bodies, no body byte sent, held (#28 4)."""
+    socks = []
+    for _ in range(16):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(
+            b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % (61 * MIB)
+        )
+        socks.append(sock)
+    time.sleep(hold)
+    for sock in socks:
+        sock.close()
+    return "16 heads held"
+
+
+def unread(server: Server, hold: float) -> str:
+    """200 requests for 1 MiB answers that are never read (#28 5)."""
+    values = MIB // 4
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "in_FP32",
+                    "datatype": "FP32",
+                    "shape": [1, values],
+                    "parameters": {"binary_data_size": 4 * values},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    body = header + bytes(4 * values)
+    head = (
+        b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
+        b"Content-Length: %d\r\n\r\n" % (len(header), len(body))
+    )
+    socks = []
+    for _ in range(200):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", server.port))
+        with contextlib.suppress(OSError):  # the server may refuse it before it is all sent
+            sock.sendall(head + body)
+        socks.append(sock)
+    time.sleep(hold)
+    for sock in socks:
+        sock.close()
+    return "200 answers left unread"
+
+
+def pngs(server: Server, hold: float) -> str:
+    """4 concurrent v1 predicts of 1,024 one-pixel PNGs (108 KB each) (#28 6)."""
+    buffer = io.BytesIO()
+    from PIL import Image
+
+    Image.new("RGB", (1, 1), (200, 10, 10)).save(buffer, format="PNG")
+    item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
+    body = json.dumps({"instances": [item] * 1024}).encode()
+    url = f"{server.url}/v1/models/efficientnet_lite0:predict"
+    return outcome(
+        concurrently(4, lambda _: httpx.post(url, content=body, timeout=300).status_code)
+    )
+
+
+def channel(server: Server) -> grpc.Channel:
+    return grpc.insecure_channel(
+        server.grpc_url,
+        options=[
+            ("grpc.max_send_message_length", -1),
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.use_local_subchannel_pool", 1),
+        ],
+    )
+
+
+def identity_message(values: int, model: str = "identity") -> pb.ModelInferRequest:
+    return pb.ModelInferRequest(
+        model_name=model,
+        inputs=[{"name": "in_FP32", "datatype": "FP32", "shape": [1, values]}],
+        raw_input_contents=[bytes(4 * values)],
+    )
+
+
+def grpc_refused(server: Server, hold: float) -> str:
+    """30 calls of 60 MiB to a model that does not exist, one after another (#28 1)."""
+    request = identity_message(60 * MIB // 4, "nosuch")
+    results: list[object] = []
+    with channel(server) as chan:
+        stub = pb_grpc.GRPCInferenceServiceStub(chan)
+        for _ in range(30):
+            try:
+                stub.ModelInfer(request, timeout=60)
+                results.append("OK")
+            except grpc.RpcError as exc:
+                results.append(exc)
+    return outcome(results)
+
+
+def grpc_messages(server: Server, hold: float) -> str:
+    """2 connections × 16 concurrent calls of 60 MiB, complete messages (#28 2)."""
+    request = identity_message(60 * MIB // 4)
+    channels = [channel(server), channel(server)]
+    stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in channels]
+
+    def call(index: int) -> str:
+        stubs[index % 2].ModelInfer(request, timeout=120)
+        return "OK"
+
+    try:
+        return outcome(concurrently(32, call))
+    finally:
+        for chan in channels:
+            chan.close()
+
+
+def grpc_stream_unread(server: Server, hold: float) -> str:
+    """A ModelStreamInfer stream sending 64 KiB requests whose answers it never reads (#28 8)."""
+    stop = threading.Event()
+    sent = [0]
+
+    def requests() -> Iterator[pb.ModelInferRequest]:
+        message = identity_message(16 * 1024)
+        while not stop.is_set():
+            sent[0] += 1
+            yield message
+
+    with channel(server) as chan:
+        stream = pb_grpc.GRPCInferenceServiceStub(chan).ModelStreamInfer(requests())
+        time.sleep(hold)  # nothing read
+        stop.set()
+        stream.cancel()
+    return f"{sent[0]} requests taken from the client"
+
+
+def idle(server: Server, hold: float) -> str:
+    """4,000 idle connections from one client (#28 16)."""
+    socks = []
+    for _ in range(4000):
+        try:
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        except OSError:
+            break
+    opened = len(socks)
+    time.sleep(hold)
+    for sock in socks:
+        sock.close()
+    return f"{opened} connections opened"
+
+
+ATTACKS: list[tuple[str, str, Callable[[Server, float], str]]] = [
+    ("REST", "16 × 61 MiB binary uploads, dynamic-dim model (14, 15)", uploads),
+    ("REST", "16 × 61 MiB gzipped (60 KB each on the wire) (14)", lambda s, h: uploads(s, h, True)),
+    ("REST", "16 heads declaring 61 MiB, no body (4)", heads),
+    ("REST", "200 answers of 1 MiB never read (5)", unread),
+    ("REST", "4 × 1,024 one-pixel PNGs, v1 predict (6)", pngs),
+    ("REST", "4,000 idle connections from one client (16)", idle),
+    ("gRPC", "30 refused calls of 60 MiB in turn (1)", grpc_refused),
+    ("gRPC", "2 connections × 16 calls of 60 MiB (2)", grpc_messages),
+    ("gRPC", "a stream whose answers are never read (8)", grpc_stream_unread),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hold", type=float, default=10.0)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder) / "models"
+        copy_model("digits", root / "digits")
+        copy_model("efficientnet_lite0", root / "efficientnet_lite0")
+        write_identity_model(root / "identity", max_batch_size=8, datatypes=("FP32",), width="w")
+        server = Server(root, env={"TG_WORKERS": "1"}, log_path=Path(folder) / "server.log")
+        try:
+            server.wait_until(timeout=300)
+            pid = server.process.pid
+            for _ in range(20):  # the first requests' own high water
+                server.client.post("/v2/models/digits/infer", content=DIGIT)
+            budget = Settings(workers=1).max_inflight_bytes  # as the server resolves it here
+            for protocol, name, attack in ATTACKS:
+                before = status(pid, "VmRSS")
+                Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+                with Probe(server.url) as probe:
+                    what = attack(server, args.hold)
+                time.sleep(2)
+                after = status(pid, "VmRSS")
+                peak = status(pid, "VmHWM")
+                lat = sorted(probe.latencies)
+                rows.append(
+                    [
+                        protocol,
+                        name,
+                        what,
+                        f"{before / MIB:.0f}",
+                        f"{peak / MIB:.0f}",
+                        f"{(peak - before) / budget:.2f}",
+                        f"{after / MIB:.0f} ({after / before:.2f} ×)",
+                        f"{statistics.median(lat) * 1000:.0f} / {lat[-1] * 1000:.0f}"
+                        if lat
+                        else "-",
+                        f"{probe.failed} of {len(lat)}",
+                    ]
+                )
+                print(" | ".join(rows[-1]), flush=True)
+        finally:
+            server.stop()
+    text = "\n\n".join(
+        [
+            "# Peak memory under each attack (`python -m bench.attacks`)",
+            f"One worker, default settings: body budget {budget / MIB:.0f} MiB. Peak: VmHWM, "
+            f"reset before each attack; held {args.hold:g} s where the attack holds anything; "
+            "after: 2 s after it ended. Normal client: a digits request over REST every 50 ms "
+            "throughout. Numbers in parentheses: the finding of #28.",
+            table(
+                rows,
+                [
+                    "protocol",
+                    "attack",
+                    "what the attack got",
+                    "RSS before MiB",
+                    "peak MiB",
+                    "(peak − before) / budget",
+                    "RSS after MiB",
+                    "normal client median / max ms",
+                    "normal client failed",
+                ],
+            ),
+        ]
+    )
+    publish("attacks", text + "\n")
+
+
+if __name__ == "__main__":
+    main()
