@@ -277,3 +277,32 @@ def test_a_load_stops_once_its_time_is_up_or_it_is_cancelled(tmp_path: Path) -> 
     with pytest.raises(ModelLoadError, match="stopped: model 'identity' was unloaded meanwhile"):
         load_version("identity", path, config, settings, bound=cancelled)
     assert load_version("identity", path, config, settings, bound=LoadBound(threading.Event(), 600))
+
+
+@pytest.mark.parametrize(
+    ("values", "pooled", "on_the_loop"),
+    [(1 << 20, True, False), (16, True, True), (1 << 20, False, True)],
+)
+def test_a_large_answer_asked_to_be_pooled_is_encoded_off_the_event_loop(
+    core: InProcess, values: int, pooled: bool, on_the_loop: bool
+) -> None:
+    """gRPC's answers of 60 MiB, built and serialized on the event loop, held every other
+    request for tens of milliseconds each (#28): a pooled encode of a large result runs on the
+    pool; a small one, or one not pooled (REST's), stays on the loop."""
+    from service.inference import OutputTensor
+
+    data = np.zeros(values, np.float32)
+    result = InferenceResult(
+        "identity", "1", None, [OutputTensor("o", "FP32", data)], {}, {}, None, True
+    )
+
+    async def run() -> tuple[int, int]:
+        with core.dataplane.call("test", "identity", None) as call:
+            encoded = await call.encode(
+                lambda r, tag: (threading.get_ident(), tag), result, 7, pooled=pooled
+            )
+            assert encoded[1] == 7  # the encoder's own arguments passed on
+            return encoded[0], threading.get_ident()
+
+    encoder, loop = core.run(run())
+    assert (encoder == loop) is on_the_loop
