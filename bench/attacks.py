@@ -38,11 +38,11 @@ REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
 sys.path.insert(0, str(REPO))
 
-from service.protocol.pb import grpc_service_pb2 as pb  # noqa: E402
-from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
-from service.settings import Settings  # noqa: E402
-from tests.identity import binary_request, write_identity_model  # noqa: E402
-from tests.server import Server, copy_model  # noqa: E402
+from service.protocol.pb import grpc_service_pb2 as pb  # noqa: E402  # needs sys.path
+from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc  # noqa: E402  # needs sys.path
+from service.settings import Settings  # noqa: E402  # needs sys.path
+from tests.identity import binary_request, write_identity_model  # noqa: E402  # needs sys.path
+from tests.server import Server, copy_model  # noqa: E402  # needs sys.path
 
 DIGIT = json.dumps(
     {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]}
@@ -56,10 +56,11 @@ def status(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field}")
 
 
-def _probe(url: str, stop: Any, out: Any) -> None:
+def _probe(url: str, stop: Any, ready: Any, out: Any) -> None:
     """The normal client's loop, in a process of its own (the attack's clients would otherwise
     hold its GIL and add their own delays to what it measures)."""
-    latencies, failed = [], 0
+    latencies: list[float] = []
+    failed = 0
     with httpx.Client(base_url=url, timeout=30) as client:
         while not stop.wait(0.05):
             started = time.perf_counter()
@@ -74,6 +75,7 @@ def _probe(url: str, stop: Any, out: Any) -> None:
                 ok = False
             latencies.append(time.perf_counter() - started)
             failed += not ok
+            ready.set()  # its first request made
     out.put((latencies, failed))
 
 
@@ -82,15 +84,17 @@ class Probe:
 
     def __init__(self, url: str) -> None:
         context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
+        self._stop, self._ready = context.Event(), context.Event()
         self._out: Any = context.Queue()
-        self._process = context.Process(target=_probe, args=(url, self._stop, self._out))
+        args = (url, self._stop, self._ready, self._out)
+        self._process = context.Process(target=_probe, args=args)
         self.latencies: list[float] = []
         self.failed = 0
 
     def __enter__(self) -> Probe:
         self._process.start()
-        time.sleep(1.0)  # its imports done, its first request made
+        if not self._ready.wait(60):
+            raise RuntimeError("the normal client made no request within 60 s")
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -120,7 +124,7 @@ def outcome(results: list[object]) -> str:
     counts: dict[str, int] = {}
     for result in results:
         if isinstance(result, grpc.RpcError):
-            key = result.code().name  # type: ignore[attr-defined]
+            key = result.code().name  # type: ignore[attr-defined]  # code() is on grpc's Call
         elif isinstance(result, Exception):
             key = type(result).__name__
         else:
