@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -33,16 +32,14 @@ import grpc
 import httpx
 
 from bench.common import publish, table
+from service.protocol.pb import grpc_service_pb2 as pb
+from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from service.settings import Settings
+from tests.identity import binary_request, write_identity_model
+from tests.server import Server, copy_model
 
-REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
-sys.path.insert(0, str(REPO))
 
-from service.protocol.pb import grpc_service_pb2 as pb  # noqa: E402  # needs sys.path
-from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc  # noqa: E402  # needs sys.path
-from service.settings import Settings  # noqa: E402  # needs sys.path
-from tests.identity import binary_request, write_identity_model  # noqa: E402  # needs sys.path
-from tests.server import Server, copy_model  # noqa: E402  # needs sys.path
 
 DIGIT = json.dumps(
     {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]}
@@ -123,8 +120,8 @@ def concurrently(count: int, work: Callable[[int], object]) -> list[object]:
 def outcome(results: list[object]) -> str:
     counts: dict[str, int] = {}
     for result in results:
-        if isinstance(result, grpc.RpcError):
-            key = result.code().name  # type: ignore[attr-defined]  # code() is on grpc's Call
+        if isinstance(result, grpc.Call):  # grpc's errors are calls too
+            key = result.code().name
         elif isinstance(result, Exception):
             key = type(result).__name__
         else:
@@ -165,25 +162,11 @@ def heads(server: Server, hold: float) -> str:
 
 def unread(server: Server, hold: float) -> str:
     """200 requests for 1 MiB answers that are never read (#28 5)."""
-    values = MIB // 4
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "in_FP32",
-                    "datatype": "FP32",
-                    "shape": [1, values],
-                    "parameters": {"binary_data_size": 4 * values},
-                }
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
-    body = header + bytes(4 * values)
+    body, header = binary_request(MIB // 4)
     head = (
         b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
         b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
-        b"Content-Length: %d\r\n\r\n" % (len(header), len(body))
+        b"Content-Length: %d\r\n\r\n" % (header, len(body))
     )
     socks = []
     for _ in range(200):

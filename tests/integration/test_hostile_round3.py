@@ -215,20 +215,7 @@ def test_typed_contents_the_datatype_does_not_read_are_refused(
 def unread_answer(server: Server, values: int) -> socket.socket:
     """A connection that asks the identity model for ``values`` FP32 values back in binary and
     never reads them (a small receive buffer, so that the answer stays with the server)."""
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "in_FP32",
-                    "datatype": "FP32",
-                    "shape": [1, values],
-                    "parameters": {"binary_data_size": 4 * values},
-                }
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
-    body = header + bytes(4 * values)
+    body, header = binary_request(values)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(30)
@@ -236,7 +223,7 @@ def unread_answer(server: Server, values: int) -> socket.socket:
     sock.sendall(
         b"POST /v2/models/identity/infer HTTP/1.1\r\nHost: x\r\n"
         b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(header), len(body), body)
+        b"Content-Length: %d\r\n\r\n%s" % (header, len(body), body)
     )
     return sock
 
