@@ -157,6 +157,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         inherited_listener,
     )
     from service.http.server import DrainingServer
+    from service.limits.balance import BALANCE
     from service.limits.connections import ConnectionLimits, guarded_protocol
     from service.resources import CPU_USE, raise_open_file_limit
     from service.settings import unknown_variables
@@ -193,6 +194,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         die_with_supervisor(worker)
         if worker.cpu_use_path.is_file():  # the other workers' batches, for the runtimes
             CPU_USE.attach(worker.cpu_use_path, worker.index)
+        if worker.connections_path.is_file():  # the others' connections: an even spread
+            BALANCE.attach(worker.connections_path, worker.index)
     app = create_app(settings)
     config = uvicorn.Config(
         serving_app(app, settings),

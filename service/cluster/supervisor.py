@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from service.limits.balance import create_balance_file
 from service.resources import create_cpu_use_file
 
 if TYPE_CHECKING:
@@ -90,6 +91,11 @@ class Worker:
     def cpu_use_path(self) -> Path:
         """The workers' shared count of batches running (:class:`service.resources.CpuUse`)."""
         return self.folder / "cpu-use"
+
+    @property
+    def connections_path(self) -> Path:
+        """The workers' shared counts of open connections (:mod:`service.limits.balance`)."""
+        return self.folder / "connections"
 
     @property
     def others(self) -> list[int]:
@@ -138,6 +144,7 @@ class Supervisor:
         reserved = shared_listener(self.settings.host, self.settings.port)
         self.listener = reserved
         create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
+        create_balance_file(self.folder / "connections", self.count)  # Worker.connections_path
         port = reserved.getsockname()[1]
         signal.signal(signal.SIGTERM, self._forward)
         signal.signal(signal.SIGINT, self._forward)

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from service.core.dataplane import DataPlane
 from service.http.answer import Route, answer_inference
 from service.limits.admission import reserve_of
+from service.limits.balance import BALANCE
 from service.telemetry.logs import REQUEST_ID, request_id_for
 
 _INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
@@ -52,6 +53,8 @@ class InferFastPath:
         raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
         raw.append((b"content-length", str(len(answer.body)).encode()))
         raw.append((b"x-request-id", request_id.encode()))
+        if BALANCE.over_share():  # this worker holds more than its share: the client reconnects
+            raw.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": answer.status, "headers": raw})
         await send({"type": "http.response.body", "body": answer.body})
 

@@ -39,6 +39,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.limits.admission import BytesBudget
+from service.limits.balance import BALANCE
 from service.telemetry.counters import REFUSED
 
 PROBE_S = 0.05
@@ -109,6 +110,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
         super().connection_made(transport)
+        BALANCE.count(len(self.connections))
         if len(self.connections) > self.limits.max_connections:
             self._refuse(
                 "too_many",
@@ -146,6 +148,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.budget.hold(-self._unsent)
         self._unsent = 0
         super().connection_lost(exc)
+        BALANCE.count(len(self.connections))
 
     def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's own signature: uvicorn's says None
         """The client sent its FIN. That is a half-close (``shutdown(SHUT_WR)``, as ``nc -N``

@@ -8,11 +8,13 @@ one answered, and the tests check that both did before they trust a total.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import shutil
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -235,6 +237,66 @@ def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_r
     finally:
         assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
     two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
+
+
+def test_connections_one_worker_took_are_spread_over_both(two: Server) -> None:
+    """#27: 12 keep-alive connections all taken by one worker (the other stopped while they
+    opened, as a burst taken by one loop) stay there, each of its requests waiting behind the
+    others' while the other worker idles. The crowded worker lets connections go after their
+    responses (``Connection: close``) until each holds its share; the clients reconnect."""
+    host, port = "127.0.0.1", two.port
+    other = workers(two)[1]
+    other.suspend()
+    try:
+        clients = [http.client.HTTPConnection(host, port, timeout=30) for _ in range(12)]
+        first = [_infer(client) for client in clients]  # all taken by the one running worker
+    finally:
+        other.resume()
+    last, closes = list(first), 0
+    for _ in range(40):
+        for i, client in enumerate(clients):
+            last[i] = _infer(client)
+            if last[i][1]:
+                closes += 1
+                client.close()
+                clients[i] = http.client.HTTPConnection(host, port, timeout=30)
+    for client in clients:
+        client.close()
+    answered_by = _workers_of(two, [rid for rid, _ in first + last])
+    assert len({answered_by[rid] for rid, _ in first}) == 1  # one worker took all 12
+    spread = Counter(answered_by[rid] for rid, _ in last)
+    assert sorted(spread.values()) == [6, 6], (spread, closes)
+    assert closes <= 60  # reconnections bounded: one per 10 ms a worker at most
+
+
+def _infer(client: http.client.HTTPConnection) -> tuple[str, bool]:
+    """One v2 request on ``client``: its request id, and whether the server closes after it."""
+    client.request(
+        "POST",
+        "/v2/models/digits/infer",
+        body=json.dumps(DIGIT),
+        headers={"Content-Type": "application/json"},
+    )
+    response = client.getresponse()
+    response.read()
+    assert response.status == 200
+    closing = (response.getheader("connection") or "").lower() == "close"
+    return response.getheader("x-request-id") or "", closing
+
+
+def _workers_of(server: Server, request_ids: list[str]) -> dict[str, int]:
+    """Which worker answered each request (the access log's ``worker`` field)."""
+    wanted, found = set(request_ids), {}
+    server.wait_for(lambda: wanted <= set(_logged(server)), timeout=10)
+    for request_id, worker in _logged(server).items():
+        if request_id in wanted:
+            found[request_id] = worker
+    return found
+
+
+def _logged(server: Server) -> dict[str, int]:
+    rows = (json.loads(line) for line in server.log().splitlines() if '"request_id"' in line)
+    return {r["request_id"]: r["worker"] for r in rows if "worker" in r and "request_id" in r}
 
 
 def test_a_wedged_worker_is_killed_and_replaced(tmp_path: Path) -> None:

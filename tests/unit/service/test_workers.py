@@ -198,3 +198,34 @@ async def test_a_probe_names_the_worker_that_is_not_ready() -> None:
     dataplane = SimpleNamespace(ready=lambda: (True, ""))
     cluster = Cluster(dataplane, siblings)  # type: ignore[arg-type]  # stand-ins with what probe reads
     assert await cluster.probe("ready") == (False, "worker 2: models are loading")
+
+
+def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
+    tmp_path: Path,
+) -> None:
+    """The even share is the workers' total over their count, rounded up; a worker over it
+    lets one connection go per CLOSE_EVERY_S (service.limits.balance)."""
+    from service.limits.balance import CLOSE_EVERY_S, ConnectionBalance, create_balance_file
+
+    path = create_balance_file(tmp_path / "connections", 2)
+    now = [0.0]
+    crowded, other = ConnectionBalance(lambda: now[0]), ConnectionBalance(lambda: now[0])
+    crowded.attach(path, 0)
+    other.attach(path, 1)
+    crowded.count(12)
+    assert path.read_bytes() == bytes([12, 0, 0, 0])  # one uint16 a worker
+    assert not ConnectionBalance().over_share()  # one worker alone: nothing to even out
+    assert not other.over_share()
+    assert crowded.over_share()
+    assert not crowded.over_share()  # once per interval
+    now[0] += CLOSE_EVERY_S
+    assert crowded.over_share()
+    for mine, theirs, over in ((7, 6, False), (8, 6, True), (7, 7, False), (6, 7, False)):
+        crowded.count(mine)
+        other.count(theirs)
+        now[0] += CLOSE_EVERY_S
+        assert crowded.over_share() is over, (mine, theirs)
+    assert crowded.closed == 3
+    replacement = ConnectionBalance()
+    replacement.attach(path, 1)  # in place of a worker that died holding 7
+    assert path.read_bytes()[2:] == bytes(2)
