@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,34 @@ def publish(name: str, text: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text(text)
     print(text)
+
+
+def serve_tree(
+    tree: Path, repository: Path, settings: Mapping[str, str], log: Path | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A server of ``tree`` (this checkout, or a :func:`worktree`) on 127.0.0.1 serving
+    ``repository`` with only ``settings`` of the TG_* variables (none of this shell's): its
+    defaults for the rest. Its output goes to ``log``, else nowhere. The process and its port."""
+    from tests.server import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TG_")}
+    env.update(
+        TG_PORT=str(port),
+        TG_HOST="127.0.0.1",
+        TG_GRPC_PORT=str(free_port()),
+        TG_MODEL_REPOSITORY=str(repository),
+        **settings,
+    )
+    with log.open("wb") if log is not None else open(os.devnull, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"],
+            cwd=tree,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return process, port
 
 
 def wait_until_up(url: str, method: str = "GET", timeout_s: float = 120) -> None:

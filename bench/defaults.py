@@ -18,9 +18,6 @@ bench/results/defaults.md.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -34,33 +31,11 @@ from bench.batching import (
     served_repository,
     top5,
 )
-from bench.common import publish, rotating, spread, table, wait_until_up
+from bench.common import publish, rotating, serve_tree, spread, table, wait_until_up
 from service.resources import available_cpus
-from tests.server import REPO_ROOT, free_port
+from tests.server import REPO_ROOT
 
 QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
-
-
-def serve(repository: Path, settings: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
-    """A server with only ``settings`` (and no TG_* of this shell): its defaults for the rest."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TG_")}
-    env.update(
-        QUIET,
-        TG_PORT=str(port),
-        TG_HOST="127.0.0.1",
-        TG_GRPC_PORT=str(free_port()),
-        TG_MODEL_REPOSITORY=str(repository),
-        **settings,
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve"],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return process, port
 
 
 def main() -> None:
@@ -90,7 +65,10 @@ def main() -> None:
     lone: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         repository = served_repository(Path(tmp))
-        servers = {name: serve(repository, settings) for name, settings in configs.items()}
+        servers = {
+            name: serve_tree(REPO_ROOT, repository, {**QUIET, **settings})
+            for name, settings in configs.items()
+        }
         try:
             for _, port in servers.values():
                 wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.spread [--old 659194a] [--runs 5] [--seconds 4]
 
-Two servers with their defaults (one worker per CPU) serve efficientnet_lite0 and the W1 MLP
-repository: this working tree and ``--old`` (a git worktree). Alternately, ``--runs`` times
+Two servers with their defaults (one worker per CPU) serve one repository (efficientnet_lite0
+and the W2 MLP): this working tree and ``--old`` (a git worktree). Alternately, ``--runs`` times
 each, wrk opens 16 new connections at once and sends W1 (a 640×480 JPEG → top-5) for
 ``--seconds``. For each run: req/s and p99/p50 from wrk, and from the access log, which worker
 answered each request and its p50: the ratio of the slowest worker's p50 to the fastest's is
@@ -14,37 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 from bench.batching import W1_PATH, jpeg_640x480, served_repository
-from bench.common import publish, spread, table, wait_until_up, worktree, wrk
-from tests.server import REPO_ROOT, free_port
-
-
-def serve(tree: Path, repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TG_")}
-    env.update(
-        TG_PORT=str(port),
-        TG_HOST="127.0.0.1",
-        TG_GRPC_PORT=str(free_port()),
-        TG_MODEL_REPOSITORY=str(repository),
-    )
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve"],
-            cwd=tree,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    return process, port
+from bench.common import publish, serve_tree, spread, table, wait_until_up, worktree, wrk
+from tests.server import REPO_ROOT
 
 
 def per_worker_p50(log: Path, start: int) -> dict[int, float]:
@@ -70,11 +47,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old:
         repository = served_repository(Path(tmp))
         trees = {"this tree": REPO_ROOT, args.old: old}
-        servers = {
-            name: serve(tree, repository, Path(tmp) / f"{i}.log")
-            for i, (name, tree) in enumerate(trees.items())
-        }
         logs = {name: Path(tmp) / f"{i}.log" for i, name in enumerate(trees)}
+        servers = {
+            name: serve_tree(tree, repository, {}, logs[name]) for name, tree in trees.items()
+        }
         try:
             for _, port in servers.values():
                 wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)

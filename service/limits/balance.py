@@ -40,7 +40,7 @@ class ConnectionBalance:
         self._index = 0
         self._closed_at = float("-inf")
         self.closed = 0
-        """Connections let go to even the spread (for the tests and the log)."""
+        """Connections let go to even the spread (the tests read it)."""
 
     def attach(self, path: Path, index: int) -> None:
         """Share counts through ``path`` (:func:`create_balance_file`, the supervisor's)."""

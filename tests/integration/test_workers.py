@@ -245,6 +245,8 @@ def test_connections_one_worker_took_are_spread_over_both(two: Server) -> None:
     others' while the other worker idles. The crowded worker lets connections go after their
     responses (``Connection: close``) until each holds its share; the clients reconnect."""
     host, port = "127.0.0.1", two.port
+    two.client.close()  # its keep-alive connection would count in one worker's share
+    two.client = httpx.Client(base_url=two.url, timeout=60)  # opens none until used
     other = workers(two)[1]
     other.suspend()
     try:
@@ -286,12 +288,10 @@ def _infer(client: http.client.HTTPConnection) -> tuple[str, bool]:
 
 def _workers_of(server: Server, request_ids: list[str]) -> dict[str, int]:
     """Which worker answered each request (the access log's ``worker`` field)."""
-    wanted, found = set(request_ids), {}
+    wanted = set(request_ids)
     server.wait_for(lambda: wanted <= set(_logged(server)), timeout=10)
-    for request_id, worker in _logged(server).items():
-        if request_id in wanted:
-            found[request_id] = worker
-    return found
+    logged = _logged(server)
+    return {request_id: logged[request_id] for request_id in wanted}
 
 
 def _logged(server: Server) -> dict[str, int]:
