@@ -124,11 +124,16 @@ def publish(name: str, text: str) -> None:
 
 
 def serve_tree(
-    tree: Path, repository: Path, settings: Mapping[str, str], log: Path | None = None
+    tree: Path,
+    repository: Path,
+    settings: Mapping[str, str],
+    log: Path | None = None,
+    grpc_port: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """A server of ``tree`` (this checkout, or a :func:`worktree`) on 127.0.0.1 serving
     ``repository`` with only ``settings`` of the TG_* variables (none of this shell's): its
-    defaults for the rest. Its output goes to ``log``, else nowhere. The process and its port."""
+    defaults for the rest, gRPC on ``grpc_port`` (a free one if None). Its output goes to
+    ``log``, else nowhere. The process and its HTTP port."""
     from tests.server import free_port
 
     port = free_port()
@@ -136,7 +141,7 @@ def serve_tree(
     env.update(
         TG_PORT=str(port),
         TG_HOST="127.0.0.1",
-        TG_GRPC_PORT=str(free_port()),
+        TG_GRPC_PORT=str(grpc_port or free_port()),
         TG_MODEL_REPOSITORY=str(repository),
         **settings,
     )

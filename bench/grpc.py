@@ -84,9 +84,11 @@ def bodies(model: str, shape: tuple[int, ...], name: str) -> dict[str, tuple[byt
     }
 
 
-def h2load(url: str, frame: bytes, streams: int, seconds: int) -> tuple[float, float]:
-    """Requests/s and mean latency (ms) of unary gRPC calls, ``streams`` at once on one
-    HTTP/2 connection."""
+def h2load(
+    url: str, frame: bytes, streams: int, seconds: int, connections: int = 1
+) -> tuple[float, float]:
+    """Requests/s and mean latency (ms) of unary gRPC calls, ``streams`` at once on each of
+    ``connections`` HTTP/2 connections."""
     binary = shutil.which("h2load")
     if binary is None:
         raise SystemExit("h2load is not installed: `apt-get install nghttp2-client`")
@@ -99,7 +101,9 @@ def h2load(url: str, frame: bytes, streams: int, seconds: int) -> tuple[float, f
                 "-D",
                 str(seconds),
                 "-c",
-                "1",
+                str(connections),
+                "-t",
+                str(min(connections, 2)),
                 "-m",
                 str(streams),
                 "-d",

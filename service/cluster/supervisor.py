@@ -6,10 +6,11 @@ loops. ``tensorgate serve`` with ``TG_WORKERS=N > 1`` becomes a :class:`Supervis
 N copies of itself (workers), each a whole server with its own models, batcher and threads,
 each accepting HTTP connections from one listening socket the supervisor binds and they
 inherit (a worker takes a connection when its event loop gets to it, so a busy one takes fewer,
-and no stranger can bind the port beside them), and each listening on the gRPC port with
-``SO_REUSEPORT`` (grpcio binds its own): nothing sits between a client and the worker that
-answers it. docs/architecture.md says why this design and not front
-processes feeding one model process.
+and no stranger can bind the port beside them): nothing sits between an HTTP client and the
+worker that answers it. gRPC connections the supervisor accepts on its own socket and forwards
+to a worker's unix socket (:class:`service.cluster.front.GrpcFront`: grpcio adopts no
+inherited socket, and ``SO_REUSEPORT`` would let a stranger take the calls).
+docs/architecture.md says why this design and not front processes feeding one model process.
 
 What a client must see as one server, the worker it reaches gathers from the others over a
 private control socket (:class:`ControlServer`, JSON lines on a unix socket in a folder only
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from service.cluster.front import GrpcFront
 from service.limits.balance import create_balance_file
 from service.resources import create_cpu_use_file
 
@@ -97,6 +99,10 @@ class Worker:
         """The workers' shared counts of open connections (:mod:`service.limits.balance`)."""
         return self.folder / "connections"
 
+    def grpc_socket_path(self, index: int) -> Path:
+        """Where a worker's gRPC server listens, for the supervisor's :class:`GrpcFront`."""
+        return self.folder / f"grpc-{index}.sock"
+
     @property
     def others(self) -> list[int]:
         return [i for i in range(self.count) if i != self.index]
@@ -143,6 +149,30 @@ class Supervisor:
         # connections split 11/5 made the tail), and no other process can bind beside it.
         reserved = shared_listener(self.settings.host, self.settings.port)
         self.listener = reserved
+        # gRPC: grpcio takes no inherited socket, and SO_REUSEPORT would let a stranger take
+        # the calls: the supervisor listens, and forwards each connection to a worker's unix
+        # socket (service/cluster/front.py).
+        front = None
+        if self.settings.grpc_port:
+            try:
+                grpc_listener = shared_listener(self.settings.host, self.settings.grpc_port)
+            except OSError as exc:
+                reserved.close()
+                log.error(
+                    "cannot listen on the gRPC port %s:%d (%s): stopping",
+                    self.settings.host,
+                    self.settings.grpc_port,
+                    exc.strerror,
+                )
+                return 1
+            grpc_listener.set_inheritable(False)
+            front = GrpcFront(
+                grpc_listener,
+                self.count,
+                Worker(0, self.count, os.getpid(), self.folder).grpc_socket_path,
+                self._takes_calls,
+                self.settings.max_connections,
+            )
         create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
         create_balance_file(self.folder / "connections", self.count)  # Worker.connections_path
         port = reserved.getsockname()[1]
@@ -161,8 +191,13 @@ class Supervisor:
             for index in range(self.count):
                 self._start(index, port)
             pinging.start()
+            if front is not None:
+                front.start()
             status = self._watch(port)
         finally:
+            if front is not None:
+                front.stop()
+                front.listener.close()
             reserved.close()
             for process in self.processes.values():
                 if process.poll() is None:
@@ -259,6 +294,18 @@ class Supervisor:
                 except OSError:
                     pass  # not listening yet, or not answering: its silence is measured
             time.sleep(PING_S)
+
+    def _takes_calls(self, index: int) -> bool:
+        """Whether a worker may be given a new gRPC connection: it runs, and its control socket
+        answered within the last few pings (or never yet: a new worker's gRPC server listens
+        before its control socket does)."""
+        process = self.processes.get(index)
+        answered = self.answered.get(index)
+        return (
+            process is not None
+            and process.poll() is None
+            and (answered is None or time.monotonic() - answered < 3 * PING_S + 1)
+        )
 
     def _replace_wedged(self, now: float) -> None:
         """A worker that answered once and then not for ``TG_STUCK_INSTANCE_S`` (stopped, or

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from service.cluster.supervisor import Worker
 from service.cluster.view import Cluster
 from service.errors import InvalidInput
 from service.grpc.servicer import SERVICE, InferenceServicer
@@ -174,9 +175,8 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.server_handshake_timeout_ms", max(1, round(settings.header_timeout_s * 1000))),
             # grpcio binds with SO_REUSEPORT by default, which lets any process of this user bind
-            # the port beside the server and take a share of its calls. Only several workers
-            # need it (each binds the port: grpcio takes no inherited socket).
-            ("grpc.so_reuseport", 1 if settings.workers > 1 else 0),
+            # the port beside the server and take its calls.
+            ("grpc.so_reuseport", 0),
         ],
     )
     servicer = InferenceServicer(cluster, budget)
@@ -186,8 +186,16 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
     health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
         HealthServicer(cluster), server
     )
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    port = server.add_insecure_port(f"{host}:{settings.grpc_port}")
-    await server.start()
-    log.info("gRPC listening on %s:%d", settings.host, port)
+    worker = Worker.from_environment()
+    if worker is None:
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        port = server.add_insecure_port(f"{host}:{settings.grpc_port}")
+        await server.start()
+        log.info("gRPC listening on %s:%d", settings.host, port)
+    else:  # one of several: the supervisor listens on the port, and forwards (cluster/front.py)
+        path = worker.grpc_socket_path(worker.index)
+        path.unlink(missing_ok=True)  # a dead predecessor's
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        log.info("gRPC listening on %s (forwarded from port %d)", path, settings.grpc_port)
     return GrpcServer(server, servicer)

@@ -108,14 +108,21 @@ def test_two_workers_answer_as_one_server_with_exact_totals(two: Server) -> None
         assert int(grpc_stats["model_stats"][0]["inference_stats"]["success"]["count"]) == count
 
 
-def test_no_other_process_can_bind_the_http_port_beside_the_workers(two: Server) -> None:
-    """The workers accept from the supervisor's one listening socket, bound without
-    SO_REUSEPORT: a second server of the same user cannot take a share of the connections."""
-    with socket.socket() as stranger:
-        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        with pytest.raises(OSError, match="in use"):
-            stranger.bind(("127.0.0.1", two.port))
+def test_no_other_process_can_bind_the_ports_beside_the_workers(two: Server) -> None:
+    """The workers accept HTTP from the supervisor's one listening socket, and gRPC through the
+    supervisor's (service/cluster/front.py), both bound without SO_REUSEPORT: a second server
+    of the same user cannot take a share of the connections, IPv4 or dual-stack IPv6 (issue
+    #28, finding 12: a stranger's IPv4 socket took every new gRPC channel)."""
+    for port in (two.port, two.grpc_port):
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::")):
+            with socket.socket(family) as stranger:
+                stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                with pytest.raises(OSError, match="in use"):
+                    stranger.bind((host, port))
     assert fresh("GET", f"{two.url}/v2/health/ready").status_code == 200
+    for _ in range(6):  # fresh channels, each forwarded to a worker
+        with tgrpc.InferenceServerClient(two.grpc_url) as client:
+            assert client.is_server_ready()
 
 
 def test_a_single_server_s_grpc_port_is_its_own(repository: Path, tmp_path: Path) -> None:
@@ -131,6 +138,21 @@ def test_a_single_server_s_grpc_port_is_its_own(repository: Path, tmp_path: Path
                     stranger.bind(("127.0.0.1", port))
     finally:
         assert server.stop() == 0
+
+
+def test_a_second_server_on_the_workers_grpc_port_does_not_start(
+    two: Server, tmp_path: Path
+) -> None:
+    """Its workers would have joined the first server's SO_REUSEPORT group and taken a share of
+    its calls: its supervisor cannot bind the port, and stops."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    env = {"TG_WORKERS": "2", "TG_GRPC_PORT": str(two.grpc_port)}
+    second = Server(root, env=env, log_path=tmp_path / "server.log")
+    assert second.process.wait(60) == 1
+    assert f"cannot listen on the gRPC port 127.0.0.1:{two.grpc_port}" in second.log()
+    second.stop()
+    assert fresh("GET", f"{two.url}/v2/health/ready").status_code == 200
 
 
 def test_load_and_unload_reach_every_worker(two: Server) -> None:

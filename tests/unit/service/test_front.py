@@ -1,0 +1,171 @@
+"""The supervisor's gRPC front (service/cluster/front.py, issue #28 finding 12) on real
+sockets: a TCP listener on 127.0.0.1, and unix-socket servers standing for the workers' grpcio
+servers (an echo that answers what it reads)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.cluster.front import GrpcFront
+
+pytestmark = pytest.mark.unit
+
+
+class Echo:
+    """A worker: a unix socket whose every connection gets back what it sends, and a FIN once
+    it has sent one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(str(path))
+        self.sock.listen(64)
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            try:
+                while data := conn.recv(1 << 16):
+                    conn.sendall(data)
+                conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """As a killed process's sockets close: the listener (its file stays, refusing) and
+        every connection (a reset)."""
+        for sock in (self.sock, *self.connections):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it
+            sock.close()
+
+
+Front = tuple[GrpcFront, list[Echo], set[int]]
+"""The front, its two workers, and the indexes it must take for down."""
+
+
+@pytest.fixture
+def front(tmp_path: Path) -> Iterator[Front]:
+    workers = [Echo(tmp_path / f"grpc-{i}.sock") for i in range(2)]
+    down: set[int] = set()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    served = GrpcFront(
+        listener,
+        2,
+        lambda i: tmp_path / f"grpc-{i}.sock",
+        lambda i: i not in down,
+        max_connections=6,
+    )
+    served.start()
+    yield served, workers, down
+    served.stop()
+    listener.close()
+    for worker in workers:
+        worker.close()
+
+
+def connect(front: GrpcFront) -> socket.socket:
+    client = socket.create_connection(front.listener.getsockname(), timeout=10)
+    return client
+
+
+def received(sock: socket.socket) -> bytes:
+    """Everything ``sock`` reads until the other side's FIN."""
+    chunks = []
+    while data := sock.recv(1 << 16):
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def test_bytes_go_to_a_worker_and_back_whole_and_the_fin_follows(front: Front) -> None:
+    served, _, _ = front
+    payload = bytes(range(256)) * (40 * 1024)  # 10 MiB: many chunks, both ways at once
+    with connect(served) as client:
+        sender = threading.Thread(
+            target=lambda: (client.sendall(payload), client.shutdown(socket.SHUT_WR))
+        )
+        sender.start()
+        echoed = received(client)  # ends at the worker's FIN, forwarded
+        sender.join()
+    assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+
+
+def test_connections_go_to_the_worker_with_fewest_and_never_to_one_down(front: Front) -> None:
+    served, workers, down = front
+    clients = [connect(served) for _ in range(4)]
+    for client in clients:
+        client.sendall(b"ping")
+        assert client.recv(4) == b"ping"
+    assert [len(w.connections) for w in workers] == [2, 2]
+    down.add(0)  # a wedged worker: its control socket has not answered
+    more = [connect(served) for _ in range(2)]
+    for client in more:
+        client.sendall(b"ping")
+        assert client.recv(4) == b"ping"
+    assert [len(w.connections) for w in workers] == [2, 4]
+    for client in clients + more:
+        client.close()
+
+
+def test_a_worker_that_dies_closes_its_clients_and_the_next_go_to_the_other(front: Front) -> None:
+    served, workers, _ = front
+    first, second = connect(served), connect(served)
+    for client in (first, second):
+        client.sendall(b"ping")
+        assert client.recv(4) == b"ping"
+    dead = next(i for i, w in enumerate(workers) if w.connections)
+    workers[dead].close()  # its socket and connections: a killed process
+    closed = 0
+    for client in (first, second):
+        try:
+            client.sendall(b"x")
+            closed += client.recv(1) == b""
+        except OSError:
+            closed += 1
+    assert closed == 1  # the one the dead worker had; the other still echoes
+    with connect(served) as client:
+        client.sendall(b"ping")
+        assert client.recv(4) == b"ping"
+    assert served.open[dead] == 0
+    first.close()
+    second.close()
+
+
+def test_past_the_connection_cap_a_connection_is_closed_unread(front: Front) -> None:
+    served, _, _ = front
+    clients = [connect(served) for _ in range(6)]
+    for client in clients:
+        client.sendall(b"ping")
+        assert client.recv(4) == b"ping"
+    with connect(served) as extra:
+        assert extra.recv(4) == b""  # closed by the front, no worker connected
+    for client in clients:
+        client.close()
+
+
+def test_with_no_worker_listening_a_connection_is_closed(front: Front) -> None:
+    served, workers, _ = front
+    for worker in workers:
+        worker.close()
+    with connect(served) as client:
+        assert client.recv(1) == b""
