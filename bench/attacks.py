@@ -1,6 +1,6 @@
 """Peak memory under each attack of #28, a normal client beside it. Loopback only, bounded.
 
-    .venv/bin/python -m bench.attacks [--hold 10]
+    .venv/bin/python -m bench.attacks [--hold 10] [--only PNG]
 
 One server as the README starts it (default settings, one worker so that one process holds
 everything), serving digits, efficientnet_lite0 and an identity model with a dynamic dim. For
@@ -298,6 +298,9 @@ ATTACKS: list[tuple[str, str, Callable[[Server, float], str]]] = [
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hold", type=float, default=10.0)
+    parser.add_argument(
+        "--only", default="", help="run only the attacks whose name contains this (e.g. PNG)"
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -313,6 +316,8 @@ def main() -> None:
                 server.client.post("/v2/models/digits/infer", content=DIGIT)
             budget = Settings(workers=1).max_inflight_bytes  # as the server resolves it here
             for protocol, name, attack in ATTACKS:
+                if args.only not in name:
+                    continue
                 before = status(pid, "VmRSS")
                 Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
                 with Probe(server.url) as probe:

@@ -10,8 +10,9 @@ in a group of its own). So the supervisor binds the gRPC port as it binds HTTP's
 one worker's gRPC server on a unix socket in the supervisor's private folder.
 
 - **Which worker**: the one with the fewest forwarded connections among those whose socket
-  accepts and whose control socket answered lately (a wedged worker takes none; a replacement
-  listens only once its models are ready). None: the connection is closed, the client retries.
+  accepts and whose control socket answered lately (a wedged worker takes none while another
+  can; a replacement listens only once its models are ready). None: the connection is closed,
+  the client retries.
 - **What it holds**: at most one :data:`CHUNK` a direction a connection, read only when the
   last one was sent (a client that stops reading stops its worker's answers, which HTTP/2 flow
   control then holds in grpcio, as it did without a front).
@@ -133,10 +134,10 @@ class GrpcFront:
             self._update(far)
 
     def _connect(self) -> tuple[int, socket.socket] | None:
-        """A connection to the least loaded live worker whose gRPC socket accepts it."""
-        for index in sorted(range(self.count), key=lambda i: self.open[i]):
-            if not self.live(index):
-                continue
+        """A connection to the least loaded live worker whose gRPC socket accepts it; to one
+        whose control socket is slow to answer only when no live one accepts (a loop busy with
+        a large message answers pings late, and is still better than a closed connection)."""
+        for index in sorted(range(self.count), key=lambda i: (not self.live(i), self.open[i])):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setblocking(False)
             try:
@@ -198,12 +199,12 @@ class GrpcFront:
         end.registered = wanted
 
     def _close(self, end: _End) -> None:
+        if end.worker >= 0:
+            self.open[end.worker] -= 1
+            end.worker = end.peer.worker = -1  # counted once
         for side in (end, end.peer):
             if side.registered:
                 self.selector.unregister(side.sock)
                 side.registered = 0
             if side.sock.fileno() != -1:
                 side.sock.close()
-        if end.worker >= 0:
-            self.open[end.worker] -= 1
-            end.worker = end.peer.worker = -1  # counted once

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,7 +111,9 @@ def test_bytes_go_to_a_worker_and_back_whole_and_the_fin_follows(front: Front) -
     assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
 
 
-def test_connections_go_to_the_worker_with_fewest_and_never_to_one_down(front: Front) -> None:
+def test_connections_go_to_the_worker_with_fewest_and_to_one_down_only_when_all_are(
+    front: Front,
+) -> None:
     served, workers, down = front
     clients = [connect(served) for _ in range(4)]
     for client in clients:
@@ -123,6 +126,15 @@ def test_connections_go_to_the_worker_with_fewest_and_never_to_one_down(front: F
         client.sendall(b"ping")
         assert client.recv(4) == b"ping"
     assert [len(w.connections) for w in workers] == [2, 4]
+    more.pop().close()  # under the cap of 6 again, once the front has seen it
+    deadline = time.monotonic() + 10
+    while sum(served.open) > 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    down.add(1)  # both slow to answer their pings: the least loaded still takes it
+    with connect(served) as last:
+        last.sendall(b"ping")
+        assert last.recv(4) == b"ping"
+    assert [len(w.connections) for w in workers] == [3, 4]
     for client in clients + more:
         client.close()
 
