@@ -23,34 +23,104 @@ one worker's gRPC server on a unix socket in the supervisor's private folder.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import errno
 import logging
-import selectors
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 log = logging.getLogger("tensorgate.workers")
 
 CHUNK = 64 * 1024
-"""The most read from one side of a connection before it has been written to the other."""
+"""The most read from one side at a time, and the most left unsent to it before the other side
+stops being read."""
 
 
-class _End:
-    """One side of a forwarded connection: the client's or the worker's socket, and what was
-    read from the other side and not yet written to this one."""
+class _Side(asyncio.BufferedProtocol):
+    """One side of a forwarded connection (the client's or the worker's): what it reads is
+    written to its peer."""
 
-    __slots__ = ("eof", "owed", "peer", "registered", "sock", "worker")
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self.peer: _Side | None = None
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray(CHUNK)
+        self.eof = False
+        self.early = b""
+        """Read before the peer was there (uvloop may read once past a pause at the start)."""
 
-    def __init__(self, sock: socket.socket, worker: int) -> None:
-        self.sock = sock
-        self.worker = worker
-        self.peer: _End = self
-        self.owed = memoryview(b"")
-        self.eof = False  # this side has sent everything it will (a read returned b"")
-        self.registered = 0
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass, same API
+        self.transport.set_write_buffer_limits(high=CHUNK)
+        self.transport.pause_reading()  # until it is linked to its peer
+        if self is self.link.client:
+            self.link.front._forward(self.link)
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.peer is None or self.peer.transport is None:
+            self.early += self.buffer[:nbytes]
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self.peer.transport.write(bytes(memoryview(self.buffer)[:nbytes]))  # one copy
+
+    def join(self, peer: _Side) -> None:
+        """Forward to ``peer`` from now on, what was read before it first."""
+        self.peer = peer
+        assert self.transport is not None and peer.transport is not None
+        if self.early:
+            peer.transport.write(self.early)
+            self.early = b""
+        self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        peer = self.peer
+        if peer is None or peer.eof or peer.transport is None or not peer.transport.can_write_eof():
+            self.link.lost()  # both sides have said all they will (or there is nobody to tell)
+            return False
+        peer.transport.write_eof()  # a half-close, forwarded; the other direction goes on
+        return True
+
+    def pause_writing(self) -> None:  # this side is behind: stop reading what feeds it
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.lost()
+
+
+class _Link:
+    """A client's connection and the worker connection it is forwarded to."""
+
+    def __init__(self, front: GrpcFront) -> None:
+        self.front = front
+        self.client = _Side(self)
+        self.worker = -1
+        self.upstream: _Side | None = None
+        self.closed = False
+
+    def lost(self) -> None:
+        """Either side closed (or failed): close the other, once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.front._links.discard(self)
+        if self.worker >= 0:
+            self.front.open[self.worker] -= 1
+        for side in (self.client, self.upstream):
+            if side is not None and side.transport is not None:
+                side.transport.close()
 
 
 class GrpcFront:
@@ -72,139 +142,92 @@ class GrpcFront:
         self.max_connections = max_connections
         self.open = [0] * count
         """Forwarded connections open per worker."""
-        self.selector = selectors.DefaultSelector()
-        self._wake_read, self._wake_write = socket.socketpair()
-        self._stopping = False
+        self.loop = _new_loop()
+        self._links: set[_Link] = set()
         self._thread = threading.Thread(target=self._run, name="grpc-front", daemon=True)
+        self._started = threading.Event()
 
     def start(self) -> None:
-        self.listener.setblocking(False)
-        self.selector.register(self.listener, selectors.EVENT_READ, None)
-        self.selector.register(self._wake_read, selectors.EVENT_READ, None)
         self._thread.start()
+        self._started.wait(10)
 
     def stop(self) -> None:
         """Close every forwarded connection and the thread (not the listener: its owner's)."""
-        self._stopping = True
-        with contextlib.suppress(OSError):
-            self._wake_write.send(b"x")
-        self._thread.join(5)
-
-    # -- the loop ------------------------------------------------------------------------------
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
 
     def _run(self) -> None:
-        try:
-            while not self._stopping:
-                for key, events in self.selector.select():
-                    if key.fileobj is self.listener:
-                        self._accept()
-                    elif isinstance(key.data, _End):
-                        self._serve(key.data, events)
-        finally:
-            for key in list(self.selector.get_map().values()):
-                if isinstance(key.data, _End):
-                    self._close(key.data)
-            self.selector.close()
-            self._wake_read.close()
-            self._wake_write.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and the like: the next connection may fit
-                log.warning("gRPC front: accept failed: %s", exc)
-                return
-            if sum(self.open) >= self.max_connections:
-                client.close()  # TG_MAX_CONNECTIONS, as grpcio closes one more
-                continue
-            worker = self._connect()
-            if worker is None:
-                client.close()  # no worker serves gRPC now: the client retries
-                continue
-            index, upstream = worker
-            client.setblocking(False)
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            near, far = _End(client, index), _End(upstream, index)
-            near.peer, far.peer = far, near
-            self.open[index] += 1
-            self._update(near)
-            self._update(far)
-
-    def _connect(self) -> tuple[int, socket.socket] | None:
-        """A connection to the least loaded live worker whose gRPC socket accepts it; to one
-        whose control socket is slow to answer only when no live one accepts (a loop busy with
-        a large message answers pings late, and is still better than a closed connection)."""
-        for index in sorted(range(self.count), key=lambda i: (not self.live(i), self.open[i])):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                sock.connect(str(self.socket_path(index)))
-            except OSError:  # not listening (yet, or any more), or its backlog full
-                sock.close()
-                continue
-            return index, sock
-        return None
-
-    def _serve(self, end: _End, events: int) -> None:
-        if end.sock.fileno() == -1:
-            return  # closed with its peer earlier in this round of events
-        try:
-            if events & selectors.EVENT_WRITE and end.owed:
-                sent = end.sock.send(end.owed)
-                end.owed = end.owed[sent:]
-                if not end.owed and end.peer.eof:
-                    end.sock.shutdown(socket.SHUT_WR)
-            if events & selectors.EVENT_READ and not end.peer.owed and not end.eof:
-                data = end.sock.recv(CHUNK)
-                if not data:
-                    end.eof = True
-                    if not end.peer.owed:
-                        end.peer.sock.shutdown(socket.SHUT_WR)
-                else:
-                    try:
-                        sent = end.peer.sock.send(data)
-                    except BlockingIOError:
-                        sent = 0
-                    end.peer.owed = memoryview(data)[sent:]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.ENOTCONN):
-                log.warning("gRPC front: connection failed: %s", exc)
-            self._close(end)
-            return
-        if end.eof and end.peer.eof and not end.owed and not end.peer.owed:
-            self._close(end)  # both sides said all they had, and all of it arrived
-            return
-        self._update(end)
-        self._update(end.peer)
-
-    def _update(self, end: _End) -> None:
-        """Wait on what this side can do next: write what it is owed; read when its peer is
-        owed nothing (one chunk a direction at most) and it has not ended."""
-        wanted = (selectors.EVENT_WRITE if end.owed else 0) | (
-            selectors.EVENT_READ if not end.peer.owed and not end.eof else 0
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            self.loop.create_server(self._accepted, sock=self.listener, backlog=2048)
         )
-        if wanted == end.registered:
-            return
-        if not wanted:
-            self.selector.unregister(end.sock)
-        elif not end.registered:
-            self.selector.register(end.sock, wanted, end)
-        else:
-            self.selector.modify(end.sock, wanted, end)
-        end.registered = wanted
+        self._started.set()
+        try:
+            self.loop.run_forever()
+        finally:
+            server.close()
+            for link in list(self._links):
+                link.lost()
+            self.loop.run_until_complete(asyncio.sleep(0))  # the closes happen
+            self.loop.close()
 
-    def _close(self, end: _End) -> None:
-        if end.worker >= 0:
-            self.open[end.worker] -= 1
-            end.worker = end.peer.worker = -1  # counted once
-        for side in (end, end.peer):
-            if side.registered:
-                self.selector.unregister(side.sock)
-                side.registered = 0
-            if side.sock.fileno() != -1:
-                side.sock.close()
+    def _accepted(self) -> _Side:
+        link = _Link(self)
+        self._links.add(link)
+        return link.client  # whose connection_made calls _forward
+
+    def _forward(self, link: _Link) -> None:
+        client = link.client.transport
+        if client is None or link.closed:
+            return
+        if sum(self.open) >= self.max_connections:
+            link.lost()  # TG_MAX_CONNECTIONS, as grpcio closes one more
+            return
+        with contextlib.suppress(OSError):
+            client.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.loop.create_task(self._connect(link)).add_done_callback(_log_failure)
+
+    async def _connect(self, link: _Link) -> None:
+        """Link the client to the least loaded live worker whose gRPC socket accepts it; to
+        one whose control socket is slow to answer only when no live one accepts (a loop busy
+        with a large message answers pings late, and is still better than a closed
+        connection). None: the client is closed, and retries."""
+        order = sorted(range(self.count), key=lambda i: (not self.live(i), self.open[i]))
+        for index in order:
+            upstream = _Side(link)
+            link.worker = index
+            self.open[index] += 1  # counted already: the next connection's choice sees it
+            try:
+                await self.loop.create_unix_connection(
+                    lambda side=upstream: side,  # type: ignore[misc]  # the one made above
+                    str(self.socket_path(index)),
+                )
+            except OSError:  # not listening (yet, or any more)
+                self.open[index] -= 1
+                link.worker = -1
+                if link.closed:
+                    return
+                continue
+            if link.closed:  # the client went meanwhile (lost() uncounted it)
+                assert upstream.transport is not None
+                upstream.transport.close()
+                return
+            link.upstream = upstream
+            upstream.join(link.client)
+            link.client.join(upstream)
+            return
+        link.lost()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("gRPC front: forwarding a connection failed", exc_info=task.exception())
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # the images have it (uvicorn[standard]); a bare install may not
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
