@@ -16,9 +16,13 @@ one worker's gRPC server on a unix socket in the supervisor's private folder.
 - **What it holds**: at most one :data:`CHUNK` a direction a connection, read only when the
   last one was sent (a client that stops reading stops its worker's answers, which HTTP/2 flow
   control then holds in grpcio, as it did without a front).
-- **What it costs**: one thread, two sockets and a copy a direction; everything gRPC checks
-  (message sizes, streams, handshake timeout, connection cap) is checked by the worker's grpcio
-  as before. ``python -m bench.grpc`` measures it.
+- **Connections**: at most ``max_connections`` forwarded, and ``max_connections_per_client``
+  from one client address (grpcio has no per-address cap, so a single process has only the
+  global one; here one client's 4,096 idle channels would lock every other client out). One
+  past either is closed unread.
+- **What it costs**: one thread, two sockets and a copy a direction; everything else gRPC
+  checks (message sizes, streams, handshake timeout) is checked by the worker's grpcio as
+  before. ``python -m bench.front`` measures it.
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ class _Link:
         self.client = _Side(self)
         self.worker = -1
         self.upstream: _Side | None = None
+        self.address: str | None = None
+        """The client's, while it counts in ``front.per_client``."""
         self.closed = False
 
     def lost(self) -> None:
@@ -118,6 +124,11 @@ class _Link:
         self.front._links.discard(self)
         if self.worker >= 0:
             self.front.open[self.worker] -= 1
+        if self.address is not None:
+            counts = self.front.per_client
+            counts[self.address] -= 1
+            if not counts[self.address]:
+                del counts[self.address]
         for side in (self.client, self.upstream):
             if side is not None and side.transport is not None:
                 side.transport.close()
@@ -134,14 +145,18 @@ class GrpcFront:
         socket_path: Callable[[int], Path],
         live: Callable[[int], bool],
         max_connections: int,
+        max_connections_per_client: int | None = None,
     ) -> None:
         self.listener = listener
         self.count = count
         self.socket_path = socket_path
         self.live = live
         self.max_connections = max_connections
+        self.max_connections_per_client = max_connections_per_client
         self.open = [0] * count
         """Forwarded connections open per worker."""
+        self.per_client: dict[str, int] = {}
+        """Connections open per client address."""
         self.loop = _new_loop()
         self._links: set[_Link] = set()
         self._thread = threading.Thread(target=self._run, name="grpc-front", daemon=True)
@@ -184,6 +199,14 @@ class GrpcFront:
         if sum(self.open) >= self.max_connections:
             link.lost()  # TG_MAX_CONNECTIONS, as grpcio closes one more
             return
+        peer = client.get_extra_info("peername")
+        if self.max_connections_per_client is not None and isinstance(peer, tuple) and peer:
+            address = str(peer[0])
+            if self.per_client.get(address, 0) >= self.max_connections_per_client:
+                link.lost()  # TG_MAX_CONNECTIONS_PER_CLIENT
+                return
+            self.per_client[address] = self.per_client.get(address, 0) + 1
+            link.address = address
         with contextlib.suppress(OSError):
             client.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.loop.create_task(self._connect(link)).add_done_callback(_log_failure)

@@ -172,6 +172,7 @@ class Supervisor:
                 Worker(0, self.count, os.getpid(), self.folder).grpc_socket_path,
                 self._takes_calls,
                 self.settings.max_connections,
+                self.settings.max_connections_per_client,
             )
         create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
         create_balance_file(self.folder / "connections", self.count)  # Worker.connections_path

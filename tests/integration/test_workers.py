@@ -30,6 +30,8 @@ from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 ADMIN = "admin-s3cret-token-123"
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""A client's connection preface and an empty SETTINGS frame (RFC 9113 §3.4)."""
 DIGIT = {
     "inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}]
 }
@@ -46,7 +48,9 @@ def start(root: Path, log: Path, **env: str) -> Server:
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("workers") / "models"
     copy_model("digits", root / "digits")
-    server = start(root, root.parent / "server.log", TG_ADMIN_TOKEN=ADMIN)
+    server = start(
+        root, root.parent / "server.log", TG_ADMIN_TOKEN=ADMIN, TG_MAX_CONNECTIONS_PER_CLIENT="32"
+    )
     try:
         yield server
     finally:
@@ -123,6 +127,38 @@ def test_no_other_process_can_bind_the_ports_beside_the_workers(two: Server) -> 
     for _ in range(6):  # fresh channels, each forwarded to a worker
         with tgrpc.InferenceServerClient(two.grpc_url) as client:
             assert client.is_server_ready()
+
+
+def test_one_client_gets_at_most_its_share_of_the_grpc_connections(two: Server) -> None:
+    """grpcio has no per-address cap; the supervisor's front applies
+    TG_MAX_CONNECTIONS_PER_CLIENT (32 here) to gRPC as each worker does to HTTP (issue #28,
+    finding 16: one client's silent connections locked every other client out)."""
+    silent = [socket.create_connection(("127.0.0.1", two.grpc_port), 10) for _ in range(32)]
+    try:
+        with socket.create_connection(("127.0.0.1", two.grpc_port), 10) as extra:
+            try:  # a forwarded connection would get grpcio's SETTINGS back
+                extra.sendall(HTTP2_PREFACE)
+                answer = extra.recv(1)
+            except ConnectionError:
+                answer = b""
+            assert answer == b"", "the 33rd connection from one address was served"
+        assert fresh("GET", f"{two.url}/v2/health/ready").status_code == 200  # HTTP's own cap
+    finally:
+        for sock in silent:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:  # the front sees the closes, and the client may open channels again
+        try:
+            with tgrpc.InferenceServerClient(two.grpc_url) as client:
+                assert client.is_server_ready()
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    with socket.create_connection(("127.0.0.1", two.grpc_port), 10) as again:
+        again.sendall(HTTP2_PREFACE)
+        assert again.recv(1) != b"", "a forwarded connection gets grpcio's SETTINGS"
 
 
 def test_a_single_server_s_grpc_port_is_its_own(repository: Path, tmp_path: Path) -> None:

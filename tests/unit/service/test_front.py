@@ -63,31 +63,35 @@ Front = tuple[GrpcFront, list[Echo], set[int]]
 """The front, its two workers, and the indexes it must take for down."""
 
 
-@pytest.fixture
-def front(tmp_path: Path) -> Iterator[Front]:
+@contextlib.contextmanager
+def serving(tmp_path: Path, **caps: int) -> Iterator[Front]:
     workers = [Echo(tmp_path / f"grpc-{i}.sock") for i in range(2)]
     down: set[int] = set()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     served = GrpcFront(
-        listener,
-        2,
-        lambda i: tmp_path / f"grpc-{i}.sock",
-        lambda i: i not in down,
-        max_connections=6,
+        listener, 2, lambda i: tmp_path / f"grpc-{i}.sock", lambda i: i not in down, **caps
     )
     served.start()
-    yield served, workers, down
-    served.stop()
-    listener.close()
-    for worker in workers:
-        worker.close()
+    try:
+        yield served, workers, down
+    finally:
+        served.stop()
+        listener.close()
+        for worker in workers:
+            worker.close()
 
 
-def connect(front: GrpcFront) -> socket.socket:
-    client = socket.create_connection(front.listener.getsockname(), timeout=10)
-    return client
+@pytest.fixture
+def front(tmp_path: Path) -> Iterator[Front]:
+    with serving(tmp_path, max_connections=6) as served:
+        yield served
+
+
+def connect(front: GrpcFront, source: str = "127.0.0.1") -> socket.socket:
+    """A client connection from ``source`` (any 127.x.y.z is this host's loopback)."""
+    return socket.create_connection(front.listener.getsockname(), 10, (source, 0))
 
 
 def received(sock: socket.socket) -> bytes:
@@ -181,3 +185,24 @@ def test_with_no_worker_listening_a_connection_is_closed(front: Front) -> None:
         worker.close()
     with connect(served) as client:
         assert client.recv(1) == b""
+
+
+def test_one_client_address_gets_at_most_its_share_of_the_connections(tmp_path: Path) -> None:
+    with serving(tmp_path, max_connections=6, max_connections_per_client=2) as (served, _, _):
+        mine = [connect(served) for _ in range(2)]
+        for client in mine:
+            client.sendall(b"ping")
+            assert client.recv(4) == b"ping"
+        with connect(served) as third:
+            assert third.recv(4) == b""  # closed unread: this address has its 2
+        with connect(served, "127.0.0.2") as other:  # another client is served meanwhile
+            other.sendall(b"ping")
+            assert other.recv(4) == b"ping"
+        mine.pop().close()
+        deadline = time.monotonic() + 10
+        while served.per_client.get("127.0.0.1") != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with connect(served) as again:  # one closed: one more may open
+            again.sendall(b"ping")
+            assert again.recv(4) == b"ping"
+        mine.pop().close()
