@@ -30,11 +30,21 @@ def copy_model(name: str, destination: Path) -> Path:
     return destination
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port free on 127.0.0.1 now, and never one this process was given before.
+
+    The kernel hands a port it just freed out again: two calls in a row returned the same port
+    once, and a server's HTTP and gRPC listeners then fought over it (CI, test_grpc)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class Server:
