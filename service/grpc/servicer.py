@@ -68,11 +68,20 @@ STREAM_IN_FLIGHT = 64
 done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
 
 
+MAX_COMPRESS_BYTES = 64 << 10
+"""Larger answers go as they are. gRPC compresses an answer (zlib) in the thread that sends it,
+the event loop every request shares: about 33 ms a MiB of float32 outputs, which shrink by
+7-8 % (docs/performance.md, "gRPC answers and compression"). Under 32 answers of 60 MiB a small
+REST request waited 0.5 s at the median. At this size an answer costs the loop at most about
+2 ms. REST compresses on the pool (:mod:`service.http.answer`)."""
+
+
 def _compress_if_worth_it(context: grpc.aio.ServicerContext[Any, Any], size: int) -> None:
-    """Leave a small answer (``size``: its outputs' bytes) uncompressed; a larger one is
-    compressed with an encoding the client accepts (``grpc-accept-encoding``; see
-    :func:`start_grpc`). Not ``ByteSize()``: upb serializes the whole message to count it."""
-    if size < MIN_COMPRESS_BYTES:
+    """Leave a small answer (``size``: its outputs' bytes) uncompressed, and one too large to
+    compress on the event loop; one between is compressed with an encoding the client accepts
+    (``grpc-accept-encoding``; see :func:`start_grpc`). Not ``ByteSize()``: upb serializes the
+    whole message to count it."""
+    if not MIN_COMPRESS_BYTES <= size <= MAX_COMPRESS_BYTES:
         context.disable_next_message_compression()
 
 
