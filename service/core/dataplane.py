@@ -64,6 +64,14 @@ OFFLOAD_BYTES = 32 * 1024
 """Work through this many bytes (or more) moves to the thread pool; below it the hop costs more.
 Callers pass the bytes the work goes through, not the body's size (a raw image's decode into a
 request goes through none)."""
+BULK_BYTES = 8 << 20
+"""Offloaded work through this many bytes (or more) runs one at a time. Such work is copies
+that hold the GIL for their whole length (upb parsing and serializing a message, numpy's
+``tobytes``): 30-60 ms each at 60 MiB. Two at once on the pool's threads took the GIL in turns,
+and the event loop waited behind both at every step of every other request: under 32
+concurrent 60 MiB gRPC calls a small REST request took 0.27-0.36 s (median) and up to 1.8 s;
+one at a time, 0.08-0.09 s and at most 0.46 s (``python -m bench.attacks``). The copies gain
+nothing from running together: they hold the same GIL."""
 PREPROCESS_MAX_ROWS = 32
 """Rows one ``preprocess`` request may ask for: its answer is the model's input tensors (each
 row of an ImageNet model is 600 kB, whatever the image's size)."""
@@ -85,15 +93,21 @@ class DataPlane:
         self.pool = pool
         self.observer = observer
         self.drain = drain
+        self._bulk = asyncio.Lock()  # see BULK_BYTES
         self.budget: Budget | None = None
         """The server's budget for what clients make it hold (set by the app: the one its
         bodies and messages are held in); raw items hold what they decode into in it."""
 
     async def offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)``, in the thread pool when ``size`` (the bytes it works on) is large."""
+        """``fn(*args)``, in the thread pool when ``size`` (the bytes it works on) is large, and
+        one at a time with the others of :data:`BULK_BYTES` or more."""
         if size < OFFLOAD_BYTES:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        loop = asyncio.get_running_loop()
+        if size < BULK_BYTES:
+            return await loop.run_in_executor(self.pool, fn, *args)
+        async with self._bulk:
+            return await loop.run_in_executor(self.pool, fn, *args)
 
     # -- health ---------------------------------------------------------------------------------
 

@@ -349,3 +349,41 @@ def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
 
 async def _loop_thread() -> int:
     return threading.get_ident()
+
+
+def test_offloaded_work_through_many_bytes_runs_one_at_a_time(tmp_path: Path) -> None:
+    """Copies of tens of MiB hold the GIL for their whole length; two at once on the pool took
+    it in turns, and every other request's steps on the event loop waited behind both (#28: a
+    small REST request under 32 concurrent 60 MiB gRPC calls, up to 1.8 s). Work under
+    BULK_BYTES still runs side by side."""
+    import asyncio
+
+    from service.core.dataplane import BULK_BYTES, OFFLOAD_BYTES
+
+    write_identity_model(tmp_path / "identity", max_batch_size=8)
+    settings = Settings(model_repository=tmp_path, preprocess_threads=2, access_log=False)
+    running = InProcess(settings)
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+    both_in = threading.Barrier(2, timeout=30)
+
+    def bulk() -> None:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.2)  # long enough for a second one to start beside it, if it may
+        with lock:
+            now[0] -= 1
+
+    async def run() -> None:
+        plane = running.dataplane
+        await asyncio.gather(*(plane.offload(BULK_BYTES, bulk) for _ in range(3)))
+        # both smaller ones inside at once, or the barrier breaks
+        await asyncio.gather(*(plane.offload(OFFLOAD_BYTES, both_in.wait) for _ in range(2)))
+
+    try:
+        running.run(run())
+    finally:
+        running.close()
+    assert most[0] == 1
