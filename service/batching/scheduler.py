@@ -13,7 +13,8 @@ Rules, after Triton's dynamic batcher:
   alone never waits and a burst is batched as one;
 - a request past its deadline is answered 504 before it runs; a cancelled one is dropped;
 - a request with more rows than ``max_batch_size`` is split into chunks and reassembled, the
-  chunks queued one per instance at a time so that other requests interleave with them;
+  chunks queued one per instance at a time so that other requests interleave with them, and
+  stopped (504) once their pace shows that the last could not start before the deadline;
 - a batch of several requests that fails (other than out of memory) runs again one request at
   a time, so that one bad input fails only its own request (:meth:`Scheduler._isolate`).
 
@@ -65,6 +66,10 @@ BatchShape = tuple[tuple[str, tuple[int, ...]], ...]
 ADAPTIVE_DELAY_S = 0.002
 """The most an adaptive batch waits for requests still on their way (docs/performance.md,
 "Defaults that win": the delay that served the most at 64 connections)."""
+PACE_SLACK = 0.8
+"""An oversize request is stopped early only if its last chunk would start past the deadline
+even at 1.25 times the pace of its chunks so far: the pace includes queueing behind others,
+which may ease."""
 
 
 def batch_shape(batch: Mapping[str, np.ndarray]) -> BatchShape:
@@ -371,15 +376,19 @@ class Scheduler:
         running at once: the next joins the queue behind whatever arrived meanwhile, so other
         requests interleave with a large one instead of waiting for all of it (#28 finding 7:
         1,024 texts held minilm for 64 s). Once a chunk fails (504 past the deadline, or any
-        error) the chunks not yet run are dropped: no work for an answer that cannot be
-        given."""
+        error), or the pace of those answered shows that the last could not start before the
+        deadline (:meth:`_in_time`), the chunks not yet run are dropped: no work for an answer
+        that cannot be given."""
         batched = self.config.max_batch_size > 0
         results: list[dict[str, np.ndarray]] = []
         queued: deque[Pending] = deque()
+        started = time.monotonic()
         try:
-            for chunk in chunks:
+            for index, chunk in enumerate(chunks):
                 if len(queued) >= window:
                     results.append(await queued.popleft().future)
+                    if deadline is not None:
+                        self._in_time(len(chunks), index, len(results), started, deadline)
                 rows = rows_of(chunk, batched)  # type: ignore[arg-type]  # chunks are batches
                 queued.append(self._enqueue(chunk, rows, key, deadline, timing))
             while queued:
@@ -389,6 +398,23 @@ class Scheduler:
                 p.future.cancel()  # not run yet: dropped
             raise
         return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+    def _in_time(self, total: int, next_: int, done: int, started: float, deadline: float) -> None:
+        """504 for an oversize request whose last chunk would start past ``deadline`` at the
+        pace its ``done`` answered chunks kept since ``started`` (queueing behind other requests
+        included), even :data:`PACE_SLACK` times faster; ``next_``: the index of the chunk about
+        to be queued."""
+        now = time.monotonic()
+        pace = (now - started) / done
+        last_start = now + (total - 1 - next_) * pace * PACE_SLACK
+        if last_start > deadline:
+            raise DeadlineExceeded(
+                f"model '{self.model}': the request runs as {total} chunks of at most "
+                f"{self.config.max_batch_size} rows, {done} answered at {pace * 1000:.0f} ms "
+                f"each; its last would start about {last_start - deadline:.1f} s past its "
+                "deadline, so the rest were not run (send fewer rows a request, or a longer "
+                "timeout)"
+            )
 
     async def _worker(self, instance: Instance) -> None:
         while True:

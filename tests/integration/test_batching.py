@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -212,3 +213,29 @@ def _slow_busy(server: Server) -> bool:
 def _queue_empty(server: Server) -> bool:
     queue = server.client.get("/v2/models/slow").json()["queue"]
     return bool(queue["pending"] == 0 and queue["busy_instances"] == 0)
+
+
+def test_a_large_request_that_cannot_be_answered_in_time_stops_early(batching: Server) -> None:
+    """#28 finding 7: an oversize request's chunks each had to start before its deadline, so
+    one that could never be answered in time kept its model busy until the deadline, then got
+    504 all the same. Once the pace of its first chunks shows the last would start too late,
+    the rest are not run: 504 at once, naming why, the model free for others."""
+
+    def executions() -> int:
+        stats = batching.client.get("/v2/models/slow/stats").json()["model_stats"][0]
+        return int(stats["execution_count"])
+
+    started = time.monotonic()
+    assert batching.client.post("/v2/models/slow/infer", json=slow_body(1.0)).status_code == 200
+    batch_s = time.monotonic() - started  # one batch of the slow model, as served
+    before = executions()
+    rows = {"name": "x", "datatype": "FP32", "shape": [64, 16], "data": [1.0] * 64 * 16}
+    late = batching.client.post(  # 16 chunks of 4 rows; about 5 could start in time
+        "/v2/models/slow/infer",
+        json={"inputs": [rows]},
+        headers={"X-Request-Timeout": f"{5 * batch_s:.3f}"},
+    )
+    assert late.status_code == 504, late.text
+    assert "the rest were not run" in late.json()["error"]
+    batching.wait_for(lambda: _queue_empty(batching))
+    assert executions() - before <= 2  # the old code ran about 5 of the 16

@@ -690,3 +690,26 @@ async def test_the_chunks_of_a_failed_large_request_are_not_run() -> None:
     await asyncio.sleep(0.1)
     await s.stop()
     assert runs.count(2) <= 2  # the first chunk (and its run alone), never the other three
+
+
+async def test_a_large_request_that_cannot_start_its_last_chunk_in_time_stops_early() -> None:
+    """#28 finding 7: each chunk had to start before the request's deadline, so a request
+    whose chunks could never all start in time ran until the deadline passed, then failed 504:
+    the model's time spent on an answer nobody would get. Once the pace of its chunks shows
+    that its last one would start past the deadline, the rest are not run."""
+    runs: list[int] = []
+
+    def slow(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        runs.append(batch["x"].shape[0])
+        time.sleep(0.1)
+        return {"y": batch["x"] * 2}
+
+    s = scheduler(slow, max_batch_size=2, max_queue_delay_s=0.0)
+    s.start()
+    deadline = time.monotonic() + 0.45  # 4 or 5 chunks of 10 could start in time
+    with pytest.raises(DeadlineExceeded) as stopped:
+        await s.submit({"x": np.zeros((20, 2), np.float32)}, None, deadline)
+    assert "past its deadline" in stopped.value.message
+    assert "10 chunks" in stopped.value.message
+    await s.stop()
+    assert len(runs) <= 2, runs  # the old code ran 5, then answered 504 all the same
