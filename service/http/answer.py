@@ -118,10 +118,13 @@ async def answer_inference(
     elif answer.status == 200:
         wanted = compression.choose(headers.get("accept-encoding", ""))
         if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
-            body = await dataplane.offload(
+            packed = await dataplane.offload(
                 len(answer.body), compression.compress, answer.body, wanted
             )
-            encoded = {"content-encoding": wanted, "vary": "accept-encoding"}
+            encoded = {"vary": "accept-encoding"}
+            if packed is not None:  # else not worth it: sent as it is
+                encoded["content-encoding"] = wanted
+            body = answer.body if packed is None else packed
             answer = Answer(answer.status, body, {**answer.headers, **encoded})
     if trace is not None:
         trace.end(

@@ -114,3 +114,23 @@ def test_an_inflated_body_is_held_once_not_twice() -> None:
         tracemalloc.stop()
     assert body == bytes(size)
     assert peak < 1.3 * size, f"peak {peak >> 20} MiB for {size >> 20} MiB inflated"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_an_answer_is_compressed_only_where_it_shrinks(encoding: str) -> None:
+    """Float32 tensors in binary shrink by 7-8 % at about 30 MB/s: a 60 MiB answer took a
+    pool thread 2 s for nothing. A large answer whose middle does not shrink by a tenth goes
+    as it is (None); JSON, and anything small enough to be its own sample, is compressed."""
+    import numpy as np
+
+    noise = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32).tobytes()
+    assert compression.compress(noise, encoding) is None
+    json_head = b'{"outputs": [{"name": "y", "datatype": "FP32"}]}'
+    assert compression.compress(json_head + noise, encoding) is None  # what a binary answer is
+    small = noise[: 2 * compression.SAMPLE_BYTES]
+    text = b'{"data": [' + b", ".join(b"%.6f" % v for v in range(40_000)) + b"]}"
+    for body in (small, text, bytes(1 << 20)):
+        packed = compression.compress(body, encoding)
+        assert packed is not None
+        assert compression.decompress(packed, encoding, len(body)) == body
+    assert len(compression.compress(text, encoding) or b"") < len(text) // 2
