@@ -111,8 +111,9 @@ def compress(body: bytes, encoding: str) -> bytes | None:
     """``body`` under ``encoding`` (gzip or deflate), at a fast level: an answer is made once
     and sent once. None, for an answer over twice :data:`SAMPLE_BYTES`, when a sample from its
     middle keeps more than :data:`MOST_KEPT` of its size: float32 tensors in binary shrink by
-    7-8 % at about 30 MB/s (docs/performance.md, "gRPC answers and compression"), and a 60 MiB
-    answer took a pool thread (the one images are preprocessed on) 2 s to gain nothing."""
+    7-8 % at about 30 MB/s (docs/performance.md, "gRPC answers and compression"): at that rate a
+    60 MiB answer holds a pool thread (the one images are preprocessed on) about 2 s to gain
+    next to nothing."""
     if len(body) > 2 * SAMPLE_BYTES:
         start = len(body) // 2 - SAMPLE_BYTES // 2
         probe = zlib.compressobj(1, zlib.DEFLATED, _RAW)
