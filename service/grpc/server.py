@@ -165,7 +165,7 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
             # none when it lists none. Python never sees that header (nor a request's
             # grpc-encoding), and an algorithm set per call is sent whatever the client accepts
             # (a client without it fails), so the level is the way. Small answers are left as
-            # they are (_compress_if_worth_it); gRPC itself sends any that would not shrink.
+            # they are, and so are large ones and any that would not shrink (worth_compressing).
             ("grpc.default_compression_level", _COMPRESSION_LEVEL_LOW),
             # The bounds HTTP connections have (service/limits/connections.py): at most
             # TG_MAX_CONNECTIONS open (one more is closed before gRPC reads from it), and

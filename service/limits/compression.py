@@ -107,6 +107,14 @@ SAMPLE_BYTES = 16 << 10
 MOST_KEPT = 0.9
 
 
+def shrinks(sample: bytes | memoryview) -> bool:
+    """Whether ``sample`` keeps at most :data:`MOST_KEPT` of its size compressed at level 1:
+    whether the answer it is taken from is worth compressing."""
+    probe = zlib.compressobj(1, zlib.DEFLATED, _RAW)
+    kept = len(probe.compress(sample)) + len(probe.flush())
+    return kept <= MOST_KEPT * len(sample)
+
+
 def compress(body: bytes, encoding: str) -> bytes | None:
     """``body`` under ``encoding`` (gzip or deflate), at a fast level: an answer is made once
     and sent once. None, for an answer over twice :data:`SAMPLE_BYTES`, when a sample from its
@@ -116,10 +124,8 @@ def compress(body: bytes, encoding: str) -> bytes | None:
     next to nothing."""
     if len(body) > 2 * SAMPLE_BYTES:
         start = len(body) // 2 - SAMPLE_BYTES // 2
-        probe = zlib.compressobj(1, zlib.DEFLATED, _RAW)
         with memoryview(body) as view:
-            kept = len(probe.compress(view[start : start + SAMPLE_BYTES])) + len(probe.flush())
-        if kept > MOST_KEPT * SAMPLE_BYTES:
-            return None
+            if not shrinks(view[start : start + SAMPLE_BYTES]):
+                return None
     compressor = zlib.compressobj(1, zlib.DEFLATED, _GZIP if encoding == "gzip" else _ZLIB)
     return compressor.compress(body) + compressor.flush()
