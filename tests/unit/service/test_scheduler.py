@@ -159,6 +159,19 @@ def doubling(batches: list[int]) -> Callable[[dict[str, np.ndarray]], dict[str, 
     return run
 
 
+def slow_doubling(
+    batches: list[int], seconds: float
+) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """:func:`doubling` whose every batch computes for ``seconds`` (a sleep stands for it)."""
+    double = doubling(batches)
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        time.sleep(seconds)
+        return double(batch)
+
+    return run
+
+
 async def test_concurrent_requests_each_get_their_own_rows_back() -> None:
     sizes: list[int] = []
     s = scheduler(doubling(sizes), max_queue_delay_s=0.05)
@@ -656,13 +669,7 @@ async def test_a_request_arriving_during_a_large_one_runs_before_the_large_one_e
     """#28 finding 7: every chunk of a large request was queued at once, so a request behind
     it waited for all of them (1,024 texts held minilm for 64 s). Chunks now queue in turn."""
     order: list[int] = []
-
-    def slow(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        order.append(batch["x"].shape[0])
-        time.sleep(0.05)
-        return {"y": batch["x"] * 2}
-
-    s = scheduler(slow, max_batch_size=2, max_queue_delay_s=0.0)
+    s = scheduler(slow_doubling(order, 0.05), max_batch_size=2, max_queue_delay_s=0.0)
     s.start()
     x = np.arange(16, dtype=np.float32).reshape(8, 2)
     large = asyncio.ensure_future(s.submit({"x": x}, None, None))
@@ -698,13 +705,7 @@ async def test_a_large_request_that_cannot_start_its_last_chunk_in_time_stops_ea
     the model's time spent on an answer nobody would get. Once the pace of its chunks shows
     that its last one would start past the deadline, the rest are not run."""
     runs: list[int] = []
-
-    def slow(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        runs.append(batch["x"].shape[0])
-        time.sleep(0.1)
-        return {"y": batch["x"] * 2}
-
-    s = scheduler(slow, max_batch_size=2, max_queue_delay_s=0.0)
+    s = scheduler(slow_doubling(runs, 0.1), max_batch_size=2, max_queue_delay_s=0.0)
     s.start()
     deadline = time.monotonic() + 0.45  # 4 or 5 chunks of 10 could start in time
     with pytest.raises(DeadlineExceeded) as stopped:
