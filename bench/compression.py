@@ -24,8 +24,8 @@ import grpc
 import numpy as np
 
 from bench.common import publish, table
-from service.grpc.servicer import MAX_COMPRESS_BYTES, SAMPLE_BYTES
-from service.limits.compression import MIN_COMPRESS_BYTES, shrinks
+from service.grpc.servicer import MAX_COMPRESS_BYTES, worth_compressing
+from service.inference import InferenceResult, OutputTensor
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from tests.identity import write_identity_model
@@ -48,11 +48,10 @@ def payload(kind: str, kib: int) -> bytes:
 
 
 def compressed(data: bytes) -> bool:
-    """Whether the server compresses this answer for a client that accepts gzip (the rule of
-    :func:`service.grpc.servicer.worth_compressing`, for one output of these bytes)."""
-    start = max(0, len(data) // 2 - SAMPLE_BYTES // 2)
-    sample = data[start : start + SAMPLE_BYTES]
-    return MIN_COMPRESS_BYTES <= len(data) <= MAX_COMPRESS_BYTES and shrinks(sample)
+    """Whether the server compresses this answer, one FP32 output of these bytes, for a client
+    that accepts gzip (its own rule)."""
+    output = OutputTensor("out_FP32", "FP32", np.frombuffer(data, np.float32))
+    return worth_compressing(InferenceResult("identity", "1", None, [output], {}, {}, None, True))
 
 
 def zlib_ms(data: bytes, level: int) -> tuple[float, float]:
