@@ -248,6 +248,24 @@ def grpc_messages(server: Server, hold: float) -> str:
             chan.close()
 
 
+def grpc_streams(server: Server, hold: float) -> str:
+    """2 connections × a stream of 16 requests of 60 MiB, every answer read."""
+    request = identity_message(60 * MIB // 4)
+    channels = [channel(server), channel(server)]
+
+    def stream(index: int) -> str:
+        stub = pb_grpc.GRPCInferenceServiceStub(channels[index])
+        answers = stub.ModelStreamInfer(iter([request] * 16), timeout=240)
+        failed = [a.error_message for a in answers if a.error_message]
+        return f"{len(failed)} failed: {failed[0]}" if failed else "OK"
+
+    try:
+        return outcome(concurrently(2, stream))
+    finally:
+        for chan in channels:
+            chan.close()
+
+
 def grpc_stream_unread(server: Server, hold: float) -> str:
     """A ModelStreamInfer stream sending 64 KiB requests whose answers it never reads (#28 8)."""
     stop = threading.Event()
@@ -291,6 +309,7 @@ ATTACKS: list[tuple[str, str, Callable[[Server, float], str]]] = [
     ("REST", "4,000 idle connections from one client (16)", idle),
     ("gRPC", "30 refused calls of 60 MiB in turn (1)", grpc_refused),
     ("gRPC", "2 connections × 16 calls of 60 MiB (2)", grpc_messages),
+    ("gRPC", "2 connections × a stream of 16 requests of 60 MiB (2, 8)", grpc_streams),
     ("gRPC", "a stream whose answers are never read (8)", grpc_stream_unread),
 ]
 

@@ -292,10 +292,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: codec.Unparsed,
         timeout_s: float | None,
         parsed: Callable[[pb.ModelInferRequest], None] | None = None,
+        into: pb.ModelInferResponse | None = None,
     ) -> Answered:
         """One inference message: its size taken from the budget before it is parsed (past it:
         UNAVAILABLE, and the bytes are let go unread), parsed on the pool when large, answered
-        (with the bytes its outputs hold). ``parsed`` is told the message once it is parsed."""
+        (with the bytes its outputs hold) in ``into`` when given. ``parsed`` is told the message
+        once it is parsed."""
         raw, request.raw = request.raw, b""
         size = MESSAGE_COPIES * len(raw)
         if self.budget is not None:
@@ -310,13 +312,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 size += typed
             if parsed is not None:
                 parsed(message)
-            return await self._answer_infer(message, timeout_s, wire)
+            return await self._answer_infer(message, timeout_s, wire, into)
         finally:
             if self.budget is not None:
                 self.budget.release(size)
 
     async def _answer_infer(
-        self, request: pb.ModelInferRequest, timeout_s: float | None, wire: int
+        self,
+        request: pb.ModelInferRequest,
+        timeout_s: float | None,
+        wire: int,
+        into: pb.ModelInferResponse | None,
     ) -> Answered:
         """``wire``: the message's size, what decoding goes through at most (upb copies each
         raw content as it is read: a 60 MiB one decoded on the event loop held it 30 ms)."""
@@ -331,20 +337,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
             result = await call.infer(decoded)
             raw = bool(request.raw_input_contents)
-            encoded = await call.encode(codec.encode_result, result, raw, pooled=True)
+            encoded = await call.encode(codec.encode_result, result, raw, into, pooled=True)
             return Answered(encoded, answer_bytes(result), worth_compressing(result))
 
     async def ModelStreamInfer(
         self,
         request_iterator: AsyncIterator[codec.Unparsed],
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> AsyncIterator[bytes]:
         """Each request of the stream answered as ModelInfer answers it, concurrently (they
         batch together, and with everyone else's), in the order they complete: clients match
         answers by request id. A request that fails gets ``error_message`` (and its id) and the
         stream goes on. The token is the stream's, checked once; a stream opened while the
         server drains is UNAVAILABLE, and one still open when it stops ends UNAVAILABLE after
-        its requests in flight are answered."""
+        its requests in flight are answered. Each answer is serialized here, on the pool when
+        it is large, as ModelInfer's is (grpc serializes on the event loop)."""
         headers = dict(context.invocation_metadata() or ())
         stream_id = str(headers.get("x-request-id", ""))
         try:
@@ -358,7 +365,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         carrier = _text(headers)
 
-        async def answer(request: codec.Unparsed) -> tuple[pb.ModelStreamInferResponse, bool]:
+        async def answer(request: codec.Unparsed) -> tuple[bytes, bool]:
             names = ["", "", ""]  # the message's model, version and id, once parsed
             request_id = request_id_for(stream_id)
             REQUEST_ID.set(request_id)  # this request's task; its own id once parsed
@@ -374,8 +381,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     if trace is not None:
                         trace.span.set_attribute("tensorgate.request_id", own)
 
+            response = pb.ModelStreamInferResponse()
             try:
-                answered = await self._infer(request, context.time_remaining(), parsed)
+                answered = await self._infer(
+                    request, context.time_remaining(), parsed, response.infer_response
+                )
+                serialized = await self.dataplane.offload(answered.size, response.SerializeToString)
                 if trace is not None:
                     _end(trace, grpc.StatusCode.OK)
             except Exception as exc:
@@ -384,10 +395,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     _end(trace, code)
                 model, version, id_ = names
                 failed = pb.ModelInferResponse(model_name=model, model_version=version, id=id_)
-                return pb.ModelStreamInferResponse(
-                    error_message=message, infer_response=failed
-                ), False
-            return pb.ModelStreamInferResponse(infer_response=answered.response), answered.compress
+                response = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+                return response.SerializeToString(), False
+            return serialized, answered.compress
 
         answers = completion_order(request_iterator, answer, STREAM_IN_FLIGHT, self.closing)
         async for response, compress in answers:

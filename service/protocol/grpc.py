@@ -199,13 +199,18 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) ->
     return array
 
 
-def encode_result(result: InferenceResult, raw: bool) -> pb.ModelInferResponse:
-    """The core's result → ``ModelInferResponse``: outputs in ``raw_output_contents`` when
-    ``raw`` (as the request sent its inputs) or when an output's datatype has no typed field
-    (raw contents are all or nothing), else in typed ``contents``."""
-    response = pb.ModelInferResponse(
-        model_name=result.model, model_version=result.version, id=result.id or ""
-    )
+def encode_result(
+    result: InferenceResult, raw: bool, into: pb.ModelInferResponse | None = None
+) -> pb.ModelInferResponse:
+    """The core's result → ``ModelInferResponse`` (``into``, an empty one, when given: a stream's
+    answer is built inside its ``ModelStreamInferResponse``, as wrapping it afterwards copies
+    every byte again): outputs in ``raw_output_contents`` when ``raw`` (as the request sent its
+    inputs) or when an output's datatype has no typed field (raw contents are all or nothing),
+    else in typed ``contents``."""
+    response = pb.ModelInferResponse() if into is None else into
+    response.model_name = result.model
+    response.model_version = result.version
+    response.id = result.id or ""
     set_parameters(response.parameters, result.parameters)
     raw = raw or any(o.datatype not in CONTENTS_FIELD for o in result.outputs)
     for output in result.outputs:
