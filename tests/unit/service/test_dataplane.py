@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -345,6 +346,46 @@ def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
     finally:
         running.close()
     assert threads and loop not in threads
+
+
+def test_a_v1_predict_classifies_each_row_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1 answers from the model's own outputs; the core also made the output tensors other
+    protocols answer with, so a classifier's top-k ran twice a row on the event loop (once
+    into Triton's classification strings that nothing read). The answer is the same."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from service.pipelines.classification import Classifier
+    from tests.server import copy_model
+
+    copy_model("digits", tmp_path / "digits")
+    settings = Settings(model_repository=tmp_path, intra_op_threads=1, access_log=False)
+    rows: list[int] = []
+    real_call = Classifier.__call__
+
+    def counted(self: Classifier, row: Any, top_k: int | None = None) -> Any:
+        rows.append(1)
+        return real_call(self, row, top_k)
+
+    monkeypatch.setattr(Classifier, "__call__", counted)
+    buffer = io.BytesIO()
+    Image.new("L", (8, 8), 200).save(buffer, format="PNG")
+    item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
+    running = InProcess(settings)
+    try:
+        body = orjson.dumps({"instances": [item] * 3})
+        reply = running.request(running.serving, "POST", "/v1/models/digits:predict", body)
+    finally:
+        running.close()
+    assert reply.status == 200, reply.body[:300]
+    predictions = orjson.loads(reply.body)["predictions"]
+    assert len(predictions) == 3 and all(len(p) == 3 for p in predictions)  # top_k: 3
+    assert {"index", "label", "probability"} <= set(predictions[0][0])
+    assert len(rows) == 3
 
 
 async def _loop_thread() -> int:
