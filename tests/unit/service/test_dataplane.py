@@ -315,16 +315,8 @@ def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
     """1,024 one-pixel PNGs stack into 616 MB of efficientnet rows: stacked on the event loop,
     the copy held it 2.2 s (py-spy), and every other request and model with it (#28: a normal
     client's worst request 1.6–1.9 s under that attack, 57 ms once stacked in the pool)."""
-    import base64
-    import io
-
-    from PIL import Image
-
     import service.core.dataplane as dataplane
-    from tests.server import copy_model
 
-    copy_model("digits", tmp_path / "digits")
-    settings = Settings(model_repository=tmp_path, intra_op_threads=1, access_log=False)
     threads: list[int] = []
     real_stack = dataplane.stack
 
@@ -333,16 +325,10 @@ def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
         return real_stack(rows)
 
     monkeypatch.setattr(dataplane, "stack", stack)
-    buffer = io.BytesIO()
-    Image.new("L", (1, 1), 200).save(buffer, format="PNG")
-    item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
-    running = InProcess(settings)
+    running = _serve_digits(tmp_path)
     try:
         loop = running.run(_loop_thread())
-        body = orjson.dumps({"instances": [item] * 4})
-        reply = running.request(running.serving, "POST", "/v1/models/digits:predict", body)
-        assert reply.status == 200, reply.body[:300]
-        assert len(orjson.loads(reply.body)["predictions"]) == 4
+        _predict_pngs(running, 1, 4)
     finally:
         running.close()
     assert threads and loop not in threads
@@ -354,16 +340,8 @@ def test_a_v1_predict_classifies_each_row_once(
     """v1 answers from the model's own outputs; the core also made the output tensors other
     protocols answer with, so a classifier's top-k ran twice a row on the event loop (once
     into Triton's classification strings that nothing read). The answer is the same."""
-    import base64
-    import io
-
-    from PIL import Image
-
     from service.pipelines.classification import Classifier
-    from tests.server import copy_model
 
-    copy_model("digits", tmp_path / "digits")
-    settings = Settings(model_repository=tmp_path, intra_op_threads=1, access_log=False)
     rows: list[int] = []
     real_call = Classifier.__call__
 
@@ -372,20 +350,40 @@ def test_a_v1_predict_classifies_each_row_once(
         return real_call(self, row, top_k)
 
     monkeypatch.setattr(Classifier, "__call__", counted)
-    buffer = io.BytesIO()
-    Image.new("L", (8, 8), 200).save(buffer, format="PNG")
-    item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
-    running = InProcess(settings)
+    running = _serve_digits(tmp_path)
     try:
-        body = orjson.dumps({"instances": [item] * 3})
-        reply = running.request(running.serving, "POST", "/v1/models/digits:predict", body)
+        predictions = _predict_pngs(running, 8, 3)
     finally:
         running.close()
-    assert reply.status == 200, reply.body[:300]
-    predictions = orjson.loads(reply.body)["predictions"]
-    assert len(predictions) == 3 and all(len(p) == 3 for p in predictions)  # top_k: 3
+    assert all(len(p) == 3 for p in predictions)  # top_k: 3
     assert {"index", "label", "probability"} <= set(predictions[0][0])
     assert len(rows) == 3
+
+
+def _serve_digits(tmp_path: Path) -> InProcess:
+    from tests.server import copy_model
+
+    copy_model("digits", tmp_path / "digits")
+    return InProcess(Settings(model_repository=tmp_path, intra_op_threads=1, access_log=False))
+
+
+def _predict_pngs(running: InProcess, side: int, count: int) -> list[Any]:
+    """v1 predict of ``count`` grey PNGs of ``side`` × ``side`` pixels to digits: its
+    predictions, one a PNG."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (side, side), 200).save(buffer, format="PNG")
+    item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
+    body = orjson.dumps({"instances": [item] * count})
+    reply = running.request(running.serving, "POST", "/v1/models/digits:predict", body)
+    assert reply.status == 200, reply.body[:300]
+    predictions: list[Any] = orjson.loads(reply.body)["predictions"]
+    assert len(predictions) == count
+    return predictions
 
 
 async def _loop_thread() -> int:
