@@ -86,7 +86,7 @@ shrinks: float32 outputs do not (7-8 %), and compressing 64 KiB of them cost the
 class Answered(NamedTuple):
     """An inference message's answer, not yet serialized."""
 
-    response: pb.ModelInferResponse
+    encoded: codec.Encoded
     size: int
     """Its outputs' bytes: what serializing it goes through. Not ``ByteSize()``: upb serializes
     the whole message to count it."""
@@ -269,7 +269,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             answered = await self._infer(request, context.time_remaining())
             if not answered.compress:
                 context.disable_next_message_compression()
-            return await self.dataplane.offload(answered.size, answered.response.SerializeToString)
+            return await self.dataplane.offload(answered.size, codec.serialized, answered.encoded)
 
         return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
 
@@ -292,12 +292,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: codec.Unparsed,
         timeout_s: float | None,
         parsed: Callable[[pb.ModelInferRequest], None] | None = None,
-        into: pb.ModelInferResponse | None = None,
     ) -> Answered:
         """One inference message: its size taken from the budget before it is parsed (past it:
         UNAVAILABLE, and the bytes are let go unread), parsed on the pool when large, answered
-        (with the bytes its outputs hold) in ``into`` when given. ``parsed`` is told the message
-        once it is parsed."""
+        (with the bytes its outputs hold). ``parsed`` is told the message once it is parsed."""
         raw, request.raw = request.raw, b""
         size = MESSAGE_COPIES * len(raw)
         if self.budget is not None:
@@ -312,17 +310,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 size += typed
             if parsed is not None:
                 parsed(message)
-            return await self._answer_infer(message, timeout_s, wire, into)
+            return await self._answer_infer(message, timeout_s, wire)
         finally:
             if self.budget is not None:
                 self.budget.release(size)
 
     async def _answer_infer(
-        self,
-        request: pb.ModelInferRequest,
-        timeout_s: float | None,
-        wire: int,
-        into: pb.ModelInferResponse | None,
+        self, request: pb.ModelInferRequest, timeout_s: float | None, wire: int
     ) -> Answered:
         """``wire``: the message's size, what decoding goes through at most (upb copies each
         raw content as it is read: a 60 MiB one decoded on the event loop held it 30 ms)."""
@@ -337,7 +331,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )
             result = await call.infer(decoded)
             raw = bool(request.raw_input_contents)
-            encoded = await call.encode(codec.encode_result, result, raw, into, pooled=True)
+            encoded = await call.encode(codec.encode_result, result, raw, pooled=True)
             return Answered(encoded, answer_bytes(result), worth_compressing(result))
 
     async def ModelStreamInfer(
@@ -381,12 +375,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     if trace is not None:
                         trace.span.set_attribute("tensorgate.request_id", own)
 
-            response = pb.ModelStreamInferResponse()
             try:
-                answered = await self._infer(
-                    request, context.time_remaining(), parsed, response.infer_response
+                answered = await self._infer(request, context.time_remaining(), parsed)
+                serialized = await self.dataplane.offload(
+                    answered.size, codec.serialized, answered.encoded, True
                 )
-                serialized = await self.dataplane.offload(answered.size, response.SerializeToString)
                 if trace is not None:
                     _end(trace, grpc.StatusCode.OK)
             except Exception as exc:

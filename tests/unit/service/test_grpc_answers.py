@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from service.core.dataplane import OFFLOAD_BYTES, DataPlane
+from service.protocol import grpc as codec
 from service.protocol.grpc import pb
 from service.settings import Settings
 from tests.asgi import InProcess
@@ -35,14 +36,14 @@ def test_stream_answers_are_serialized_by_the_handler_the_large_ones_off_the_eve
     """grpc serializes what a handler yields in the event loop's thread: a 60 MiB stream answer
     held the loop about 60 ms, and 90 ms more to wrap its ``ModelInferResponse`` in a
     ``ModelStreamInferResponse`` (#28). The stream's answers now reach grpc as bytes, each
-    serialized by the handler, a large one in the pool as ModelInfer's are; a failed request
-    still answers its error and id."""
+    serialized by the handler (``codec.serialized``), a large one in the pool as ModelInfer's
+    are; a failed request still answers its error and id."""
     write_identity_model(tmp_path / "identity", datatypes=("FP32",), width="w")
     serializing: dict[int, int] = {}  # answer bytes → the thread that serialized them
     real_offload = DataPlane.offload
 
     async def offload(self: DataPlane, size: int, fn: Any, *args: Any) -> Any:
-        if getattr(fn, "__name__", "") == "SerializeToString":
+        if fn is codec.serialized:
             serialize = fn
 
             def fn(*args: Any) -> Any:
