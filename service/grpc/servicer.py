@@ -62,9 +62,11 @@ SHARED_MEMORY = (
 )
 ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (TG_ADMIN_TOKEN)"
 MESSAGE_COPIES = 2
-"""How many times an inference message's size the server holds for it, and takes from the
-budget: its bytes and the parsed message while it is parsed, then the parsed message and the
-``raw_input_contents`` read from it (upb copies a bytes field each time it is read)."""
+"""How many times an inference message's size the server holds for it at most, and takes from
+the budget. Its bytes, once, where its raw contents are read as views of them
+(:func:`codec.parse_infer`); twice where upb reads them (a message of more than
+``MAX_SCANNED_FIELDS`` fields): its bytes and the parsed message while it is parsed, then the
+parsed message and the raw contents read from it (upb copies a bytes field each time)."""
 STREAM_IN_FLIGHT = 64
 """Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
 done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
@@ -294,43 +296,48 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         parsed: Callable[[pb.ModelInferRequest], None] | None = None,
     ) -> Answered:
         """One inference message: its size taken from the budget before it is parsed (past it:
-        UNAVAILABLE, and the bytes are let go unread), parsed on the pool when large, answered
-        (with the bytes its outputs hold). ``parsed`` is told the message once it is parsed."""
+        UNAVAILABLE, and the bytes are let go unread), parsed on the pool when large (its raw
+        contents stay views of the bytes: :func:`codec.parse_infer`), answered (with the bytes
+        its outputs hold). ``parsed`` is told the message once it is parsed."""
         raw, request.raw = request.raw, b""
         size = MESSAGE_COPIES * len(raw)
         if self.budget is not None:
             self.budget.take(size)
         try:
             wire = len(raw)
-            message = await self.dataplane.offload(wire, codec.parse, pb.ModelInferRequest, raw)
-            del raw  # from here the parsed message holds what is needed
-            typed = codec.TYPED_HELD_PER_ELEMENT * codec.typed_elements(message)
+            message = await self.dataplane.offload(wire, codec.parse_infer, raw)
+            del raw  # from here the message and its contents' views hold what is needed
+            typed = codec.TYPED_HELD_PER_ELEMENT * codec.typed_elements(message.message)
             if typed and self.budget is not None:
                 self.budget.take(typed)  # what typed contents hold while they are decoded
                 size += typed
             if parsed is not None:
-                parsed(message)
-            return await self._answer_infer(message, timeout_s, wire)
+                parsed(message.message)
+            return await self._answer_infer(message, timeout_s)
         finally:
             if self.budget is not None:
                 self.budget.release(size)
 
-    async def _answer_infer(
-        self, request: pb.ModelInferRequest, timeout_s: float | None, wire: int
-    ) -> Answered:
-        """``wire``: the message's size, what decoding goes through at most (upb copies each
-        raw content as it is read: a 60 MiB one decoded on the event loop held it 30 ms)."""
+    async def _answer_infer(self, parsed: codec.InferMessage, timeout_s: float | None) -> Answered:
         dataplane = self.dataplane
+        request = parsed.message
+        # Raw contents are views, decoded without a copy, but for BYTES ones: unpacked item by
+        # item into objects of their own.
+        strings = sum(
+            len(content)
+            for content, tensor in zip(parsed.contents, request.inputs, strict=False)
+            if tensor.datatype == "BYTES"
+        )
         with dataplane.call("grpc", request.model_name, request.model_version or None) as call:
             decoded = await call.decode(
-                codec.decode_work(request) + wire,
+                codec.decode_work(request) + strings,
                 codec.decode_request,
-                request,
+                parsed,
                 timeout_s,
                 dataplane.settings.max_tensor_elements,
             )
             result = await call.infer(decoded)
-            raw = bool(request.raw_input_contents)
+            raw = bool(parsed.contents)
             encoded = await call.encode(codec.encode_result, result, raw, pooled=True)
             return Answered(encoded, answer_bytes(result), worth_compressing(result))
 
