@@ -29,6 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
+from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
 from service.batching.stats import RequestTiming
 from service.core.validation import check_inputs
@@ -74,12 +75,17 @@ class Steps:
             loaded = served.loaded
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             batch = check_inputs(tensors, loaded.signature, loaded.config, model)
+            # At a warmed size, as a request's own tensors are: a step's inputs were run at
+            # whatever size the code made (a face pipeline's pyramid: 58 unwarmed shapes in
+            # its first request), each a cold shape.
+            batch, crop = loaded.shapes.fit(batch, model)
             future = asyncio.run_coroutine_threadsafe(_run(served, batch, deadline), self.loop)
             try:
-                return future.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
+                outputs = future.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
             except FutureTimeout:
                 future.cancel()
                 raise DeadlineExceeded("did not finish within the request's deadline") from None
+            return apply_crop(outputs, crop)
         except TensorgateError as exc:
             raise _named(exc, model) from None
 

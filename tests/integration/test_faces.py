@@ -184,6 +184,19 @@ def test_concurrent_requests_batch_at_every_step(batching_steps: Server) -> None
     assert executions < inferences, (before, after)  # calls of different requests shared batches
 
 
+def test_the_steps_meet_no_unwarmed_shape(server: Server) -> None:
+    """The detector's pyramid makes an image size per scale; its steps ran them as they came
+    (58 unwarmed shapes on faces_pnet before the first client's request, from the load's own
+    replay), each a shape the runtime had never met. They run at the steps' warmed buckets,
+    as a request's own tensors do, and the answer is the same (the parity test above)."""
+    for photo in ("astronaut", "camera", "coffee"):
+        detect(server, build().photo(photo))
+    for step in ("faces_pnet", "faces_rnet", "faces_onet"):
+        stats = server.client.get(f"/v2/models/{step}/stats").json()["model_stats"][0]
+        assert stats["inference_count"] > 0, step
+        assert stats["unwarmed_shape_count"] == 0, step
+
+
 def test_statistics_time_the_pipelines_steps(server: Server) -> None:
     detect(server, build().photo("astronaut"))
     stats = server.client.get("/v2/models/faces/stats").json()["model_stats"][0]
