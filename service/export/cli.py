@@ -7,7 +7,9 @@ import argparse
 import hashlib
 import importlib
 import logging
+import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -192,11 +194,24 @@ def summary(manifest: Manifest, out_dir: Path, config: Path, backend: str, writt
 
 
 def load_module(spec: str) -> torch.nn.Module:
-    """``package.module:attr`` → a module: attr is a Module, or a callable that returns one."""
+    """``package.module:attr`` → a module: attr is a Module, or a callable that returns one.
+    The module is found from the current folder first, as ``python -m`` finds it (the
+    console script's own folder is the one Python puts first)."""
     module_name, _, attribute = spec.partition(":")
     if not attribute:
         raise SystemExit(f"factory must be module:callable, got {spec!r}")
-    target = getattr(importlib.import_module(module_name), attribute)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        imported = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"cannot import {module_name!r} for {spec}: {exc} (run from the folder that holds "
+            "it, or install it into this environment)"
+        ) from None
+    if not hasattr(imported, attribute):
+        raise SystemExit(f"{module_name} has no {attribute!r} (from {spec})")
+    target = getattr(imported, attribute)
     module = target if isinstance(target, torch.nn.Module) else target()
     if not isinstance(module, torch.nn.Module):
         raise SystemExit(f"{spec} gave {type(module).__name__}, not a torch.nn.Module")

@@ -92,24 +92,26 @@ def test_export_then_serve_a_users_module(tmp_path: Path) -> None:
         assert server.stop() == 0
 
 
-def test_export_refuses_a_factory_that_is_not_a_module(tmp_path: Path) -> None:
+def test_export_finds_the_users_module_in_the_current_folder_and_says_what_is_wrong(
+    tmp_path: Path,
+) -> None:
+    """The README's ``tensorgate export mypackage.models:make_model`` runs from the user's
+    project folder: the console script's Python looked only beside itself and failed with a
+    traceback (``No module named 'mypackage'``). The module is found in the current folder;
+    one that is not a Module, or not there at all, is one line saying so."""
     (tmp_path / "notamodel.py").write_text("def make():\n    return 42\n")
-    command = [
-        sys.executable,
-        "-m",
-        "service",
-        "export",
-        "notamodel:make",
-        "--name",
-        "m",
-        "--repository",
-        str(tmp_path),
-        "--input",
-        "x:FP32:4",
-        "--output",
-        "y:FP32:4",
-    ]
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO_ROOT}"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "notamodel:make gave int, not a torch.nn.Module" in done.stderr
+    script = Path(sys.executable).with_name("tensorgate")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}  # the package, not the user's folder
+    for factory, said in (
+        ("notamodel:make", "notamodel:make gave int, not a torch.nn.Module"),
+        ("nosuchmodule:make", "cannot import 'nosuchmodule' for nosuchmodule:make"),
+        ("notamodel:other", "notamodel has no 'other' (from notamodel:other)"),
+    ):
+        command = [str(script), "export", factory, "--name", "m", "--repository", "models"]
+        command += ["--input", "x:FP32:4", "--output", "y:FP32:4"]
+        done = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode != 0
+        assert said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
