@@ -36,8 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument(
         "--workers",
         type=int,
-        help="server processes on the same ports (TG_WORKERS; default: "
-        "one per two CPUs the process may use, at least one)",
+        help="server processes on the same ports (TG_WORKERS; default: one per CPU the "
+        "process may use, one with a GPU, fewer where their models would not fit in memory)",
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(

@@ -29,7 +29,8 @@ def server(settings: Settings) -> dict[str, Any]:
 
 
 def model(repository: ModelRepository, name: str, version: str | None) -> dict[str, Any]:
-    """OIP model metadata plus state, reason, gate results and timings."""
+    """OIP model metadata plus state, reason, whether the gates verified it (and the warnings
+    of those skipped), device and load timings."""
     entry = repository.entry(name)
     found: ModelVersion | None = repository.version(name, version) if entry.versions else None
     served = found.served if found else None

@@ -104,6 +104,13 @@ class ModelRepository:
         for name, folder in self.on_disk(chosen_only=True).items():
             self.models[name] = _scan_model(name, folder)
             self._fingerprints[name] = fingerprint(folder)
+        if self.settings.model_name is None:
+            for folder in _configless(self.root):
+                log.warning(
+                    "%s has version folders but no config.yaml, so it is not served: a model's "
+                    "folder needs config.yaml naming its backend (e.g. backend: onnx)",
+                    folder,
+                )
         if self.settings.models and (missing := set(self.settings.models) - set(self.models)):
             raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
 
@@ -425,3 +432,15 @@ def select_versions(found: list[int], policy: VersionPolicy) -> list[int]:
 
 def _has_code(config: ModelConfig | None) -> bool:
     return config is not None and isinstance(config.preprocessing, PythonSpec)
+
+
+def _configless(root: Path) -> list[Path]:
+    """Folders of ``root`` that look like a model (a version folder: digits) but have no
+    config.yaml, so the repository skips them."""
+    return [
+        folder
+        for folder in sorted(root.iterdir())
+        if folder.is_dir()
+        and not (folder / "config.yaml").is_file()
+        and any(child.is_dir() and child.name.isdigit() for child in folder.iterdir())
+    ]

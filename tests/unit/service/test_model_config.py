@@ -4,7 +4,9 @@ import pytest
 
 from service.errors import ModelLoadError
 from service.model_config import VersionPolicy, load_model_config
-from service.repository.models import select_versions
+from service.repository.models import ModelRepository, select_versions
+from service.settings import Settings
+from tests.identity import write_identity_model
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -96,3 +98,20 @@ def test_a_warmup_of_more_rows_than_the_bound_is_refused_naming_it(tmp_path: Pat
         load_model_config(path)
     path.write_text("backend: onnx\nmax_batch_size: 180\nwarmup: {batch_sizes: all}\n")
     assert load_model_config(path).max_batch_size == 180  # 16,290 rows: within
+
+
+def test_a_model_folder_without_config_is_named_in_the_log_not_skipped_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new user's folder of only ``1/model.onnx`` was skipped with no word: 404 for the
+    model, ready with nothing served. It is still not a model, and the log says why."""
+    write_identity_model(tmp_path / "served", datatypes=("FP32",))
+    write_identity_model(tmp_path / "plain", datatypes=("FP32",))
+    (tmp_path / "plain" / "config.yaml").unlink()
+    (tmp_path / "notes").mkdir()  # not a model either, and nothing like one
+    repository = ModelRepository(Settings(model_repository=tmp_path))
+    with caplog.at_level("WARNING", logger="tensorgate.repository"):
+        repository.scan()
+    assert set(repository.models) == {"served"}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(tmp_path / "plain") in warning and "no config.yaml" in warning
