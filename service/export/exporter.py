@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import logging
 import mimetypes
 import platform
@@ -23,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ from service.runtimes.base import RuntimeOptions, Signature
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
 
 log = logging.getLogger("tensorgate.export")
+P = ParamSpec("P")
 DEFAULT_OPSET = 18  # the dynamo exporter's own; a lower one goes through onnx's version converter
 FORMATS = ("onnx", "pt2", "torchscript")
 ANSWERS = "answers"
@@ -92,6 +94,40 @@ Artifact = tuple[str, dict[str, float], dict[str, str | None]]
 """A format's file name in the version folder, its parity, and versions for the manifest."""
 
 
+def _undone_on_failure(
+    export: Callable[Concatenate[torch.nn.Module, Path, P], Manifest],
+) -> Callable[Concatenate[torch.nn.Module, Path, P], Manifest]:
+    """``export``, whose failure takes back what it wrote: the files and folders it made under
+    ``out_dir`` (and ``out_dir`` and the model folder above it, when it made them). A failed
+    export left a version folder of a ``model.onnx`` and no manifest or config, which the
+    server then skipped or refused. What was there before is kept."""
+
+    def undone(
+        module: torch.nn.Module, out_dir: Path, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Manifest:
+        made = [folder for folder in (out_dir.parent, out_dir) if not folder.exists()]
+        before = set(out_dir.rglob("*")) if out_dir.exists() else set()
+        try:
+            return export(module, out_dir, *args, **kwargs)
+        except BaseException:
+            for folder in made:
+                if folder.exists():
+                    shutil.rmtree(folder, ignore_errors=True)
+                    break  # the outermost made holds the rest
+            else:
+                new = set(out_dir.rglob("*")) - before if out_dir.exists() else set()
+                for path in sorted(new, key=lambda p: len(p.parts), reverse=True):
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+            raise
+
+    functools.update_wrapper(undone, export)  # its name and docs, for help() and the docs
+    return undone
+
+
+@_undone_on_failure
 def export_model(
     module: torch.nn.Module,
     out_dir: Path,

@@ -90,6 +90,41 @@ def test_disagreement_beyond_tolerance_fails_with_the_error_size(tmp_path: Path)
         )
 
 
+def test_a_failed_export_takes_back_what_it_wrote_and_keeps_what_was_there(
+    tmp_path: Path,
+) -> None:
+    """An export that failed after writing its first artifact left a version folder of a
+    ``model.onnx`` alone (no manifest, no config): a model the server skipped or refused. It
+    is taken back: the folders the export made, or, in a folder that was there, the files it
+    added; what was there before (a tokenizer a build put beside it) stays."""
+    exact = Tolerance(atol=1e-30, rtol=0.0)  # fails after the ONNX file is written
+
+    def failing(out_dir: Path) -> None:
+        with pytest.raises(ExportError, match="max abs error"):
+            export_model(
+                Mlp().eval(),
+                out_dir,
+                name="mlp",
+                inputs=[X],
+                outputs=[Y],
+                golden_inputs=golden(),
+                max_batch_size=16,
+                tolerance=exact,
+                formats=("onnx",),
+                required=("onnx",),
+            )
+
+    (tmp_path / "models").mkdir()
+    failing(tmp_path / "models" / "mlp" / "1")
+    assert not (tmp_path / "models" / "mlp").exists()
+    assert (tmp_path / "models").is_dir()  # there before: only what the export made goes
+    kept = tmp_path / "kept" / "1"
+    kept.mkdir(parents=True)
+    (kept / "tokenizer.json").write_text("{}")
+    failing(kept)
+    assert [p.name for p in kept.iterdir()] == ["tokenizer.json"]
+
+
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:
     wrong = TensorConfig(name="y", datatype="FP64", shape=(10,))
     with pytest.raises(ExportError, match="declared FP64, the module returns float32"):
