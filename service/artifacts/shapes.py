@@ -115,6 +115,12 @@ class ShapePolicy:
             axes = tuple(a.model_copy(update={"max": min(a.max, max(buckets))}) for a in axes)
         return cls(axes, buckets, facts.pad, facts.reason, facts.follows, check_agreement=True)
 
+    @property
+    def pads_unchanged(self) -> bool:
+        """Whether export measured that padding to a bucket leaves the answer over the real
+        region unchanged (a version without those facts pads on trust, uncropped)."""
+        return self.check_agreement and self.pad and bool(self.buckets)
+
     def warm_sizes(self) -> list[dict[Dim, int]]:
         """Every combination of the axes' buckets: the shapes a request can be fitted to."""
         if not self.axes or not self.buckets:

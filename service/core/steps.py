@@ -29,13 +29,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
-from service.artifacts.shapes import apply_crop
-from service.batching.scheduler import rows_of
+from service.artifacts.shapes import Crop, apply_crop
+from service.batching.scheduler import Batch, rows_of
 from service.batching.stats import RequestTiming
 from service.core.validation import check_inputs
 from service.datatypes import FROM_NUMPY
 from service.errors import DeadlineExceeded, InvalidInput, StepCancelled, TensorgateError
 from service.inference import InputTensor
+from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
 
@@ -75,10 +76,7 @@ class Steps:
             loaded = served.loaded
             tensors = [_tensor(name, array) for name, array in inputs.items()]
             batch = check_inputs(tensors, loaded.signature, loaded.config, model)
-            # At a warmed size, as a request's own tensors are: a step's inputs were run at
-            # whatever size the code made (a face pipeline's pyramid: 58 unwarmed shapes in
-            # its first request), each a cold shape.
-            batch, crop = loaded.shapes.fit(batch, model)
+            batch, crop = _warmed(loaded, batch)
             future = asyncio.run_coroutine_threadsafe(_run(served, batch, deadline), self.loop)
             try:
                 outputs = future.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
@@ -88,6 +86,21 @@ class Steps:
             return apply_crop(outputs, crop)
         except TensorgateError as exc:
             raise _named(exc, model) from None
+
+
+def _warmed(loaded: LoadedVersion, batch: Batch) -> tuple[Batch, Crop]:
+    """A step's batch at a warmed size where export measured that padding leaves the answer
+    unchanged (its outputs cropped back): the code made whatever sizes it needed (a face
+    pipeline's pyramid met 58 unwarmed shapes before the first client's request), each a cold
+    shape. Elsewhere, or past the buckets, the step runs as the code asked, as before (and is
+    counted as an unwarmed shape): pipeline code is the model's author's, not a client's."""
+    shapes = loaded.shapes
+    if not shapes.pads_unchanged:
+        return batch, {}
+    try:
+        return shapes.fit(batch, loaded.name)
+    except InvalidInput:
+        return batch, {}
 
 
 async def _run(

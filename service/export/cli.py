@@ -205,9 +205,15 @@ def load_module(spec: str) -> torch.nn.Module:
     try:
         imported = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise SystemExit(
+                f"cannot import {module_name!r} for {spec}: {exc} (run from the folder that "
+                "holds it, or install it into this environment)"
+            ) from None
         raise SystemExit(
-            f"cannot import {module_name!r} for {spec}: {exc} (run from the folder that holds "
-            "it, or install it into this environment)"
+            f"importing {module_name!r} for {spec} failed: {exc}, which it imports (install it "
+            "into this environment)"
         ) from None
     if not hasattr(imported, attribute):
         raise SystemExit(f"{module_name} has no {attribute!r} (from {spec})")

@@ -12,19 +12,22 @@ export`` and build scripts: the server never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
+import inspect
 import logging
 import mimetypes
 import platform
 import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, ParamSpec
 
 import numpy as np
 import torch
@@ -55,6 +58,9 @@ DEFAULT_FORMATS = ("onnx", "pt2")
 time, any onnxruntime device) and torch's own compiled package. TorchScript only when asked:
 upstream deprecated it in favour of ``torch.export``."""
 PT2_ARTIFACT = "model.pt2"
+WRITTEN = ("model.onnx", PT2_ARTIFACT, "model.pt", MANIFEST, GOLDEN, ANSWERS)
+"""What an export writes into its version folder (a text spec's tokenizer is put there by the
+caller, before)."""
 
 Probe = dict[str, np.ndarray]
 Runner = Callable[[Probe], dict[str, np.ndarray]]
@@ -94,37 +100,61 @@ Artifact = tuple[str, dict[str, float], dict[str, str | None]]
 """A format's file name in the version folder, its parity, and versions for the manifest."""
 
 
-def _undone_on_failure(
-    export: Callable[Concatenate[torch.nn.Module, Path, P], Manifest],
-) -> Callable[Concatenate[torch.nn.Module, Path, P], Manifest]:
-    """``export``, whose failure takes back what it wrote: the files and folders it made under
-    ``out_dir`` (and ``out_dir`` and the model folder above it, when it made them). A failed
+def _undone_on_failure(export: Callable[P, Manifest]) -> Callable[P, Manifest]:
+    """``export``, whose failure takes back what it wrote, and keeps what was there: a failed
     export left a version folder of a ``model.onnx`` and no manifest or config, which the
-    server then skipped or refused. What was there before is kept."""
+    server then skipped or refused. The files an export writes (:data:`WRITTEN`) are moved
+    aside first and put back on failure (deleted on success: an artifact not made again is
+    not left beside a manifest that does not name it); what the export made besides is
+    removed, with ``out_dir`` and its model folder when it made them (the model folder only
+    when empty: another version's export may be writing there)."""
+    signature = inspect.signature(export)
 
-    def undone(
-        module: torch.nn.Module, out_dir: Path, /, *args: P.args, **kwargs: P.kwargs
-    ) -> Manifest:
+    def undone(*args: P.args, **kwargs: P.kwargs) -> Manifest:
+        out_dir = Path(signature.bind(*args, **kwargs).arguments["out_dir"])
         made = [folder for folder in (out_dir.parent, out_dir) if not folder.exists()]
-        before = set(out_dir.rglob("*")) if out_dir.exists() else set()
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.before-export-", dir=out_dir.parent))
+        failed = True
         try:
-            return export(module, out_dir, *args, **kwargs)
-        except BaseException:
-            for folder in made:
-                if folder.exists():
-                    shutil.rmtree(folder, ignore_errors=True)
-                    break  # the outermost made holds the rest
-            else:
-                new = set(out_dir.rglob("*")) - before if out_dir.exists() else set()
-                for path in sorted(new, key=lambda p: len(p.parts), reverse=True):
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        path.unlink(missing_ok=True)
-            raise
+            for name in WRITTEN:
+                if (out_dir / name).exists():
+                    (out_dir / name).rename(aside / name)
+            before = set(out_dir.rglob("*")) if out_dir.exists() else set()
+            try:
+                manifest = export(*args, **kwargs)
+            except BaseException:
+                _take_back(out_dir, before, out_dir in made)
+                for kept in aside.iterdir():  # what the failed export had replaced
+                    kept.rename(out_dir / kept.name)
+                raise
+            failed = False
+            return manifest
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+            if failed and out_dir.parent in made:  # empty unless another export writes there
+                with contextlib.suppress(OSError):
+                    out_dir.parent.rmdir()
 
-    functools.update_wrapper(undone, export)  # its name and docs, for help() and the docs
+    functools.update_wrapper(undone, export)  # its name, docs and signature
     return undone
+
+
+def _take_back(out_dir: Path, before: set[Path], made: bool) -> None:
+    """Remove what a failed export made: ``out_dir`` itself when it ``made`` it, else the paths
+    under it that are not in ``before``."""
+    if made:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        return
+    for path in sorted(set(out_dir.rglob("*")) - before, key=lambda p: len(p.parts), reverse=True):
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 @_undone_on_failure

@@ -325,7 +325,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # item into objects of their own.
         strings = sum(
             len(content)
-            for content, tensor in zip(parsed.contents, request.inputs, strict=False)
+            for tensor, content in zip(request.inputs, parsed.contents, strict=False)
             if tensor.datatype == "BYTES"
         )
         with dataplane.call("grpc", request.model_name, request.model_version or None) as call:

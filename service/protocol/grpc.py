@@ -72,12 +72,16 @@ class InferMessage(NamedTuple):
     ``raw_input_contents`` as views of the bytes it arrived in."""
 
     message: pb.ModelInferRequest
-    """Without its raw contents, when they were read as views."""
+    """Without its raw contents: they are ``contents``."""
     contents: Sequence[bytes | memoryview]
 
 
 RAW_INPUT_TAG = 7 << 3 | 2
 """``ModelInferRequest.raw_input_contents`` (field 7, length-delimited) on the wire."""
+SCAN_FROM_BYTES = 64 << 10
+"""Messages this large or larger have their raw contents read as views (:func:`parse_infer`);
+a smaller one upb reads whole, faster than a scan in Python, and copying its contents costs
+little."""
 MAX_SCANNED_FIELDS = 4096
 """Top-level fields :func:`parse_infer` reads in Python before it leaves a message to upb: a
 real request has a few (names, inputs, outputs, parameters, contents); millions of tiny
@@ -85,19 +89,31 @@ real request has a few (names, inputs, outputs, parameters, contents); millions 
 
 
 def parse_infer(raw: bytes) -> InferMessage:
-    """``raw`` as a ``ModelInferRequest``, its raw contents views of ``raw``: upb would copy a
-    60 MiB input twice, the GIL held each time (parsing, 27 ms, and reading the field, 25 ms),
-    and every other request's step on the event loop waits for the GIL. upb parses the rest of
-    the message, so a malformed one is refused as :func:`parse` refuses it."""
-    spans = _split_raw_contents(raw)
-    if spans is None:  # many fields, or not protobuf: upb reads it (and says what is wrong)
-        message = parse(pb.ModelInferRequest, raw)
-        return InferMessage(message, message.raw_input_contents)
+    """``raw`` as a ``ModelInferRequest``, its raw contents apart. In a large message they are
+    views of ``raw``: upb would copy a 60 MiB input twice, the GIL held each time (parsing,
+    27 ms, and reading the field, 25 ms), and every other request's step on the event loop
+    waits for the GIL. upb parses the rest of the message, field run by field run (no joined
+    copy of it), so a malformed one is refused as :func:`parse` refuses it."""
+    spans = _split_raw_contents(raw) if len(raw) >= SCAN_FROM_BYTES else None
+    if spans is None:  # small, many fields, or not protobuf: upb reads it (and says what's wrong)
+        return _parsed_whole(raw)
     contents, rest = spans
     view = memoryview(raw)
-    remainder = raw if not contents else b"".join(view[start:end] for start, end in rest)
-    message = parse(pb.ModelInferRequest, remainder, len(raw))
+    message = pb.ModelInferRequest()
+    try:
+        for start, end in rest:  # merging field runs in turn is parsing them joined
+            message.MergeFromString(view[start:end])
+    except DecodeError:
+        return _parsed_whole(raw)  # refused as a whole message is, naming its size
     return InferMessage(message, [view[start:end] for start, end in contents])
+
+
+def _parsed_whole(raw: bytes) -> InferMessage:
+    """``raw`` parsed by upb, its raw contents read out once (each read of the field copies)."""
+    message = parse(pb.ModelInferRequest, raw)
+    contents = list(message.raw_input_contents)
+    message.ClearField("raw_input_contents")
+    return InferMessage(message, contents)
 
 
 Span = tuple[int, int]
@@ -106,7 +122,8 @@ Span = tuple[int, int]
 def _split_raw_contents(raw: bytes) -> tuple[list[Span], list[Span]] | None:
     """The spans of ``raw`` that are raw contents' payloads, and the spans of every other
     field (whole, consecutive ones merged), in wire order; None for a message of more than
-    :data:`MAX_SCANNED_FIELDS` top-level fields or one that is not protobuf wire format."""
+    :data:`MAX_SCANNED_FIELDS` top-level fields, or one this does not read as upb does (not
+    protobuf wire format, a tag over 5 bytes or past a field number's range, a group)."""
     contents: list[Span] = []
     rest: list[Span] = []
     run = position = 0  # run: where the current stretch of other fields began
@@ -115,18 +132,21 @@ def _split_raw_contents(raw: bytes) -> tuple[list[Span], list[Span]] | None:
         if position == end:
             break
         start = position
-        tag, position = _read_varint(raw, position)
+        tag, position = _read_varint(raw, position, 5)
+        if position < 0 or tag >> 32 or tag >> 3 == 0:
+            return None
         kind = tag & 7
         if kind == 2:
-            length, position = _read_varint(raw, position)
-            payload, position = position, position + length
+            length, position = _read_varint(raw, position, 10)
+            payload = position
+            position = -1 if position < 0 else position + length
         elif kind == 0:
-            _, position = _read_varint(raw, position)
+            _, position = _read_varint(raw, position, 10)
         elif kind in (1, 5):
             position += 8 if kind == 1 else 4
         else:  # groups, or not a wire type: upb's to judge
             return None
-        if position > end or position < 0:
+        if not 0 <= position <= end:
             return None
         if tag == RAW_INPUT_TAG:
             if start > run:
@@ -141,11 +161,11 @@ def _split_raw_contents(raw: bytes) -> tuple[list[Span], list[Span]] | None:
     return contents, rest
 
 
-def _read_varint(data: bytes, position: int) -> tuple[int, int]:
-    """The base-128 varint at ``position`` and the position after it; ``(0, -1)`` when it is
-    cut off or longer than 10 bytes (the caller's bound check then fails)."""
+def _read_varint(data: bytes, position: int, most: int) -> tuple[int, int]:
+    """The base-128 varint of at most ``most`` bytes at ``position`` and the position after it;
+    ``(0, -1)`` when it is cut off or longer."""
     value = shift = 0
-    for index in range(position, min(position + 10, len(data))):
+    for index in range(position, min(position + most, len(data))):
         byte = data[index]
         value |= (byte & 0x7F) << shift
         if byte < 0x80:

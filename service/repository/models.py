@@ -437,10 +437,12 @@ def _has_code(config: ModelConfig | None) -> bool:
 def _configless(root: Path) -> list[Path]:
     """Folders of ``root`` that look like a model (a version folder: digits) but have no
     config.yaml, so the repository skips them."""
-    return [
-        folder
-        for folder in sorted(root.iterdir())
-        if folder.is_dir()
-        and not (folder / "config.yaml").is_file()
-        and any(child.is_dir() and child.name.isdigit() for child in folder.iterdir())
-    ]
+    found = []
+    for folder in sorted(root.iterdir()):
+        try:
+            configless = folder.is_dir() and not (folder / "config.yaml").is_file()
+            if configless and any(c.is_dir() and c.name.isdigit() for c in folder.iterdir()):
+                found.append(folder)
+        except OSError:  # unreadable, or gone meanwhile: not worth failing the scan for
+            continue
+    return found

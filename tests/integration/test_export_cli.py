@@ -100,12 +100,14 @@ def test_export_finds_the_users_module_in_the_current_folder_and_says_what_is_wr
     traceback (``No module named 'mypackage'``). The module is found in the current folder;
     one that is not a Module, or not there at all, is one line saying so."""
     (tmp_path / "notamodel.py").write_text("def make():\n    return 42\n")
+    (tmp_path / "needsmore.py").write_text("import nosuchdependency\n")
     script = Path(sys.executable).with_name("tensorgate")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}  # the package, not the user's folder
     for factory, said in (
         ("notamodel:make", "notamodel:make gave int, not a torch.nn.Module"),
         ("nosuchmodule:make", "cannot import 'nosuchmodule' for nosuchmodule:make"),
         ("notamodel:other", "notamodel has no 'other' (from notamodel:other)"),
+        ("needsmore:make", "No module named 'nosuchdependency', which it imports"),
     ):
         command = [str(script), "export", factory, "--name", "m", "--repository", "models"]
         command += ["--input", "x:FP32:4", "--output", "y:FP32:4"]

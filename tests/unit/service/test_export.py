@@ -80,7 +80,7 @@ def export_too_exactly(out_dir: Path) -> None:
     with pytest.raises(ExportError, match="max abs error .* max rel error"):
         export_model(
             Mlp().eval(),
-            out_dir,
+            out_dir=out_dir,
             name="mlp",
             inputs=[X],
             outputs=[Y],
@@ -108,9 +108,12 @@ def test_a_failed_export_takes_back_what_it_wrote_and_keeps_what_was_there(
     assert (tmp_path / "models").is_dir()  # there before: only what the export made goes
     kept = tmp_path / "kept" / "1"
     kept.mkdir(parents=True)
-    (kept / "tokenizer.json").write_text("{}")
-    export_too_exactly(kept)
-    assert [p.name for p in kept.iterdir()] == ["tokenizer.json"]
+    before = {"tokenizer.json": "{}", "model.onnx": "the old graph", "manifest.json": "{}"}
+    for name, text in before.items():
+        (kept / name).write_text(text)
+    export_too_exactly(kept)  # it wrote a model.onnx of its own before it failed
+    assert {p.name: p.read_text() for p in kept.iterdir()} == before
+    assert [p.name for p in kept.parent.iterdir()] == ["1"]  # nothing set aside is left
 
 
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:

@@ -105,21 +105,26 @@ def _expected(wire: bytes) -> tuple[pb.ModelInferRequest, list[bytes]]:
     return whole, contents
 
 
+WIDE = codec.SCAN_FROM_BYTES // 4  # float32 values: a message large enough to be scanned
+
+
 def test_raw_contents_are_read_as_views_of_the_bytes_the_message_came_in() -> None:
     """upb copies a raw content twice as it is parsed and read, the GIL held each time (52 ms
-    for 60 MiB); read as views, none is copied, and upb parses the rest, wherever the entries
-    sit among the other fields, with unknown fields of every wire type kept."""
-    message = request_with("FP32", [1, 2])
+    for 60 MiB); in a large message they are views, none is copied, and upb parses the rest,
+    wherever the entries sit among the other fields, with unknown fields of every wire type
+    kept. A small message upb reads whole (a scan in Python is the slower there)."""
+    message = request_with("FP32", [1, WIDE])
     message.inputs.add(name="y", datatype="UINT8", shape=[3])
     codec.set_parameters(message.parameters, {"p": 5})
     head = message.SerializeToString()
-    first, second = np.float32([1.5, -2]).tobytes(), b"\x01\x02\x03"
-    unknown = b"\xf8\x07\x96\x01" + b"\x81\x08" + bytes(8) + b"\x8d\x08" + bytes(4)  # 127, 128, 129
+    values = np.arange(WIDE, dtype=np.float32)
+    first, second = values.tobytes(), b"\x01\x02\x03"
+    unknown = b"\xf8\x07\x96\x01" + b"\x81\x08" + bytes(8) + b"\x8d\x08" + bytes(4)  # 127-129
     unknown += b"\x92\x08\x02hi"  # field 130, length-delimited
     for wire in (
         head + _raw_content(first) + _raw_content(second),
         _raw_content(first) + head + unknown + _raw_content(second, b"\xba\x00"),
-        head[:3] + head[3:],  # no raw contents at all
+        head + _raw_content(b"x" * WIDE * 4, b"\xba\x80\x80\x80\x00"),  # a 5-byte tag
     ):
         parsed = codec.parse_infer(wire)
         message_read, contents = _expected(wire)
@@ -129,26 +134,34 @@ def test_raw_contents_are_read_as_views_of_the_bytes_the_message_came_in() -> No
         assert all(isinstance(c, memoryview) and c.obj is wire for c in parsed.contents)
     wire = _raw_content(first) + head + unknown + _raw_content(second)
     x, y = codec.decode_request(codec.parse_infer(wire), None).inputs
-    assert x.data.tolist() == [[1.5, -2.0]] and y.data.tolist() == [1, 2, 3]
+    assert (x.data == values).all() and y.data.tolist() == [1, 2, 3]
+    small = request_with("FP32", [1, 2]).SerializeToString() + _raw_content(bytes(8))
+    parsed = codec.parse_infer(small)
+    assert parsed.contents == [bytes(8)] and not parsed.message.raw_input_contents
 
 
 def test_a_message_that_is_not_protobuf_or_has_many_fields_is_read_by_upb() -> None:
-    """Cut-off or malformed bytes are refused as upb refuses them, naming the bytes sent; a
-    message of more fields than the scan reads (millions of tiny ``outputs``: upb is faster)
-    is parsed by upb, with the same result."""
-    wire = request_with("FP32", [1, 1]).SerializeToString() + _raw_content(bytes(4))
-    for broken in (wire[:-1], wire + b"\x3a\x05ab", wire + b"\x0b", b"\xff" * 11):
+    """Cut-off or malformed bytes are refused as upb refuses them, naming the bytes sent (a tag
+    cut off at the end was read from position -1 on, and the message taken, with overlapping
+    contents; a tag of 6 bytes was taken); a message of more fields than the scan reads
+    (millions of tiny ``outputs``: upb is faster) is parsed by upb, with the same result."""
+    wire = request_with("FP32", [1, WIDE]).SerializeToString() + _raw_content(bytes(4 * WIDE))
+    broken = [wire[:-1], wire + b"\x3a\x05ab", wire + b"\x0b", b"\xff" * 11 + wire]
+    broken += [b"\x3a\x3a\x3a" + b"A" * 57 + wire + b"\x80"]  # a tag cut off at the end
+    broken += [wire + b"\xba\x80\x80\x80\x80\x00\x03abc"]  # field 7 in a 6-byte tag
+    broken += [wire + b"\x02\x00"]  # field 0
+    for bad in broken:
         with pytest.raises(
-            InvalidInput, match=f"inference.ModelInferRequest message \\({len(broken)} bytes"
+            InvalidInput, match=f"inference.ModelInferRequest message \\({len(bad)} bytes"
         ):
-            codec.parse_infer(broken)
+            codec.parse_infer(bad)
     many = pb.ModelInferRequest.FromString(wire)
     for i in range(codec.MAX_SCANNED_FIELDS):
         many.outputs.add(name=f"o{i}")
     crowded = many.SerializeToString()
     parsed = codec.parse_infer(crowded)
     assert parsed.message.outputs[-1].name == f"o{codec.MAX_SCANNED_FIELDS - 1}"
-    assert [bytes(c) for c in parsed.contents] == [bytes(4)]
+    assert parsed.contents == [bytes(4 * WIDE)] and not parsed.message.raw_input_contents
 
 
 def test_parameters_round_trip_and_fp16_outputs_go_raw() -> None:
