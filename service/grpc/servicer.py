@@ -64,9 +64,9 @@ ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (T
 MESSAGE_COPIES = 2
 """How many times an inference message's size the server holds for it at most, and takes from
 the budget. Its bytes, once, where its raw contents are read as views of them
-(:func:`codec.parse_infer`); twice where upb reads them (a message of more than
-``MAX_SCANNED_FIELDS`` fields): its bytes and the parsed message while it is parsed, then the
-parsed message and the raw contents read from it (upb copies a bytes field each time)."""
+(:func:`codec.parse_infer`); twice where upb reads them (a message under ``SCAN_FROM_BYTES``
+or of more than ``MAX_SCANNED_FIELDS`` fields): its bytes and the parsed message while it is
+parsed, then the parsed message and the raw contents read out of it."""
 STREAM_IN_FLIGHT = 64
 """Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
 done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
@@ -107,9 +107,7 @@ def worth_compressing(result: InferenceResult) -> bool:
     data = max(result.outputs, key=lambda output: output.data.nbytes).data
     if data.dtype == object:
         return True
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    start = max(0, raw.size // 2 - SAMPLE_BYTES // 2)
-    return shrinks(raw[start : start + SAMPLE_BYTES].data)
+    return shrinks(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data, SAMPLE_BYTES)
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -107,12 +107,15 @@ SAMPLE_BYTES = 16 << 10
 MOST_KEPT = 0.9
 
 
-def shrinks(sample: bytes | memoryview) -> bool:
-    """Whether ``sample`` keeps at most :data:`MOST_KEPT` of its size compressed at level 1:
-    whether the answer it is taken from is worth compressing."""
-    probe = zlib.compressobj(1, zlib.DEFLATED, _RAW)
-    kept = len(probe.compress(sample)) + len(probe.flush())
-    return kept <= MOST_KEPT * len(sample)
+def shrinks(data: bytes | memoryview, sample_bytes: int) -> bool:
+    """Whether ``sample_bytes`` from the middle of ``data`` keep at most :data:`MOST_KEPT` of
+    their size compressed at level 1: whether ``data`` is worth compressing."""
+    start = max(0, len(data) // 2 - sample_bytes // 2)
+    with memoryview(data) as view:
+        sample = view[start : start + sample_bytes]
+        probe = zlib.compressobj(1, zlib.DEFLATED, _RAW)
+        kept = len(probe.compress(sample)) + len(probe.flush())
+        return kept <= MOST_KEPT * len(sample)
 
 
 def compress(body: bytes, encoding: str) -> bytes | None:
@@ -122,10 +125,7 @@ def compress(body: bytes, encoding: str) -> bytes | None:
     7-8 % at about 30 MB/s (docs/performance.md, "gRPC answers and compression"): at that rate a
     60 MiB answer holds a pool thread (the one images are preprocessed on) about 2 s to gain
     next to nothing."""
-    if len(body) > 2 * SAMPLE_BYTES:
-        start = len(body) // 2 - SAMPLE_BYTES // 2
-        with memoryview(body) as view:
-            if not shrinks(view[start : start + SAMPLE_BYTES]):
-                return None
+    if len(body) > 2 * SAMPLE_BYTES and not shrinks(body, SAMPLE_BYTES):
+        return None
     compressor = zlib.compressobj(1, zlib.DEFLATED, _GZIP if encoding == "gzip" else _ZLIB)
     return compressor.compress(body) + compressor.flush()

@@ -54,15 +54,14 @@ class Unparsed:
         self.raw = raw
 
 
-def parse(message_type: type[M], raw: bytes, size: int | None = None) -> M:
-    """``raw`` as a ``message_type``; 400 (INVALID_ARGUMENT) naming the message if it is not one
-    (``size``: the bytes the client sent, when ``raw`` is part of them)."""
+def parse(message_type: type[M], raw: bytes) -> M:
+    """``raw`` as a ``message_type``; 400 (INVALID_ARGUMENT) naming the message if it is not one."""
     try:
         message: M = message_type.FromString(raw)
     except DecodeError:
         raise InvalidInput(
             f"the request is not a valid {message_type.DESCRIPTOR.full_name} message "
-            f"({len(raw) if size is None else size} bytes that do not parse as protobuf)"
+            f"({len(raw)} bytes that do not parse as protobuf)"
         ) from None
     return message
 
