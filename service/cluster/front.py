@@ -16,6 +16,12 @@ one worker's gRPC server on a unix socket in the supervisor's private folder.
 - **What it holds**: at most one :data:`CHUNK` a direction a connection, read only when the
   last one was sent (a client that stops reading stops its worker's answers, which HTTP/2 flow
   control then holds in grpcio, as it did without a front).
+- **What it lets the workers hold**: grpcio takes in every message whole before a handler
+  sees it, so the front counts what each connection's client sent that its worker has not
+  answered (:class:`service.cluster.held.Held`). While that is more than ``max_held_bytes``
+  over all connections (``TG_MAX_INFLIGHT_BYTES``), it stops reading each connection that
+  holds :data:`LIGHT` or more, until answers let enough go: a client stalled short of its
+  messages' ends holds the budget, not the memory, and small calls on other connections go on.
 - **Connections**: at most ``max_connections`` forwarded, and ``max_connections_per_client``
   from one client address (grpcio has no per-address cap, so a single process has only the
   global one; here one client's 4,096 idle channels would lock every other client out). One
@@ -36,11 +42,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
+from service.cluster.held import Held
+
 log = logging.getLogger("tensorgate.workers")
 
 CHUNK = 64 * 1024
 """The most read from one side at a time, and the most left unsent to it before the other side
 stops being read."""
+LIGHT = 2 * CHUNK
+"""A connection holding less unanswered bytes than this is read on when the front holds its
+most: the small calls of other clients go on while large ones wait."""
+SWEEP_S = 0.5
+"""How often the connections not read are looked at for a client that has gone."""
+TCP_ESTABLISHED = 1
+"""``tcpi_state`` of a connection both ends still hold open (linux/tcp_states.h)."""
+THROTTLE_LOG_S = 10.0
+"""The least time between two log lines saying that the front stopped reading connections."""
 
 
 class _Side(asyncio.BufferedProtocol):
@@ -53,6 +70,8 @@ class _Side(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray(CHUNK)
         self.eof = False
+        self.behind = False
+        """Its peer has more unsent than :data:`CHUNK`: not read until it has sent it."""
         self.early = b""
         """Read before the peer was there (uvloop may read once past a pause at the start)."""
 
@@ -72,7 +91,9 @@ class _Side(asyncio.BufferedProtocol):
             if self.transport is not None:
                 self.transport.pause_reading()
             return
-        self.peer.transport.write(bytes(memoryview(self.buffer)[:nbytes]))  # one copy
+        data = memoryview(self.buffer)[:nbytes]
+        self.peer.transport.write(bytes(data))  # one copy
+        self.link.passed(self, data)
 
     def join(self, peer: _Side) -> None:
         """Forward to ``peer`` from now on, what was read before it first."""
@@ -80,8 +101,20 @@ class _Side(asyncio.BufferedProtocol):
         assert self.transport is not None and peer.transport is not None
         if self.early:
             peer.transport.write(self.early)
+            self.link.passed(self, memoryview(self.early))
             self.early = b""
-        self.transport.resume_reading()
+        self.read_or_not()
+
+    def read_or_not(self) -> None:
+        """Read while the peer keeps up and (the client's side) the front is not holding
+        this connection back."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self.peer is None:
+            return
+        if self.behind or (self is self.link.client and self.link.throttled):
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
 
     def eof_received(self) -> bool:
         self.eof = True
@@ -93,12 +126,14 @@ class _Side(asyncio.BufferedProtocol):
         return True
 
     def pause_writing(self) -> None:  # this side is behind: stop reading what feeds it
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
+        if self.peer is not None:
+            self.peer.behind = True
+            self.peer.read_or_not()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.resume_reading()
+        if self.peer is not None:
+            self.peer.behind = False
+            self.peer.read_or_not()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.link.lost()
@@ -115,6 +150,22 @@ class _Link:
         self.address: str | None = None
         """The client's, while it counts in ``front.per_client``."""
         self.closed = False
+        self.held = Held()
+        self.throttled = False
+        """Not read because the front holds its most (``front.throttled``)."""
+
+    def passed(self, side: _Side, data: memoryview) -> None:
+        """``data`` went from ``side`` to its peer: counted, or let go if it is an answer."""
+        if side is self.client:
+            before = self.held.total
+            self.held.sent(data)
+            more = self.held.total - before  # less: the client reset a stream
+            if more >= 0:
+                self.front.holding(self, more)
+            else:
+                self.front.letting_go(-more)
+        else:
+            self.front.letting_go(self.held.answered(data))
 
     def lost(self) -> None:
         """Either side closed (or failed): close the other, once."""
@@ -122,6 +173,8 @@ class _Link:
             return
         self.closed = True
         self.front._links.discard(self)
+        self.front.throttled.discard(self)
+        self.front.letting_go(self.held.stop())
         if self.worker >= 0:
             self.front.open[self.worker] -= 1
         if self.address is not None:
@@ -146,6 +199,7 @@ class GrpcFront:
         live: Callable[[int], bool],
         max_connections: int,
         max_connections_per_client: int | None = None,
+        max_held_bytes: int | None = None,
     ) -> None:
         self.listener = listener
         self.count = count
@@ -157,6 +211,11 @@ class GrpcFront:
         """Forwarded connections open per worker."""
         self.per_client: dict[str, int] = {}
         """Connections open per client address."""
+        self.max_held_bytes = max_held_bytes
+        self.held = 0
+        """Client bytes forwarded over all connections and not yet answered."""
+        self.throttled: set[_Link] = set()
+        self._logged = -THROTTLE_LOG_S
         self.loop = _new_loop()
         self._links: set[_Link] = set()
         self._thread = threading.Thread(target=self._run, name="grpc-front", daemon=True)
@@ -186,6 +245,59 @@ class GrpcFront:
                 link.lost()
             self.loop.run_until_complete(asyncio.sleep(0))  # the closes happen
             self.loop.close()
+
+    def holding(self, link: _Link, more: int) -> None:
+        """``link``'s client sent ``more`` bytes its worker has not answered; past the bound,
+        ``link`` is read no more until answers let enough go, unless it holds little."""
+        self.held += more
+        if (
+            self.max_held_bytes is None
+            or self.held < self.max_held_bytes
+            or link.held.total < LIGHT
+            or link.throttled
+        ):
+            return
+        link.throttled = True
+        if not self.throttled:
+            self.loop.call_later(SWEEP_S, self._sweep)
+        self.throttled.add(link)
+        link.client.read_or_not()
+        now = self.loop.time()
+        if now - self._logged >= THROTTLE_LOG_S:
+            self._logged = now
+            log.warning(
+                "gRPC front: %d MiB of messages not yet answered (TG_MAX_INFLIGHT_BYTES %d MiB): "
+                "%d connection(s) holding the most are not read until their answers come",
+                self.held >> 20,
+                self.max_held_bytes >> 20,
+                len(self.throttled),
+            )
+
+    def letting_go(self, freed: int) -> None:
+        """``freed`` bytes were answered (or their connection closed): under the bound again,
+        every connection held back is read again."""
+        self.held -= freed
+        if not freed or not self.throttled:
+            return
+        if self.max_held_bytes is not None and self.held >= self.max_held_bytes:
+            return
+        links, self.throttled = self.throttled, set()
+        for link in links:
+            link.throttled = False
+            link.client.read_or_not()
+
+    def _sweep(self) -> None:
+        """A connection not read sees no FIN or reset: read again each held back whose client
+        has closed (its TCP state is no longer established), so that its end is seen and what
+        it held let go."""
+        for link in list(self.throttled):
+            if _established(link.client.transport):
+                continue
+            self.throttled.discard(link)
+            link.throttled = False
+            link.client.read_or_not()
+        if self.throttled:
+            self.loop.call_later(SWEEP_S, self._sweep)
 
     def _accepted(self) -> _Side:
         link = _Link(self)
@@ -241,6 +353,16 @@ class GrpcFront:
             link.client.join(upstream)
             return
         link.lost()
+
+
+def _established(transport: asyncio.Transport | None) -> bool:
+    if transport is None or transport.is_closing():
+        return False
+    try:
+        info = transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except OSError:
+        return False
+    return bool(info[0] == TCP_ESTABLISHED)
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -173,6 +173,7 @@ class Supervisor:
                 self._takes_calls,
                 self.settings.max_connections,
                 self.settings.max_connections_per_client,
+                self.settings.max_inflight_bytes,
             )
         create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
         create_balance_file(self.folder / "connections", self.count)  # Worker.connections_path

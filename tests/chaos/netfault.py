@@ -33,6 +33,9 @@ class Faults:
     """Reset both sides once this many client bytes have passed (a client cut mid-request)."""
     cut_down_after: int | None = None
     """Reset both sides once this many server bytes have passed (cut mid-answer)."""
+    stall_up_after: int | None = None
+    """Pass no more client bytes once this many have passed, the connection left open (a
+    client stalled mid-message)."""
 
 
 def _reset(sock: socket.socket) -> None:
@@ -52,6 +55,8 @@ class FaultyProxy:
         self.policy = policy
         self.connections = 0
         self.cuts = 0
+        self.passed_up = 0
+        """Client bytes passed on to the server, over every connection."""
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
@@ -72,6 +77,9 @@ class FaultyProxy:
         self._listener.close()
         with self._lock:
             for sock in list(self._open):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked in recv or sendall
                 _reset(sock)
         for thread in self._threads:
             thread.join(5)
@@ -98,8 +106,8 @@ class FaultyProxy:
                 self._open.update((client, server))
             pair = _Pair(self, client, server)
             for args in (
-                (client, server, faults.cut_up_after),
-                (server, client, faults.cut_down_after),
+                (client, server, faults.cut_up_after, faults.stall_up_after),
+                (server, client, faults.cut_down_after, None),
             ):
                 thread = threading.Thread(target=pair.pump, args=(*args, faults), daemon=True)
                 thread.start()
@@ -118,7 +126,12 @@ class _Pair:
         self._lock = threading.Lock()
 
     def pump(
-        self, source: socket.socket, sink: socket.socket, cut_after: int | None, faults: Faults
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        cut_after: int | None,
+        stall_after: int | None,
+        faults: Faults,
     ) -> None:
         passed = 0
         try:
@@ -134,15 +147,26 @@ class _Pair:
                     self.proxy.cuts += 1
                     self._cut()
                     break
+                if stall_after is not None and passed + len(data) >= stall_after:
+                    self._pass(sink, data[: max(0, stall_after - passed)], source)
+                    while not self.proxy._stop.is_set() and not self.cut:
+                        time.sleep(0.05)  # held open, passing nothing, until closed
+                    break
                 if faults.latency_s:
                     time.sleep(faults.latency_s)
                 if faults.rate:
                     time.sleep(len(data) / faults.rate)
-                sink.sendall(data)
+                self._pass(sink, data, source)
                 passed += len(data)
         except OSError:
             self._cut()
         self._end()
+
+    def _pass(self, sink: socket.socket, data: bytes, source: socket.socket) -> None:
+        sink.sendall(data)
+        if source is self.client:
+            with self.proxy._lock:
+                self.proxy.passed_up += len(data)
 
     def _cut(self) -> None:
         self.cut = True

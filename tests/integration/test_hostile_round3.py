@@ -531,3 +531,77 @@ def test_a_grpc_connection_carries_at_most_its_stream_cap(server: Server) -> Non
     finally:
         release.set()
         crowded.close()
+
+
+def workers_rss(server: Server) -> int:
+    """The RSS of the supervisor's workers together."""
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return sum(rss_bytes(int(child)) for child in children)
+
+
+def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: Path) -> None:
+    """#28 finding 2: grpcio takes in each message whole before any handler (and so the
+    budget) sees it: 16 connections each stalled short of the end of a 12 MiB message made
+    the workers hold all 192 MiB, for as long as the clients liked. The supervisor's front
+    now counts what each connection sent that its worker has not answered, and past
+    TG_MAX_INFLIGHT_BYTES (32 MiB here) reads no more of the connections holding the most:
+    the workers hold about the budget, a small call on another connection is answered
+    meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    env = {
+        "TG_WORKERS": "2",
+        "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
+        "TG_MAX_BODY_BYTES": str(16 * MIB),
+    }
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    size, count = 12 * MIB, 16
+    proxy = None
+    channels: list[grpc.Channel] = []
+    try:
+        server.wait_until()
+        with grpc.insecure_channel(server.grpc_url, options=options) as warm:
+            pb_grpc.GRPCInferenceServiceStub(warm).ModelInfer(digits_call(None)[0], timeout=10)
+        before = workers_rss(server)
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
+        calls = []
+        for _ in range(count):
+            channel = grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options)
+            channels.append(channel)
+            request, _ = digits_call(None, bytes(size))
+            calls.append(pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request))
+        passed, still = -1, 0
+        deadline = time.monotonic() + 60
+        while still < 8 and time.monotonic() < deadline:  # 2 s without a byte more
+            time.sleep(0.25)
+            still = still + 1 if proxy.passed_up == passed else 0
+            passed = proxy.passed_up
+        held = workers_rss(server) - before
+        print(
+            f"passed {passed / MIB:.0f} MiB of {count * size / MIB:.0f}; held +{held / MIB:.0f} MiB"
+        )
+        assert held < count * size / 3  # 192 MiB before; the budget and buffers now
+        assert not any(call.done() for call in calls)  # stalled, not refused
+        with grpc.insecure_channel(server.grpc_url, options=options) as other:
+            stub = pb_grpc.GRPCInferenceServiceStub(other)
+            answer = stub.ModelInfer(digits_call(None)[0], timeout=10)
+            assert answer.model_name == "digits"
+        proxy.close()  # the stalled clients go (their connections reset)
+        proxy = None
+        for call in calls:
+            with pytest.raises(grpc.RpcError):
+                call.result(timeout=30)
+        with grpc.insecure_channel(server.grpc_url, options=options) as other:
+            with pytest.raises(grpc.RpcError) as read:
+                pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
+                    digits_call(None, bytes(size))[0], timeout=20
+                )
+            assert read.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
+    finally:
+        for channel in channels:
+            channel.close()
+        if proxy is not None:
+            proxy.close()
+        server.stop()

@@ -1,0 +1,212 @@
+"""What a gRPC client has sent that its worker has not answered yet, read from the HTTP/2
+frames as they pass the supervisor's front (issue #28, finding 2).
+
+grpcio takes in a whole message before any handler can see it (its flow control opens the
+window for all of a message once its length is known), so the workers' budget, which counts a
+message from the moment grpcio hands it over, cannot bound what is still arriving: 32 streams
+stalled 1 KiB short of 60 MiB held +1.9 GiB. The front sees every byte first. :class:`Held`
+counts, per connection, the DATA bytes of each stream from the client, and lets them go as the
+worker answers: a request message when an answer message starts on its stream (grpcio handed
+the request over, so the worker's budget counts it from then on), all of a stream when the
+worker ends it (trailers, ``RST_STREAM``) or the client resets it. The front stops reading the
+connections that hold the most while all of them together hold more than the budget
+(:class:`service.cluster.front.GrpcFront`).
+
+Only the frames' 9-byte headers and gRPC's 5-byte message prefixes are read; nothing is
+decoded (no HPACK) or changed. A client whose first bytes are not HTTP/2's preface is not
+counted (it is grpcio's to refuse).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, RST_STREAM = 0x0, 0x1, 0x3
+END_STREAM, PADDED = 0x1, 0x8
+_HEAD = 9
+"""Bytes of an HTTP/2 frame header: length (3), type, flags, stream id (4)."""
+
+
+class _Messages:
+    """gRPC's length-prefixed messages (a flag byte, a 4-byte length, the message) in the
+    DATA of one direction of one stream: where they start and end."""
+
+    __slots__ = ("head", "left", "size")
+
+    def __init__(self) -> None:
+        self.head = bytearray()
+        self.left = 0
+        self.size = 0
+
+    def feed(self, data: memoryview) -> tuple[int, list[int]]:
+        """The messages that start in ``data``, and the sizes (prefix included) of those
+        that end in it."""
+        started, ended = 0, []
+        at, end = 0, len(data)
+        while at < end:
+            if self.left:
+                taken = min(self.left, end - at)
+                self.left -= taken
+                at += taken
+                if not self.left:
+                    ended.append(self.size)
+                continue
+            taken = min(5 - len(self.head), end - at)
+            self.head += data[at : at + taken]
+            at += taken
+            if len(self.head) == 5:
+                self.left = int.from_bytes(self.head[1:], "big")
+                self.size = 5 + self.left
+                self.head.clear()
+                started += 1
+                if not self.left:
+                    ended.append(self.size)
+        return started, ended
+
+
+class _Stream:
+    """One stream's count: its DATA bytes held, and its whole requests not yet answered."""
+
+    __slots__ = ("answers", "held", "requests", "unanswered")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.requests = _Messages()
+        self.unanswered: deque[int] = deque()
+        self.answers = _Messages()
+
+
+class _Frames:
+    """The HTTP/2 frames of one direction, as its bytes pass in pieces of any size: calls
+    ``frame(type, flags, stream)`` at each frame's header, and ``data(stream, piece,
+    wire)`` for each piece of a DATA frame's data (padding taken off; ``wire``: the bytes of
+    the frame the piece stands for, padding included)."""
+
+    def __init__(self, skip: int, owner: Held, answers: bool) -> None:
+        self.skip = skip
+        self.owner = owner
+        self.answers = answers
+        self.head = bytearray()
+        self.left = 0
+        """Payload bytes of the current frame still to come."""
+        self.kind = self.flags = self.stream = 0
+        self.pad_byte = False
+        """A PADDED DATA frame whose pad length (its first payload byte) is still to come."""
+        self.padding = 0
+
+    def feed(self, data: memoryview) -> None:
+        at, end = 0, len(data)
+        if self.skip:
+            at = min(self.skip, end)
+            self.skip -= at
+        while at < end:
+            if not self.left:
+                taken = min(_HEAD - len(self.head), end - at)
+                self.head += data[at : at + taken]
+                at += taken
+                if len(self.head) == _HEAD:
+                    self._header()
+                continue
+            taken = min(self.left, end - at)
+            if self.kind == DATA:
+                self._data(data[at : at + taken])
+            self.left -= taken
+            at += taken
+
+    def _header(self) -> None:
+        head = self.head
+        self.left = int.from_bytes(head[:3], "big")
+        self.kind, self.flags = head[3], head[4]
+        self.stream = int.from_bytes(head[5:], "big") & 0x7FFFFFFF
+        head.clear()
+        self.pad_byte = self.kind == DATA and bool(self.flags & PADDED)
+        self.padding = 0
+        self.owner.frame(self.answers, self.kind, self.flags, self.stream)
+
+    def _data(self, piece: memoryview) -> None:
+        wire = len(piece)
+        if self.pad_byte:
+            self.padding = piece[0]
+            self.pad_byte = False
+            piece = piece[1:]
+        # the last ``padding`` bytes of the frame are padding: ``left`` counts down to them
+        data_left = max(0, self.left - (wire - len(piece)) - self.padding)
+        self.owner.data(self.answers, self.stream, piece[:data_left], wire)
+
+
+class Held:
+    """The client bytes of one forwarded connection that its worker has not answered:
+    ``sent`` with what goes to the worker, ``answered`` with what comes back; ``total`` is
+    the count."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.counting = True
+        """False once the client's first bytes were not HTTP/2's preface."""
+        self._preface = bytearray()
+        self._streams: dict[int, _Stream] = {}
+        self._highest = 0
+        self._sent = _Frames(len(PREFACE), self, answers=False)
+        self._answered = _Frames(0, self, answers=True)
+        self._let_go = 0
+
+    def sent(self, data: memoryview) -> None:
+        """``data`` goes from the client to the worker."""
+        if not self.counting:
+            return
+        if len(self._preface) < len(PREFACE):
+            taken = data[: len(PREFACE) - len(self._preface)]
+            self._preface += taken
+            if not PREFACE.startswith(self._preface):
+                self.stop()
+                return
+        self._sent.feed(data)
+
+    def answered(self, data: memoryview) -> int:
+        """``data`` goes from the worker to the client; the bytes it lets go."""
+        if not self.counting or len(self._preface) < len(PREFACE):
+            return 0
+        self._let_go = 0
+        self._answered.feed(data)
+        return self._let_go
+
+    def stop(self) -> int:
+        """Count no more (the connection closed, or is not HTTP/2); what was held."""
+        held, self.total = self.total, 0
+        self.counting = False
+        self._streams.clear()
+        return held
+
+    def frame(self, answers: bool, kind: int, flags: int, stream: int) -> None:
+        if kind == RST_STREAM or (answers and kind == HEADERS and flags & END_STREAM):
+            self._end(stream)
+        elif not answers and kind == HEADERS and stream > self._highest:
+            self._highest = stream  # a new stream (ids only grow; a closed one stays closed)
+            self._streams[stream] = _Stream()
+
+    def data(self, answers: bool, stream: int, piece: memoryview, wire: int) -> None:
+        state = self._streams.get(stream)
+        if state is None:  # ended, or never opened: grpcio drops it
+            return
+        if not answers:
+            state.held += wire
+            self.total += wire
+            state.unanswered.extend(state.requests.feed(piece)[1])
+            return
+        started, _ = state.answers.feed(piece)
+        for _ in range(started):
+            if not state.unanswered:
+                break
+            self._release(state, state.unanswered.popleft())
+
+    def _end(self, stream: int) -> None:
+        state = self._streams.pop(stream, None)
+        if state is not None:
+            self._release(state, state.held)
+
+    def _release(self, state: _Stream, size: int) -> None:
+        freed = min(size, state.held)  # padding is counted, and let go with its stream
+        state.held -= freed
+        self.total -= freed
+        self._let_go += freed
