@@ -38,6 +38,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -200,6 +201,7 @@ class GrpcFront:
         max_connections: int,
         max_connections_per_client: int | None = None,
         max_held_bytes: int | None = None,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self.listener = listener
         self.count = count
@@ -212,6 +214,7 @@ class GrpcFront:
         self.per_client: dict[str, int] = {}
         """Connections open per client address."""
         self.max_held_bytes = max_held_bytes
+        self.body_timeout_s = body_timeout_s
         self.held = 0
         """Client bytes forwarded over all connections and not yet answered."""
         self.throttled: set[_Link] = set()
@@ -287,15 +290,34 @@ class GrpcFront:
             link.client.read_or_not()
 
     def _sweep(self) -> None:
-        """A connection not read sees no FIN or reset: read again each held back whose client
-        has closed (its TCP state is no longer established), so that its end is seen and what
-        it held let go."""
-        for link in list(self.throttled):
-            if _established(link.client.transport):
+        """While connections are held back, every :data:`SWEEP_S`:
+
+        - A connection not read sees no FIN or reset: each held back whose client has closed
+          (its TCP state is no longer established) is read again, so that its end is seen and
+          what it held let go.
+        - A connection holding :data:`LIGHT` or more with a message that has not arrived in
+          full within ``body_timeout_s`` is closed, as a ModelInfer's worker ends such a call
+          (DEADLINE_EXCEEDED): a stream's message has no other limit, and a client that
+          stalls one would hold its share of the budget for good.
+        """
+        now = time.monotonic()
+        for link in list(self._links):
+            since = link.held.arriving_since() if link.held.total >= LIGHT else None
+            if since is None or now - since <= self.body_timeout_s:
                 continue
-            self.throttled.discard(link)
-            link.throttled = False
-            link.client.read_or_not()
+            log.warning(
+                "gRPC front: closed a connection from %s holding %d MiB: a message did not "
+                "arrive in full within %g s (TG_BODY_TIMEOUT_S)",
+                link.address or "?",
+                link.held.total >> 20,
+                self.body_timeout_s,
+            )
+            link.lost()
+        for link in list(self.throttled):
+            if not _established(link.client.transport):
+                self.throttled.discard(link)
+                link.throttled = False
+                link.client.read_or_not()
         if self.throttled:
             self.loop.call_later(SWEEP_S, self._sweep)
 

@@ -19,6 +19,7 @@ counted (it is grpcio's to refuse).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -38,6 +39,11 @@ class _Messages:
         self.head = bytearray()
         self.left = 0
         self.size = 0
+
+    @property
+    def within(self) -> bool:
+        """Between a message's first byte and its last."""
+        return bool(self.left or self.head)
 
     def feed(self, data: memoryview) -> tuple[int, list[int]]:
         """The messages that start in ``data``, and the sizes (prefix included) of those
@@ -68,10 +74,12 @@ class _Messages:
 class _Stream:
     """One stream's count: its DATA bytes held, and its whole requests not yet answered."""
 
-    __slots__ = ("answers", "held", "requests", "unanswered")
+    __slots__ = ("answers", "held", "requests", "since", "unanswered")
 
     def __init__(self) -> None:
         self.held = 0
+        self.since: float | None = None
+        """When the request message still arriving began to (monotonic), if one is."""
         self.requests = _Messages()
         self.unanswered: deque[int] = deque()
         self.answers = _Messages()
@@ -171,6 +179,10 @@ class Held:
         self._answered.feed(data)
         return self._let_go
 
+    def arriving_since(self) -> float | None:
+        """When the oldest request message still arriving began to (monotonic), if one is."""
+        return min((s.since for s in self._streams.values() if s.since is not None), default=None)
+
     def stop(self) -> int:
         """Count no more (the connection closed, or is not HTTP/2); what was held."""
         held, self.total = self.total, 0
@@ -193,6 +205,10 @@ class Held:
             state.held += wire
             self.total += wire
             state.unanswered.extend(state.requests.feed(piece)[1])
+            if not state.requests.within:
+                state.since = None
+            elif state.since is None:
+                state.since = time.monotonic()
             return
         started, _ = state.answers.feed(piece)
         for _ in range(started):

@@ -174,6 +174,7 @@ class Supervisor:
                 self.settings.max_connections,
                 self.settings.max_connections_per_client,
                 self.settings.max_inflight_bytes,
+                self.settings.body_timeout_s,
             )
         create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
         create_balance_file(self.folder / "connections", self.count)  # Worker.connections_path

@@ -605,3 +605,53 @@ def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: P
         if proxy is not None:
             proxy.close()
         server.stop()
+
+
+def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_path: Path) -> None:
+    """#28 finding 2: a ModelStreamInfer message has no time limit of its own (a stream may
+    wait for its next request as long as it likes), so streams stalled short of their
+    messages' ends held the front's budget for good once it was full. The front closes a
+    connection holding a message not whole within TG_BODY_TIMEOUT_S (3 s here), as the worker
+    ends a ModelInfer's, and a large call is read whole again."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    env = {
+        "TG_WORKERS": "2",
+        "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
+        "TG_MAX_BODY_BYTES": str(16 * MIB),
+        "TG_BODY_TIMEOUT_S": "3",
+    }
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    size = 12 * MIB
+    proxy = None
+    channels: list[grpc.Channel] = []
+    try:
+        server.wait_until()
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
+        streams = []
+        for _ in range(6):
+            channel = grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options)
+            channels.append(channel)
+            request, _ = digits_call(None, bytes(size))
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            streams.append(stub.ModelStreamInfer(iter([request]), timeout=60))
+        ended = []
+        for stream in streams:
+            with pytest.raises(grpc.RpcError) as closed:
+                list(stream)
+            ended.append(closed.value.code())
+        assert set(ended) == {grpc.StatusCode.UNAVAILABLE}, ended  # closed, not the 60 s deadline
+        assert "TG_BODY_TIMEOUT_S" in server.log()
+        with grpc.insecure_channel(server.grpc_url, options=options) as other:
+            with pytest.raises(grpc.RpcError) as read:
+                pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
+                    digits_call(None, bytes(size))[0], timeout=20
+                )
+            assert read.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
+    finally:
+        for channel in channels:
+            channel.close()
+        if proxy is not None:
+            proxy.close()
+        server.stop()
