@@ -10,12 +10,8 @@ memory limit for good, and the next one pushes it over.
 
 :class:`Trimmer` asks glibc to give back what it holds free, once the budget has let go of at
 least :data:`TRIM_AFTER_BYTES` since the last time: never on a quiet server (trimming walks
-every heap, under each heap's lock), at most once every :data:`TRIM_EVERY_S`. Or once the
-process's RSS has grown by as much since the last trim: memory the budget never counted, such
-as what grpcio buffered of messages still arriving when their clients went (measured, 32
-connections stalled short of 60 MiB messages and then reset: the workers' RSS stayed at 1.55 ×
-where it started; each growth trims once, so a server that grows for good trims once per
-32 MiB of it). Without glibc (musl), nothing is trimmed.
+every heap, under each heap's lock), at most once every :data:`TRIM_EVERY_S`. Without glibc
+(musl), nothing is trimmed.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import threading
 from collections.abc import Callable
 
@@ -48,26 +43,12 @@ def malloc_trim() -> Callable[[], object] | None:
     return lambda: trim(0)
 
 
-def rss_bytes() -> int:
-    """This process's resident set size."""
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class Trimmer:
     """A thread that hands freed heap memory back once ``budget`` has let go of enough."""
 
-    def __init__(
-        self,
-        budget: BytesBudget,
-        trim: Callable[[], object] | None = None,
-        rss: Callable[[], int] = rss_bytes,
-    ) -> None:
+    def __init__(self, budget: BytesBudget, trim: Callable[[], object] | None = None) -> None:
         self.budget = budget
         self.trim = trim or malloc_trim()
-        self.rss = rss
-        self.trimmed_at = rss()
-        """The RSS after the last trim (or at the start)."""
         self.trims = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="malloc-trim", daemon=True)
@@ -88,16 +69,11 @@ class Trimmer:
             self.check()
 
     def check(self) -> bool:
-        """Trim if the budget let go of enough since the last time, or the RSS grew by as much;
-        True when it did."""
+        """Trim if the budget let go of enough since the last time; True when it did."""
         budget = self.budget
-        if self.trim is None:
-            return False
-        let_go = budget.high - budget.held >= TRIM_AFTER_BYTES
-        if not let_go and self.rss() - self.trimmed_at < TRIM_AFTER_BYTES:
+        if budget.high - budget.held < TRIM_AFTER_BYTES or self.trim is None:
             return False
         budget.high = budget.held
         self.trim()
         self.trims += 1
-        self.trimmed_at = self.rss()
         return True

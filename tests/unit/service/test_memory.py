@@ -9,7 +9,7 @@ from service.limits.memory import TRIM_AFTER_BYTES, Trimmer, malloc_trim
 def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> None:
     trims: list[int] = []
     budget = BytesBudget(limit=1 << 30)
-    trimmer = Trimmer(budget, trim=lambda: trims.append(budget.held), rss=lambda: 1 << 30)
+    trimmer = Trimmer(budget, trim=lambda: trims.append(budget.held))
     assert not trimmer.check()  # nothing was ever held
     budget.take(TRIM_AFTER_BYTES)
     assert not trimmer.check()  # still held: nothing to give back
@@ -20,20 +20,6 @@ def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> Non
     assert not trimmer.check()  # once: the high-water mark starts again from what is held
     budget.hold(2 * TRIM_AFTER_BYTES)  # answers unsent count too
     budget.hold(-2 * TRIM_AFTER_BYTES)
-    assert trimmer.check() and trimmer.trims == 2
-
-
-def test_memory_the_budget_never_counted_is_trimmed_once_per_growth() -> None:
-    """What grpcio buffered of messages still arriving never enters the budget: growth of the
-    RSS by as much as the budget's threshold trims too, once per growth."""
-    rss = [512 << 20]
-    trimmer = Trimmer(BytesBudget(limit=1 << 30), trim=lambda: None, rss=lambda: rss[0])
-    rss[0] += TRIM_AFTER_BYTES - 1
-    assert not trimmer.check()
-    rss[0] += 1
-    assert trimmer.check()
-    assert not trimmer.check()  # it stayed (a server that grew for good): not again
-    rss[0] += TRIM_AFTER_BYTES
     assert trimmer.check() and trimmer.trims == 2
 
 
