@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from service.limits.admission import BytesBudget
-from service.limits.memory import TRIM_AFTER_BYTES, Trimmer, malloc_trim
+from service.limits.memory import TRIM_AFTER_BYTES, Trimmer, malloc_free_bytes, malloc_trim
 
 
 def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> None:
     trims: list[int] = []
     budget = BytesBudget(limit=1 << 30)
-    trimmer = Trimmer(budget, trim=lambda: trims.append(budget.held))
+    trimmer = Trimmer(budget, trim=lambda: trims.append(budget.held), free_bytes=lambda: 0)
     assert not trimmer.check()  # nothing was ever held
     budget.take(TRIM_AFTER_BYTES)
     assert not trimmer.check()  # still held: nothing to give back
@@ -23,7 +23,29 @@ def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> Non
     assert trimmer.check() and trimmer.trims == 2
 
 
+def test_memory_the_budget_never_counted_is_trimmed_once_freed() -> None:
+    """What grpcio buffered of gRPC messages still arriving never enters the budget: once the
+    heaps hold 32 MiB more free than the least they held since the last trim, it trims; free
+    memory already trimmed (still counted free) does not trim again."""
+    free = [100 << 20]
+    trimmer = Trimmer(BytesBudget(limit=1 << 30), trim=lambda: None, free_bytes=lambda: free[0])
+    assert not trimmer.check()
+    free[0] -= 90 << 20  # reused: 10 MiB free
+    assert not trimmer.check()
+    free[0] += TRIM_AFTER_BYTES - 1
+    assert not trimmer.check()
+    free[0] += 1  # the clients went: 32 MiB more freed than the least
+    assert trimmer.check()
+    assert not trimmer.check()  # the same free chunks, given back already
+    free[0] -= 64 << 20  # taken again (resident again), then freed again
+    assert not trimmer.check()
+    free[0] += 64 << 20
+    assert trimmer.check() and trimmer.trims == 2
+
+
 def test_this_c_library_trims_for_real() -> None:
     trim = malloc_trim()
     assert trim is not None  # glibc, here and in the image
     trim()
+    free_bytes = malloc_free_bytes()
+    assert free_bytes is not None and free_bytes() >= 0
