@@ -19,6 +19,7 @@ counted (it is grpcio's to refuse).
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import deque
 
@@ -27,6 +28,14 @@ DATA, HEADERS, RST_STREAM = 0x0, 0x1, 0x3
 END_STREAM, PADDED = 0x1, 0x8
 _HEAD = 9
 """Bytes of an HTTP/2 frame header: length (3), type, flags, stream id (4)."""
+_HEADER = struct.Struct(">BHBBI")
+"""A frame header: the length's high byte and low two bytes, type, flags, stream id."""
+
+
+def _split(fields: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The header fields as :meth:`_Frames._header` takes them."""
+    high, low, kind, flags, stream = fields
+    return high << 16 | low, kind, flags, stream
 
 
 class _Messages:
@@ -110,11 +119,17 @@ class _Frames:
             self.skip -= at
         while at < end:
             if not self.left:
+                if not self.head and end - at >= _HEAD:  # a whole header here: one unpack
+                    high, low, kind, flags, stream = _HEADER.unpack_from(data, at)
+                    at += _HEAD
+                    self._header(high << 16 | low, kind, flags, stream)
+                    continue
                 taken = min(_HEAD - len(self.head), end - at)
                 self.head += data[at : at + taken]
                 at += taken
                 if len(self.head) == _HEAD:
-                    self._header()
+                    self._header(*_split(_HEADER.unpack(self.head)))
+                    self.head.clear()
                 continue
             taken = min(self.left, end - at)
             if self.kind == DATA:
@@ -122,15 +137,15 @@ class _Frames:
             self.left -= taken
             at += taken
 
-    def _header(self) -> None:
-        head = self.head
-        self.left = int.from_bytes(head[:3], "big")
-        self.kind, self.flags = head[3], head[4]
-        self.stream = int.from_bytes(head[5:], "big") & 0x7FFFFFFF
-        head.clear()
-        self.pad_byte = self.kind == DATA and bool(self.flags & PADDED)
-        self.padding = 0
-        self.owner.frame(self.answers, self.kind, self.flags, self.stream)
+    def _header(self, length: int, kind: int, flags: int, stream: int) -> None:
+        self.left = length
+        self.kind = kind
+        self.stream = stream & 0x7FFFFFFF
+        if kind == DATA:
+            self.pad_byte = bool(flags & PADDED)
+            self.padding = 0
+        elif kind in (HEADERS, RST_STREAM):
+            self.owner.frame(self.answers, kind, flags, self.stream)
 
     def _data(self, piece: memoryview) -> None:
         wire = len(piece)
