@@ -57,8 +57,13 @@ class _Messages:
     def feed(self, data: memoryview) -> tuple[int, list[int]]:
         """The messages that start in ``data``, and the sizes (prefix included) of those
         that end in it."""
+        end = len(data)
+        if end >= 5 and not self.left and not self.head:  # most often: one whole message
+            size = 5 + int.from_bytes(data[1:5], "big")
+            if size == end:
+                return 1, [size]
         started, ended = 0, []
-        at, end = 0, len(data)
+        at = 0
         while at < end:
             if self.left:
                 taken = min(self.left, end - at)
@@ -119,19 +124,20 @@ class _Frames:
             self.skip -= at
         while at < end:
             if not self.left:
-                if not self.head and end - at >= _HEAD:  # a whole header here: one unpack
-                    high, low, kind, flags, stream = _HEADER.unpack_from(data, at)
-                    at += _HEAD
-                    self._header(high << 16 | low, kind, flags, stream)
+                if self.head or end - at < _HEAD:  # a header cut by the pieces' edge
+                    taken = min(_HEAD - len(self.head), end - at)
+                    self.head += data[at : at + taken]
+                    at += taken
+                    if len(self.head) == _HEAD:
+                        self._header(*_split(_HEADER.unpack(self.head)))
+                        self.head.clear()
                     continue
-                taken = min(_HEAD - len(self.head), end - at)
-                self.head += data[at : at + taken]
-                at += taken
-                if len(self.head) == _HEAD:
-                    self._header(*_split(_HEADER.unpack(self.head)))
-                    self.head.clear()
-                continue
-            taken = min(self.left, end - at)
+                high, low, kind, flags, stream = _HEADER.unpack_from(data, at)
+                at += _HEAD
+                self._header(high << 16 | low, kind, flags, stream)
+                if not self.left:
+                    continue
+            taken = min(self.left, end - at)  # the payload, or as much of it as is here
             if self.kind == DATA:
                 self._data(data[at : at + taken])
             self.left -= taken
@@ -144,11 +150,16 @@ class _Frames:
         if kind == DATA:
             self.pad_byte = bool(flags & PADDED)
             self.padding = 0
-        elif kind in (HEADERS, RST_STREAM):
+        elif kind == RST_STREAM or (
+            kind == HEADERS and (flags & END_STREAM if self.answers else True)
+        ):
             self.owner.frame(self.answers, kind, flags, self.stream)
 
     def _data(self, piece: memoryview) -> None:
         wire = len(piece)
+        if not self.pad_byte and not self.padding:  # most often: no padding
+            self.owner.data(self.answers, self.stream, piece, wire)
+            return
         if self.pad_byte:
             self.padding = piece[0]
             self.pad_byte = False
@@ -219,7 +230,9 @@ class Held:
         if not answers:
             state.held += wire
             self.total += wire
-            state.unanswered.extend(state.requests.feed(piece)[1])
+            ended = state.requests.feed(piece)[1]
+            if ended:
+                state.unanswered.extend(ended)
             if not state.requests.within:
                 state.since = None
             elif state.since is None:
