@@ -19,9 +19,12 @@ one worker's gRPC server on a unix socket in the supervisor's private folder.
 - **What it lets the workers hold**: grpcio takes in every message whole before a handler
   sees it, so the front counts what each connection's client sent that its worker has not
   answered (:class:`service.cluster.held.Held`). While that is more than ``max_held_bytes``
-  over all connections (``TG_MAX_INFLIGHT_BYTES``), it stops reading each connection that
-  holds :data:`LIGHT` or more, until answers let enough go: a client stalled short of its
-  messages' ends holds the budget, not the memory, and small calls on other connections go on.
+  over all connections (``TG_MAX_INFLIGHT_BYTES`` × the workers), it stops reading each
+  connection that holds :data:`LIGHT` or more, but the one with the oldest message arriving
+  (:attr:`GrpcFront.finishing`), until answers let enough go: a client stalled short of its
+  messages' ends holds the budget, not the memory, small calls on other connections go on,
+  and one large message can always arrive whole. The sweep (:meth:`GrpcFront._sweep`) closes
+  the clients that stall a message or take no answers past their timeouts.
 - **Connections**: at most ``max_connections`` forwarded, and ``max_connections_per_client``
   from one client address (grpcio has no per-address cap, so a single process has only the
   global one; here one client's 4,096 idle channels would lock every other client out). One
@@ -74,6 +77,8 @@ class _Side(asyncio.BufferedProtocol):
         self.eof = False
         self.behind = False
         """Its peer has more unsent than :data:`CHUNK`: not read until it has sent it."""
+        self.full_since: float | None = None
+        """Since when more than :data:`CHUNK` waits to be written to this side (monotonic)."""
         self.early = b""
         """Read before the peer was there (uvloop may read once past a pause at the start)."""
 
@@ -128,11 +133,13 @@ class _Side(asyncio.BufferedProtocol):
         return True
 
     def pause_writing(self) -> None:  # this side is behind: stop reading what feeds it
+        self.full_since = time.monotonic()
         if self.peer is not None:
             self.peer.behind = True
             self.peer.read_or_not()
 
     def resume_writing(self) -> None:
+        self.full_since = None
         if self.peer is not None:
             self.peer.behind = False
             self.peer.read_or_not()
@@ -155,19 +162,29 @@ class _Link:
         self.held = Held()
         self.throttled = False
         """Not read because the front holds its most (``front.throttled``)."""
+        self.read_since = 0.0
+        """When it was last let read again after being held back (monotonic)."""
+        self.gone = False
+        """Its client has closed: read to its end, never held back again."""
 
     def passed(self, side: _Side, data: memoryview) -> None:
-        """``data`` went from ``side`` to its peer: counted, or let go if it is an answer."""
-        if side is self.client:
-            before = self.held.total
-            self.held.sent(data)
-            more = self.held.total - before  # less: the client reset a stream
-            if more >= 0:
-                self.front.holding(self, more)
+        """``data`` went from ``side`` to its peer: counted, or let go if it is an answer (or
+        the client reset a stream). The front's sum follows the count whatever happens."""
+        held = self.held
+        before = held.total
+        try:
+            if side is self.client:
+                held.sent(data)
             else:
-                self.front.letting_go(-more)
-        else:
-            self.front.letting_go(self.held.answered(data))
+                held.answered(data)
+        except Exception:  # a bug here must not cost the connection: it is counted no more
+            log.error("gRPC front: reading a connection's frames failed", exc_info=True)
+            held.stop()
+        more = held.total - before
+        if more < 0:
+            self.front.letting_go(-more)
+        elif side is self.client:
+            self.front.holding(self, more)
 
     def lost(self) -> None:
         """Either side closed (or failed): close the other, once."""
@@ -176,6 +193,8 @@ class _Link:
         self.closed = True
         self.front._links.discard(self)
         self.front.throttled.discard(self)
+        if self.front.finishing is self:
+            self.front.finishing = None
         self.front.letting_go(self.held.stop())
         if self.worker >= 0:
             self.front.open[self.worker] -= 1
@@ -203,6 +222,7 @@ class GrpcFront:
         max_connections_per_client: int | None = None,
         max_held_bytes: int | None = None,
         body_timeout_s: float = 60.0,
+        write_timeout_s: float = 60.0,
     ) -> None:
         self.listener = listener
         self.count = count
@@ -215,10 +235,14 @@ class GrpcFront:
         self.per_client: dict[str, int] = {}
         """Connections open per client address."""
         self.max_held_bytes = max_held_bytes
-        self.body_timeout_s = body_timeout_s
         self.held = 0
         """Client bytes forwarded over all connections and not yet answered."""
         self.throttled: set[_Link] = set()
+        self.finishing: _Link | None = None
+        """The connection with the oldest message arriving, read on while others are held
+        back, so that one message at least can always arrive whole and be answered."""
+        self.body_timeout_s = body_timeout_s
+        self.write_timeout_s = write_timeout_s
         self._logged = -THROTTLE_LOG_S
         self.loop = _new_loop()
         self._links: set[_Link] = set()
@@ -241,6 +265,7 @@ class GrpcFront:
             self.loop.create_server(self._accepted, sock=self.listener, backlog=2048)
         )
         self._started.set()
+        self.loop.call_later(SWEEP_S, self._sweep)
         try:
             self.loop.run_forever()
         finally:
@@ -259,11 +284,11 @@ class GrpcFront:
             or self.held < self.max_held_bytes
             or link.held.total < LIGHT
             or link.throttled
+            or link.gone
+            or link is self.finishing
         ):
             return
         link.throttled = True
-        if not self.throttled:
-            self.loop.call_later(SWEEP_S, self._sweep)
         self.throttled.add(link)
         link.client.read_or_not()
         now = self.loop.time()
@@ -286,41 +311,75 @@ class GrpcFront:
         if self.max_held_bytes is not None and self.held >= self.max_held_bytes:
             return
         links, self.throttled = self.throttled, set()
+        now = time.monotonic()
         for link in links:
             link.throttled = False
+            link.read_since = now
             link.client.read_or_not()
 
     def _sweep(self) -> None:
-        """While connections are held back, every :data:`SWEEP_S`:
+        """Every :data:`SWEEP_S`, over every connection:
 
-        - A connection not read sees no FIN or reset: each held back whose client has closed
-          (its TCP state is no longer established) is read again, so that its end is seen and
-          what it held let go.
-        - A connection holding :data:`LIGHT` or more with a message that has not arrived in
-          full within ``body_timeout_s`` is closed, as a ModelInfer's worker ends such a call
-          (DEADLINE_EXCEEDED): a stream's message has no other limit, and a client that
-          stalls one would hold its share of the budget for good.
+        - One whose client has not taken what was written to it for ``write_timeout_s`` is
+          closed (its answers wait in grpcio, and what it sent stays counted): as REST's.
+        - One read while it holds :data:`LIGHT` or more with a message that has not arrived in
+          full within ``body_timeout_s`` (from the message's first byte, or from when it was
+          last let read again) is closed: its client stalled it. A ModelInfer's worker ends
+          such a call too; a stream's message has no other limit. One held back is not
+          closed for it: the front, not its client, holds it back.
+        - While connections are held back: the one with the oldest message arriving is read
+          on (:attr:`finishing`), and each whose client has closed (its TCP state is no
+          longer established) is read to its end, so that the close is seen and what it held
+          let go.
         """
+        try:
+            self._sweep_once()
+        finally:
+            self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _sweep_once(self) -> None:
         now = time.monotonic()
+        oldest: tuple[float, _Link] | None = None
         for link in list(self._links):
-            since = link.held.arriving_since() if link.held.total >= LIGHT else None
-            if since is None or now - since <= self.body_timeout_s:
+            full = link.client.full_since
+            if full is not None and now - full > self.write_timeout_s:
+                self._close(
+                    link,
+                    f"did not take its answers within {self.write_timeout_s:g} s "
+                    "(TG_WRITE_TIMEOUT_S)",
+                )
                 continue
-            log.warning(
-                "gRPC front: closed a connection from %s holding %d MiB: a message did not "
-                "arrive in full within %g s (TG_BODY_TIMEOUT_S)",
-                link.address or "?",
-                link.held.total >> 20,
-                self.body_timeout_s,
-            )
-            link.lost()
+            if link.held.total < LIGHT:
+                continue
+            since = link.held.arriving_since()
+            if since is None:
+                continue
+            if not link.throttled and now - max(since, link.read_since) > self.body_timeout_s:
+                self._close(
+                    link,
+                    f"a message did not arrive in full within "
+                    f"{self.body_timeout_s:g} s (TG_BODY_TIMEOUT_S)",
+                )
+                continue
+            if oldest is None or since < oldest[0]:
+                oldest = (since, link)
+        self.finishing = oldest[1] if oldest is not None and self.throttled else None
         for link in list(self.throttled):
-            if not _established(link.client.transport):
+            if link is self.finishing or not _established(link.client.transport):
+                link.gone = link is not self.finishing
                 self.throttled.discard(link)
                 link.throttled = False
+                link.read_since = now
                 link.client.read_or_not()
-        if self.throttled:
-            self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _close(self, link: _Link, why: str) -> None:
+        log.warning(
+            "gRPC front: closed a connection from %s holding %d MiB: it %s",
+            link.address or "?",
+            link.held.total >> 20,
+            why,
+        )
+        link.lost()
 
     def _accepted(self) -> _Side:
         link = _Link(self)

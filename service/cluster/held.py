@@ -42,12 +42,14 @@ class _Messages:
     """gRPC's length-prefixed messages (a flag byte, a 4-byte length, the message) in the
     DATA of one direction of one stream: where they start and end."""
 
-    __slots__ = ("head", "left", "size")
+    __slots__ = ("fresh", "head", "left", "size")
 
     def __init__(self) -> None:
         self.head = bytearray()
         self.left = 0
         self.size = 0
+        self.fresh = False
+        """The message arriving (if one is) began in the last piece fed."""
 
     @property
     def within(self) -> bool:
@@ -61,9 +63,11 @@ class _Messages:
         if end >= 5 and not self.left and not self.head:  # most often: one whole message
             size = 5 + int.from_bytes(data[1:5], "big")
             if size == end:
+                self.fresh = False
                 return 1, [size]
         started, ended = 0, []
         at = 0
+        self.fresh = False
         while at < end:
             if self.left:
                 taken = min(self.left, end - at)
@@ -71,7 +75,10 @@ class _Messages:
                 at += taken
                 if not self.left:
                     ended.append(self.size)
+                    self.fresh = False
                 continue
+            if not self.head:
+                self.fresh = True  # a message's first byte
             taken = min(5 - len(self.head), end - at)
             self.head += data[at : at + taken]
             at += taken
@@ -82,6 +89,7 @@ class _Messages:
                 started += 1
                 if not self.left:
                     ended.append(self.size)
+                    self.fresh = False
         return started, ended
 
 
@@ -138,7 +146,7 @@ class _Frames:
                 if not self.left:
                     continue
             taken = min(self.left, end - at)  # the payload, or as much of it as is here
-            if self.kind == DATA:
+            if self.kind == DATA and taken:
                 self._data(data[at : at + taken])
             self.left -= taken
             at += taken
@@ -230,12 +238,13 @@ class Held:
         if not answers:
             state.held += wire
             self.total += wire
-            ended = state.requests.feed(piece)[1]
+            requests = state.requests
+            ended = requests.feed(piece)[1]
             if ended:
                 state.unanswered.extend(ended)
-            if not state.requests.within:
+            if not requests.within:
                 state.since = None
-            elif state.since is None:
+            elif requests.fresh or state.since is None:  # the one arriving began here
                 state.since = time.monotonic()
             return
         started, _ = state.answers.feed(piece)

@@ -173,8 +173,9 @@ class Supervisor:
                 self._takes_calls,
                 self.settings.max_connections,
                 self.settings.max_connections_per_client,
-                self.settings.max_inflight_bytes,
+                self.settings.max_inflight_bytes * self.count,  # each worker's budget
                 self.settings.body_timeout_s,
+                self.settings.write_timeout_s,
             )
         create_cpu_use_file(self.folder / "cpu-use", self.count)  # Worker.cpu_use_path
         create_balance_file(self.folder / "connections", self.count)  # Worker.connections_path

@@ -16,7 +16,10 @@ holds 32 MiB more free than the least it held since the last trim (``mallinfo2``
 still arriving when their clients went (measured, `bench.stalled`: the workers' RSS stayed at
 1.55–2.17 × where it started without this). Free memory already trimmed stays in that count
 (its pages are given back, its chunks stay free), so a count back at its least since the last
-trim has nothing more to give. Without glibc (musl), nothing is trimmed.
+trim has nothing more to give. The free count must have grown on two checks in a row (churn
+between two checks is not memory left free), and after a trim it asked for gave back less
+than 8 MiB of RSS it is looked at only every 2, 4, … 64 checks, until one gives back more.
+Without glibc (musl), nothing is trimmed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -32,6 +36,7 @@ from service.limits.admission import BytesBudget
 log = logging.getLogger("tensorgate.memory")
 
 TRIM_EVERY_S = 1.0
+MAX_BACKOFF_CHECKS = 64
 TRIM_AFTER_BYTES = 32 << 20
 """What the budget must have let go of (its high-water mark since the last trim, less what it
 holds now) before a trim is worth its walk over the heaps."""
@@ -66,6 +71,12 @@ class _Mallinfo2(ctypes.Structure):
     ]
 
 
+def rss_bytes() -> int:
+    """This process's resident set size."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def malloc_free_bytes() -> Callable[[], int] | None:
     """glibc's count of the bytes its heaps hold free (``mallinfo2().fordblks``, glibc 2.33
     on), or None where the C library has none."""
@@ -86,13 +97,21 @@ class Trimmer:
         budget: BytesBudget,
         trim: Callable[[], object] | None = None,
         free_bytes: Callable[[], int] | None = None,
+        rss: Callable[[], int] | None = None,
     ) -> None:
         self.budget = budget
         self.trim = trim or malloc_trim()
         self.free_bytes = free_bytes or malloc_free_bytes()
+        self.rss = rss if rss is not None else rss_bytes
         self.least_free: int | None = None
         """The least the heaps held free since the last trim."""
         self.trims = 0
+        self._freed_checks = 0
+        """Checks in a row that found the heaps holding enough more free."""
+        self._skip = 0
+        self._backoff = 1
+        """Checks the free count is not looked at after a trim it asked for gave little back
+        (doubling each time, up to :data:`MAX_BACKOFF_CHECKS`)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="malloc-trim", daemon=True)
 
@@ -117,14 +136,27 @@ class Trimmer:
         budget = self.budget
         if self.trim is None:
             return False
-        free = self.free_bytes() if self.free_bytes is not None else None
-        if free is not None:
+        free = None
+        if self._skip:
+            self._skip -= 1
+        elif self.free_bytes is not None:
+            free = self.free_bytes()
             self.least_free = free if self.least_free is None else min(self.least_free, free)
-        freed = free is not None and free - (self.least_free or 0) >= TRIM_AFTER_BYTES
-        if budget.high - budget.held < TRIM_AFTER_BYTES and not freed:
+        grown = free is not None and free - (self.least_free or 0) >= TRIM_AFTER_BYTES
+        self._freed_checks = self._freed_checks + 1 if grown else 0
+        let_go = budget.high - budget.held >= TRIM_AFTER_BYTES
+        if not let_go and self._freed_checks < 2:  # churn between two checks is not free memory
             return False
+        before = self.rss()
         budget.high = budget.held
         self.trim()
         self.trims += 1
         self.least_free = free
+        self._freed_checks = 0
+        if not let_go:
+            if before - self.rss() < TRIM_AFTER_BYTES // 4:  # little came back: look less often
+                self._skip = self._backoff
+                self._backoff = min(2 * self._backoff, MAX_BACKOFF_CHECKS)
+            else:
+                self._backoff = 1
         return True

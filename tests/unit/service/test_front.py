@@ -206,3 +206,27 @@ def test_one_client_address_gets_at_most_its_share_of_the_connections(tmp_path: 
             again.sendall(b"ping")
             assert again.recv(4) == b"ping"
         mine.pop().close()
+
+
+def test_a_client_that_takes_nothing_written_to_it_is_closed_after_the_write_timeout(
+    tmp_path: Path,
+) -> None:
+    """A client that sends and never reads what comes back: its answers would wait in the
+    worker (and what it sent stay counted) for good. Past the write timeout it is closed."""
+    with serving(tmp_path, max_connections=6, write_timeout_s=1.0) as (served, _, _):
+        failed = threading.Event()
+
+        def send() -> None:
+            try:
+                client.sendall(bytes(64 << 20))  # echoed back, never read
+            except OSError:
+                failed.set()
+
+        with connect(served) as client:
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+            assert failed.wait(30)  # closed: not blocked for good
+        deadline = time.monotonic() + 10
+        while sum(served.open) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sum(served.open) == 0

@@ -131,3 +131,36 @@ def test_stop_gives_back_what_was_held() -> None:
     assert held.total == 0
     fed(held, frame(DATA, 0, 1, bytes(100)), 64)
     assert held.total == 0
+
+
+def test_a_data_frame_header_at_a_pieces_end_is_read_with_its_padding_later() -> None:
+    """A PADDED DATA frame whose header ends a piece: its pad length is the next piece's
+    first byte (the empty rest of the piece was read as the frame's data, and failed)."""
+    held = Held()
+    padded = frame(DATA, PADDED, 1, bytes([4]) + message(10) + bytes(4))
+    fed(held, PREFACE + frame(HEADERS, 0x4, 1) + padded[:9], 4096)
+    fed(held, padded[9:], 4096)
+    assert held.total == len(padded) - 9
+    assert held.answered(memoryview(frame(DATA, 0, 1, message(1)))) == 15
+    assert held.answered(memoryview(frame(RST_STREAM, 0, 1, bytes(4)))) == 5
+
+
+def test_a_message_arriving_is_timed_from_its_own_first_byte(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream whose DATA frames cross its messages' edges: each message arriving is timed
+    from its own first byte, not the first message's."""
+    clock = [100.0]
+    monkeypatch.setattr("service.cluster.held.time.monotonic", lambda: clock[0])
+    held = Held()
+    first, second = message(100), message(100)
+    fed(held, PREFACE + frame(HEADERS, 0x4, 1) + frame(DATA, 0, 1, first[:50]), 4096)
+    assert held.arriving_since() == 100.0
+    clock[0] = 160.0
+    fed(held, frame(DATA, 0, 1, first[50:] + second[:30]), 4096)  # the first whole, the next begun
+    assert held.arriving_since() == 160.0
+    clock[0] = 170.0
+    fed(held, frame(DATA, 0, 1, second[30:60]), 4096)  # the same message, still arriving
+    assert held.arriving_since() == 160.0
+    fed(held, frame(DATA, 0, 1, second[60:]), 4096)
+    assert held.arriving_since() is None

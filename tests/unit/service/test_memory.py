@@ -9,7 +9,9 @@ from service.limits.memory import TRIM_AFTER_BYTES, Trimmer, malloc_free_bytes, 
 def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> None:
     trims: list[int] = []
     budget = BytesBudget(limit=1 << 30)
-    trimmer = Trimmer(budget, trim=lambda: trims.append(budget.held), free_bytes=lambda: 0)
+    trimmer = Trimmer(
+        budget, trim=lambda: trims.append(budget.held), free_bytes=lambda: 0, rss=lambda: 0
+    )
     assert not trimmer.check()  # nothing was ever held
     budget.take(TRIM_AFTER_BYTES)
     assert not trimmer.check()  # still held: nothing to give back
@@ -25,22 +27,40 @@ def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> Non
 
 def test_memory_the_budget_never_counted_is_trimmed_once_freed() -> None:
     """What grpcio buffered of gRPC messages still arriving never enters the budget: once the
-    heaps hold 32 MiB more free than the least they held since the last trim, it trims; free
-    memory already trimmed (still counted free) does not trim again."""
-    free = [100 << 20]
-    trimmer = Trimmer(BytesBudget(limit=1 << 30), trim=lambda: None, free_bytes=lambda: free[0])
+    heaps hold 32 MiB more free than the least they held since the last trim, on two checks
+    in a row, it trims; free memory already trimmed (still counted free) does not trim again."""
+    free, rss = [100 << 20], [900 << 20]
+
+    def trim() -> None:
+        rss[0] -= 40 << 20  # gives back
+
+    trimmer = Trimmer(
+        BytesBudget(limit=1 << 30), trim=trim, free_bytes=lambda: free[0], rss=lambda: rss[0]
+    )
     assert not trimmer.check()
     free[0] -= 90 << 20  # reused: 10 MiB free
     assert not trimmer.check()
-    free[0] += TRIM_AFTER_BYTES - 1
-    assert not trimmer.check()
-    free[0] += 1  # the clients went: 32 MiB more freed than the least
-    assert trimmer.check()
+    free[0] += TRIM_AFTER_BYTES
+    assert not trimmer.check()  # once: it may be churn
+    assert trimmer.check()  # still free at the next check: the clients went
     assert not trimmer.check()  # the same free chunks, given back already
     free[0] -= 64 << 20  # taken again (resident again), then freed again
     assert not trimmer.check()
     free[0] += 64 << 20
+    assert not trimmer.check()
     assert trimmer.check() and trimmer.trims == 2
+
+
+def test_trims_that_give_little_back_look_at_the_free_count_less_often() -> None:
+    free = [0]
+    trimmer = Trimmer(
+        BytesBudget(limit=1 << 30), trim=lambda: None, free_bytes=lambda: free[0], rss=lambda: 1
+    )
+    trims = []
+    for _ in range(40):  # seconds
+        free[0] += TRIM_AFTER_BYTES  # a heap that keeps growing free space nothing gives back
+        trims.append(trimmer.check())
+    assert trims.count(True) < 8  # every second check without the back-off: 20
 
 
 def test_this_c_library_trims_for_real() -> None:
