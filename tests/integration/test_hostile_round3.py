@@ -540,6 +540,49 @@ def workers_rss(server: Server) -> int:
     return sum(rss_bytes(int(child)) for child in children)
 
 
+FRONT_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+
+
+@contextlib.contextmanager
+def fronted(tmp_path: Path, **env: str) -> Iterator[tuple[Server, list[grpc.Channel]]]:
+    """Digits served by two workers behind the supervisor's gRPC front, a 32 MiB budget each
+    (the front's bound: 64 MiB), 16 MiB messages at most; the channels a test opens in the
+    list are closed after it."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    settings = {
+        "TG_WORKERS": "2",
+        "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
+        "TG_MAX_BODY_BYTES": str(16 * MIB),
+        **env,
+    }
+    server = Server(root, env=settings, log_path=tmp_path / "server.log")
+    channels: list[grpc.Channel] = []
+    try:
+        server.wait_until()
+        yield server, channels
+    finally:
+        for channel in channels:
+            channel.close()
+        server.stop()
+
+
+def through(proxy: FaultyProxy, channels: list[grpc.Channel]) -> pb_grpc.GRPCInferenceServiceStub:
+    """A stub on a new connection through ``proxy``, its channel kept in ``channels``."""
+    channels.append(grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=FRONT_OPTIONS))
+    return pb_grpc.GRPCInferenceServiceStub(channels[-1])
+
+
+def answered_code(server: Server, request: pb.ModelInferRequest) -> grpc.StatusCode:
+    """The code a ModelInfer of ``request`` ends with, on a new direct connection."""
+    with grpc.insecure_channel(server.grpc_url, options=FRONT_OPTIONS) as channel:
+        try:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=20)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
 def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: Path) -> None:
     """#28 finding 2: grpcio takes in each message whole before any handler (and so the
     budget) sees it: 16 connections each stalled short of the end of a 12 MiB message made
@@ -547,65 +590,36 @@ def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: P
     now counts what each connection sent that its worker has not answered, and past
     TG_MAX_INFLIGHT_BYTES for each worker (32 MiB here, 64 MiB for the two) reads no more of
     the connections holding the most, but the one with the oldest message arriving: the
-    workers hold about the bound and that message, a small call on another connection is answered
-    meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
-    root = tmp_path / "models"
-    copy_model("digits", root / "digits")
-    env = {
-        "TG_WORKERS": "2",
-        "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
-        "TG_MAX_BODY_BYTES": str(16 * MIB),
-    }
-    server = Server(root, env=env, log_path=tmp_path / "server.log")
-    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    workers hold about the bound and that message, a small call on another connection is
+    answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
     size, count = 12 * MIB, 16
-    proxy = None
-    channels: list[grpc.Channel] = []
-    try:
-        server.wait_until()
-        with grpc.insecure_channel(server.grpc_url, options=options) as warm:
-            pb_grpc.GRPCInferenceServiceStub(warm).ModelInfer(digits_call(None)[0], timeout=10)
+    with fronted(tmp_path) as (server, channels):
+        assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         before = workers_rss(server)
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
-        calls = []
-        for _ in range(count):
-            channel = grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options)
-            channels.append(channel)
-            request, _ = digits_call(None, bytes(size))
-            calls.append(pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request))
-        passed, still = -1, 0
-        deadline = time.monotonic() + 60
-        while still < 8 and time.monotonic() < deadline:  # 2 s without a byte more
-            time.sleep(0.25)
-            still = still + 1 if proxy.passed_up == passed else 0
-            passed = proxy.passed_up
-        held = workers_rss(server) - before
-        print(
-            f"passed {passed / MIB:.0f} MiB of {count * size / MIB:.0f}; held +{held / MIB:.0f} MiB"
-        )
-        assert held < count * size / 2  # 192 MiB before; the bound, a message and buffers now
-        assert not any(call.done() for call in calls)  # stalled, not refused
-        with grpc.insecure_channel(server.grpc_url, options=options) as other:
-            stub = pb_grpc.GRPCInferenceServiceStub(other)
-            answer = stub.ModelInfer(digits_call(None)[0], timeout=10)
-            assert answer.model_name == "digits"
-        proxy.close()  # the stalled clients go (their connections reset)
-        proxy = None
+        try:
+            request = digits_call(None, bytes(size))[0]
+            calls = [through(proxy, channels).ModelInfer.future(request) for _ in range(count)]
+            passed, still = -1, 0
+            deadline = time.monotonic() + 60
+            while still < 8 and time.monotonic() < deadline:  # 2 s without a byte more
+                time.sleep(0.25)
+                still = still + 1 if proxy.passed_up == passed else 0
+                passed = proxy.passed_up
+            held = workers_rss(server) - before
+            print(
+                f"passed {passed / MIB:.0f} MiB of {count * size / MIB:.0f}; +{held / MIB:.0f} MiB"
+            )
+            assert held < count * size * 0.6  # 192 MiB before; the bound, a message, buffers
+            assert not any(call.done() for call in calls)  # stalled, not refused
+            assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
+        finally:
+            proxy.close()  # the stalled clients go (their connections reset)
         for call in calls:
             with pytest.raises(grpc.RpcError):
                 call.result(timeout=30)
-        with grpc.insecure_channel(server.grpc_url, options=options) as other:
-            with pytest.raises(grpc.RpcError) as read:
-                pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
-                    digits_call(None, bytes(size))[0], timeout=20
-                )
-            assert read.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
-    finally:
-        for channel in channels:
-            channel.close()
-        if proxy is not None:
-            proxy.close()
-        server.stop()
+        code = answered_code(server, digits_call(None, bytes(size))[0])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
 
 
 def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_path: Path) -> None:
@@ -614,48 +628,26 @@ def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_pa
     messages' ends held the front's budget for good once it was full. The front closes a
     connection holding a message not whole within TG_BODY_TIMEOUT_S (3 s here), as the worker
     ends a ModelInfer's, and a large call is read whole again."""
-    root = tmp_path / "models"
-    copy_model("digits", root / "digits")
-    env = {
-        "TG_WORKERS": "2",
-        "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
-        "TG_MAX_BODY_BYTES": str(16 * MIB),
-        "TG_BODY_TIMEOUT_S": "3",
-    }
-    server = Server(root, env=env, log_path=tmp_path / "server.log")
-    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
     size = 12 * MIB
-    proxy = None
-    channels: list[grpc.Channel] = []
-    try:
-        server.wait_until()
+    with fronted(tmp_path, TG_BODY_TIMEOUT_S="3") as (server, channels):
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
-        streams = []
-        for _ in range(6):
-            channel = grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options)
-            channels.append(channel)
-            request, _ = digits_call(None, bytes(size))
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            streams.append(stub.ModelStreamInfer(iter([request]), timeout=60))
-        ended = []
-        for stream in streams:
-            with pytest.raises(grpc.RpcError) as closed:
-                list(stream)
-            ended.append(closed.value.code())
-        assert set(ended) == {grpc.StatusCode.UNAVAILABLE}, ended  # closed, not the 60 s deadline
-        assert "TG_BODY_TIMEOUT_S" in server.log()
-        with grpc.insecure_channel(server.grpc_url, options=options) as other:
-            with pytest.raises(grpc.RpcError) as read:
-                pb_grpc.GRPCInferenceServiceStub(other).ModelInfer(
-                    digits_call(None, bytes(size))[0], timeout=20
-                )
-            assert read.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
-    finally:
-        for channel in channels:
-            channel.close()
-        if proxy is not None:
+        try:
+            request = digits_call(None, bytes(size))[0]
+            streams = [
+                through(proxy, channels).ModelStreamInfer(iter([request]), timeout=60)
+                for _ in range(6)
+            ]
+            ended = []
+            for stream in streams:
+                with pytest.raises(grpc.RpcError) as closed:
+                    list(stream)
+                ended.append(closed.value.code())
+        finally:
             proxy.close()
-        server.stop()
+        assert set(ended) == {grpc.StatusCode.UNAVAILABLE}, ended  # closed, not the deadline
+        assert "TG_BODY_TIMEOUT_S" in server.log()
+        code = answered_code(server, digits_call(None, bytes(size))[0])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
 
 
 def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path: Path) -> None:
@@ -664,43 +656,25 @@ def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path:
     are all held back part-way once the bound is reached, none whole. The connection with the
     oldest message arriving is read on until it is whole and answered, which lets the others
     go on: every call is answered (or refused by its worker's budget at once), none waits for
-    TG_BODY_TIMEOUT_S (the test's 40 s)."""
-    root = tmp_path / "models"
-    copy_model("digits", root / "digits")
-    env = {
-        "TG_WORKERS": "2",
-        "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
-        "TG_MAX_BODY_BYTES": str(16 * MIB),
-        "TG_BODY_TIMEOUT_S": "40",
-    }
-    server = Server(root, env=env, log_path=tmp_path / "server.log")
-    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
-    channels: list[grpc.Channel] = []
-    proxy = None
-    try:
-        server.wait_until()
+    TG_BODY_TIMEOUT_S (the test's 40 s; without it, 3 waited and ended DEADLINE_EXCEEDED)."""
+    with fronted(tmp_path, TG_BODY_TIMEOUT_S="40") as (server, channels):
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(rate=3_000_000))
-        request = digits_call(None, bytes(6 * MIB))[0]
-        calls = []
-        started = time.monotonic()
-        for _ in range(16):
-            channels.append(grpc.insecure_channel(f"127.0.0.1:{proxy.port}", options=options))
-            stub = pb_grpc.GRPCInferenceServiceStub(channels[-1])
-            calls.append(stub.ModelInfer.future(request, timeout=120))
-        codes = []
-        for call in calls:
-            with pytest.raises(grpc.RpcError) as answered:
-                call.result()
-            codes.append(answered.value.code())
-        took = time.monotonic() - started
+        try:
+            request = digits_call(None, bytes(6 * MIB))[0]
+            started = time.monotonic()
+            calls = [
+                through(proxy, channels).ModelInfer.future(request, timeout=120) for _ in range(16)
+            ]
+            codes = []
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as answered:
+                    call.result()
+                codes.append(answered.value.code())
+            took = time.monotonic() - started
+        finally:
+            proxy.close()
         print(f"16 calls of 6 MiB answered in {took:.1f} s: {[c.name for c in codes]}")
         # read whole, answered; or refused by the worker's budget (two 6 MiB messages at once)
         assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
         assert grpc.StatusCode.INVALID_ARGUMENT in codes
         assert took < 35  # not held until TG_BODY_TIMEOUT_S
-    finally:
-        for channel in channels:
-            channel.close()
-        if proxy is not None:
-            proxy.close()
-        server.stop()
