@@ -120,7 +120,7 @@ class _Frames:
         self.head = bytearray()
         self.left = 0
         """Payload bytes of the current frame still to come."""
-        self.kind = self.flags = self.stream = 0
+        self.kind = self.stream = 0
         self.pad_byte = False
         """A PADDED DATA frame whose pad length (its first payload byte) is still to come."""
         self.padding = 0
@@ -191,7 +191,6 @@ class Held:
         self._highest = 0
         self._sent = _Frames(len(PREFACE), self, answers=False)
         self._answered = _Frames(0, self, answers=True)
-        self._let_go = 0
 
     def sent(self, data: memoryview) -> None:
         """``data`` goes from the client to the worker."""
@@ -209,9 +208,9 @@ class Held:
         """``data`` goes from the worker to the client; the bytes it lets go."""
         if not self.counting or len(self._preface) < len(PREFACE):
             return 0
-        self._let_go = 0
+        before = self.total
         self._answered.feed(data)
-        return self._let_go
+        return before - self.total
 
     def arriving_since(self) -> float | None:
         """When the oldest request message still arriving began to (monotonic), if one is."""
@@ -262,4 +261,3 @@ class Held:
         freed = min(size, state.held)  # padding is counted, and let go with its stream
         state.held -= freed
         self.total -= freed
-        self._let_go += freed

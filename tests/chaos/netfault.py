@@ -149,8 +149,8 @@ class _Pair:
                     break
                 if stall_after is not None and passed + len(data) >= stall_after:
                     self._pass(sink, data[: max(0, stall_after - passed)], source)
-                    while not self.proxy._stop.is_set() and not self.cut:
-                        time.sleep(0.05)  # held open, passing nothing, until closed
+                    while not self.cut and not self.proxy._stop.wait(0.05):
+                        pass  # held open, passing nothing, until closed or cut
                     break
                 if faults.latency_s:
                     time.sleep(faults.latency_s)
