@@ -224,4 +224,30 @@ def rotating(
                 )
                 assert result.errors == 0, (name, workload, result)
                 results.setdefault((workload, name), []).append(result)
+                settle(urls[name])
     return results
+
+
+SETTLE_S = 0.25
+"""After a server's in-flight count reads 0: what a thread may still run of a request wrk
+left (a preprocessing, one batch: about 70 ms for W1's batch of 4 on one thread)."""
+
+
+def settle(url: str, timeout_s: float = 30) -> None:
+    """Wait until the server at ``url`` has done with the requests wrk left in flight when it
+    stopped (their clients gone, each ends 499 after the work already under way).
+
+    Without it, the next run, on another server sharing these CPUs, began beside that work:
+    in bench.defaults' W1 c=16 the images left half-done took the CPUs of the next run's
+    first 0.3 s, and that start was its p99 (two sittings of 8 pairs, the same two trees:
+    p99/p50 median 1.54 without the wait, 1.30 with it)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        match = re.search(r"^tensorgate_requests_in_flight (\S+)$", text, re.MULTILINE)
+        if match is None or float(match.group(1)) == 0:
+            break
+        time.sleep(0.05)  # poll interval
+    time.sleep(SETTLE_S)

@@ -10,8 +10,10 @@ A second SIGTERM, or the end of the grace period, ends it at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
+import socket
 import threading
 import time
 from types import FrameType
@@ -20,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.core.dataplane import DataPlane
+from service.limits.balance import BALANCE, TakeTurns
 from service.settings import Settings
 
 log = logging.getLogger("tensorgate.server")
@@ -35,6 +38,33 @@ class DrainingServer(uvicorn.Server):
         self._settings = settings
         self._draining = False
         self._now = threading.Event()
+        self._turns: list[TakeTurns] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """As uvicorn's; a worker's listening socket (shared with the others) it accepts from
+        one connection a wake-up (:class:`TakeTurns`), not uvicorn's way."""
+        if sockets is None:
+            await super().startup()
+            return
+        await super().startup(sockets=[])
+        if not self.started:
+            return
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def protocol() -> asyncio.Protocol:  # what uvicorn's startup makes for each connection
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+                _loop=loop,
+            )
+
+        self._turns = [TakeTurns(loop, sock, protocol, BALANCE) for sock in sockets]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for turns in self._turns:
+            turns.stop()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM:

@@ -9,20 +9,28 @@ requests a second, and a request on the worker with 15 connections waited 15 tim
 p50 185 ms there against 12 ms on the other, and the server's p99/p50 was the imbalance.
 
 Each worker writes how many connections it holds into its slot of a file the supervisor
-creates (one ``uint16`` per worker). A worker holding more than its even share of all of them
-answers its next inference response with ``Connection: close`` (HTTP/1.1 lets a server end
-any keep-alive connection after a response; every client reconnects). The reconnection is
-accepted by whichever worker gets to it first, most often the one with fewer. At most one
+creates (one ``uint16`` per worker). Two rules read it. When accepting (:class:`TakeTurns`),
+a worker takes one connection a wake-up and lets a new one wait briefly for a worker holding
+fewer, so a burst splits evenly as it arrives. After a response, a worker holding more than
+its even share of all of them answers with ``Connection: close`` (HTTP/1.1 lets a server end
+any keep-alive connection after a response; every client reconnects), and the reconnection
+goes, by the first rule, to a worker with fewer. At most one
 connection is let go per :data:`CLOSE_EVERY_S` a worker, so a worker that takes its own
 reconnections back costs a client one reconnection per interval, never one per request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import logging
 import mmap
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger("tensorgate.server")
 
 CLOSE_EVERY_S = 0.01
 """At most one connection let go per this many seconds, per worker."""
@@ -55,6 +63,13 @@ class ConnectionBalance:
         if self._counts is not None:
             self._counts[self._index] = min(connections, 0xFFFF)
 
+    def holds_more(self) -> bool:
+        """Whether this worker holds more connections than another worker does."""
+        counts = self._counts
+        if counts is None:
+            return False
+        return any(n < self.mine for i, n in enumerate(counts.tolist()) if i != self._index)
+
     def over_share(self) -> bool:
         """Whether this worker should let one connection go after its response now: it holds
         more than its even share (the total over the workers, rounded up), and it let none go
@@ -81,3 +96,88 @@ def create_balance_file(path: Path, workers: int) -> Path:
     """The file the workers share their connection counts through (the supervisor's)."""
     path.write_bytes(bytes(SLOT * workers))
     return path
+
+
+class TakeTurns:
+    """Accept from the listening socket the workers share, each worker in its turn.
+
+    uvloop, like asyncio, accepts every connection waiting before it returns to its loop, so
+    a burst (a client pool opening, wrk's 16 connections) went mostly to the first loop awake:
+    12/4 in bench.defaults' W1 c=16 runs, whose crowded worker's requests then waited half as
+    long again until :class:`ConnectionBalance` had let enough go, and that second was the
+    run's p99 (p99/p50 1.57 against 1.16 with one worker). Here a worker accepts one
+    connection a wake-up, and a worker that holds more than another does lets the connection
+    wait :data:`DEFER_S` for the other (its own reader off meanwhile: no spinning) before it
+    takes it anyway, so a connection waits that long at most and a busy or stopped worker
+    holds nothing up. The accepted socket goes to the loop (``connect_accepted_socket``) with
+    uvicorn's own protocol: nothing else changes.
+    """
+
+    DEFER_S = 0.002
+    """How long a worker holding more connections than another lets a new one wait for it."""
+    RETRY_S = 0.5
+    """Out of file descriptors (or memory): accepting pauses this long, as asyncio's does."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        protocol: Callable[[], asyncio.Protocol],
+        balance: ConnectionBalance,
+    ) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.protocol = protocol
+        self.balance = balance
+        self.accepted = 0
+        self.deferred = 0
+        self._fd = sock.fileno()
+        self._connecting: set[asyncio.Task[object]] = set()
+        self._waited = False
+        self._stopped = False
+        sock.setblocking(False)
+        loop.add_reader(self._fd, self._readable)
+
+    def _readable(self) -> None:
+        if not self._waited and self.balance.holds_more():
+            self._waited = True  # the next wake-up takes it, whoever holds what
+            self.deferred += 1
+            self._pause(self.DEFER_S)
+            return
+        self._waited = False
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return  # another worker took it
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            log.warning("accepting paused for %.1f s: %s", self.RETRY_S, exc)
+            self._pause(self.RETRY_S)
+            return
+        conn.setblocking(False)
+        self.accepted += 1
+        self.balance.count(self.balance.mine + 1)  # at once: the next wake-up compares with it
+        task = self.loop.create_task(self._connect(conn))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _connect(self, conn: socket.socket) -> object:
+        try:
+            return await self.loop.connect_accepted_socket(self.protocol, conn)
+        except OSError:  # the client went before its transport was made
+            conn.close()
+            return None
+
+    def _pause(self, seconds: float) -> None:
+        self.loop.remove_reader(self._fd)
+        self.loop.call_later(seconds, self._resume)
+
+    def _resume(self) -> None:
+        if not self._stopped:
+            self.loop.add_reader(self._fd, self._readable)
+
+    def stop(self) -> None:
+        """Accept no more (the caller closes the socket)."""
+        self._stopped = True
+        self.loop.remove_reader(self._fd)
