@@ -1,6 +1,6 @@
 """What the supervisor's gRPC front costs (#28, finding 12): this tree against an older one.
 
-    .venv/bin/python -m bench.front [--old 6a78eba | --one] [--runs 5] [--seconds 4]
+    .venv/bin/python -m bench.front [--old 6a78eba] [--runs 5] [--seconds 4]
 
 Two servers with their defaults (one worker per CPU) serve the W2 MLP: this working tree,
 whose supervisor listens on the gRPC port and forwards each connection to a worker
@@ -10,16 +10,12 @@ times each, h2load sends unary ModelInfer calls (1×64 FP32) in each cell: one c
 one stream (a lone client's latency), one connection with 64 streams, and 8 connections with 8
 streams each (spread over the workers). For each cell: calls/s and the mean latency of each
 tree, their ratio, and the supervisor's CPU time per call (/proc): what forwarding costs.
-With ``--one``, this tree twice sized for one CPU (``TG_CPUS=1``, not pinned): its default,
-one worker behind the supervisor's front, against ``TG_WORKERS=1`` set by hand, one process
-serving gRPC itself; the CPU per call is then the whole server's, every process of it.
 Writes bench/results/front.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import tempfile
 from collections import defaultdict
@@ -41,18 +37,9 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of process ``pid`` and its children (a supervisor and its workers)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return cpu_s(pid) + sum(cpu_s(int(child)) for child in children)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", default="6a78eba")
-    parser.add_argument(
-        "--one", action="store_true", help="one CPU: the supervised worker against one alone"
-    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seconds", type=int, default=4)
     args = parser.parse_args()
@@ -60,22 +47,13 @@ def main() -> None:
     # (tree, cell) -> [(calls/s, mean ms, supervisor CPU µs a call)]
     measured: dict[tuple[str, tuple[int, int]], list[tuple[float, float, float]]]
     measured = defaultdict(list)
-    new, older = ("one worker, supervised", "TG_WORKERS=1") if args.one else ("this tree", args.old)
-    with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+    with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old:
         repository = served_repository(Path(tmp))
-        if args.one:
-            trees = {
-                new: (REPO_ROOT, {"TG_CPUS": "1"}),
-                older: (REPO_ROOT, {"TG_CPUS": "1", "TG_WORKERS": "1"}),
-            }
-        else:
-            old = stack.enter_context(worktree(args.old, Path(tmp) / "old"))
-            trees = {new: (REPO_ROOT, {}), older: (old, {})}
+        trees = {"this tree": REPO_ROOT, args.old: old}
         grpc_ports = {name: free_port() for name in trees}
         servers = {
-            name: serve_tree(tree, repository, settings, grpc_port=grpc_ports[name])
-            for name, (tree, settings) in trees.items()
+            name: serve_tree(tree, repository, {}, grpc_port=grpc_ports[name])
+            for name, tree in trees.items()
         }
         try:
             for _, port in servers.values():
@@ -85,8 +63,7 @@ def main() -> None:
                 for cell in CELLS:
                     for name in order:
                         pid = servers[name][0].pid
-                        used = tree_cpu_s if args.one else cpu_s
-                        before = used(pid)
+                        before = cpu_s(pid)
                         rate, mean_ms = h2load(
                             f"http://127.0.0.1:{grpc_ports[name]}",
                             frame,
@@ -95,14 +72,14 @@ def main() -> None:
                             connections=cell[0],
                         )
                         calls = rate * args.seconds
-                        cost_us = (used(pid) - before) / calls * 1e6
+                        cost_us = (cpu_s(pid) - before) / calls * 1e6
                         measured[(name, cell)].append((rate, mean_ms, cost_us))
                         print(name, cell, f"{rate:.0f}/s {mean_ms:.2f} ms {cost_us:.1f} µs")
         finally:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(60)
-    cost = "server's CPU (all its processes)" if args.one else "supervisor's CPU"
+    new, older = "this tree", args.old
     rows = []
     for cell in CELLS:
         a, b = measured[(new, cell)], measured[(older, cell)]
@@ -117,23 +94,20 @@ def main() -> None:
                 f"{statistics.median(c for _, _, c in b):.1f}",
             ]
         )
-    which = "--one" if args.one else f"--old {args.old}"
-    command = f"python -m bench.front {which} --runs {args.runs} --seconds {args.seconds}"
+    command = f"python -m bench.front --old {args.old} --runs {args.runs} --seconds {args.seconds}"
     publish(
         "front",
-        f"`{command}` (W2 MLP over gRPC, h2load, both servers at their defaults"
-        + (" on one CPU" if args.one else "")
-        + ")\n\n"
+        f"`{command}` (W2 MLP over gRPC, h2load, both servers at their defaults)\n\n"
         + table(
             rows,
             [
                 "connections × streams",
-                f"calls/s, {new}",
+                "calls/s, this tree",
                 f"calls/s, {older}",
                 "calls/s ratio",
                 "mean latency ratio",
-                f"{cost} µs/call, {new}",
-                f"{cost} µs/call, {older}",
+                "supervisor µs/call, this tree",
+                f"supervisor µs/call, {older}",
             ],
         )
         + "\n",

@@ -188,7 +188,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             log.warning(warning)
         if settings.sizing_warning is not None:
             log.warning(settings.sizing_warning)
-        if settings.supervised:
+        if settings.workers > 1:
             return Supervisor(settings, argv).run()
     else:
         die_with_supervisor(worker)

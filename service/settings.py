@@ -72,8 +72,7 @@ class Settings(BaseSettings):
     workers: int = Field(default=0, ge=0)
     """Server processes on the same ports, each with its own event loop, models and batcher
     (docs/architecture.md). 0: one per CPU (one when a GPU is visible), as many as fit in the
-    memory limit (docs/performance.md, "Defaults that win"), under a supervisor (even one:
-    :attr:`supervised`); 1 set by hand: one process, no supervisor."""
+    memory limit (docs/performance.md, "Defaults that win")."""
     intra_op_threads: int = Field(default=0, ge=0)
     """Threads each model instance's runtime uses inside one operator (torch / onnxruntime).
     0: every CPU the server may use (TG_CPUS), in each worker."""
@@ -156,7 +155,6 @@ class Settings(BaseSettings):
 
     _sizing_warning: str | None = PrivateAttr(default=None)
     _threads_defaulted: bool = PrivateAttr(default=False)
-    _workers_by_hand: bool = PrivateAttr(default=False)
 
     @property
     def shared_threads(self) -> int:
@@ -168,21 +166,12 @@ class Settings(BaseSettings):
         return max(1, self.cpus // self.workers)
 
     @property
-    def supervised(self) -> bool:
-        """Whether a supervisor runs the worker processes: with several, and with the one a
-        1-CPU or GPU machine gets by default, so that what gRPC clients send counts against
-        the budget from its first byte (the supervisor's front) and a worker that wedges or
-        dies is replaced there too. Only ``TG_WORKERS=1`` set by hand is one process alone."""
-        return self.workers > 1 or not self._workers_by_hand
-
-    @property
     def sizing_warning(self) -> str | None:
         """Why fewer workers start than asked (the memory limit), for the log at start."""
         return self._sizing_warning
 
     @model_validator(mode="after")
     def _size_workers(self) -> Self:
-        self._workers_by_hand = self.workers != 0
         self.workers, self._sizing_warning = worker_sizing(self)
         # Each worker's runtimes and pool may use every CPU of the process: a lone request runs
         # as fast as on one worker, and under load the workers' threads take turns (ONNX

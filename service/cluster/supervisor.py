@@ -2,10 +2,8 @@
 
 One event loop parses, decodes and encodes every request of a process, and a small request's
 cost is mostly that loop's (docs/performance.md): past one core, more requests/s need more
-loops. ``tensorgate serve`` becomes a :class:`Supervisor` that starts ``TG_WORKERS`` copies of
-itself (workers; by default one per CPU, and one on a GPU machine, still supervised so that its
-gRPC goes through the front and a wedged worker is replaced; only ``TG_WORKERS=1`` set by hand
-serves from one process), each a whole server with its own models, batcher and threads,
+loops. ``tensorgate serve`` with ``TG_WORKERS=N > 1`` becomes a :class:`Supervisor` that starts
+N copies of itself (workers), each a whole server with its own models, batcher and threads,
 each accepting HTTP connections from one listening socket the supervisor binds and they
 inherit (a worker takes a connection when its event loop gets to it, so a busy one takes fewer,
 and no stranger can bind the port beside them): nothing sits between an HTTP client and the
@@ -185,11 +183,10 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._forward)
         signal.signal(signal.SIGINT, self._forward)
         log.info(
-            "serving on %s:%d with %d worker%s of %d threads each (TG_WORKERS, TG_CPUS %d)",
+            "serving on %s:%d with %d workers of %d threads each (TG_WORKERS, TG_CPUS %d)",
             self.settings.host,
             port,
             self.count,
-            "" if self.count == 1 else "s",
             self.settings.intra_op_threads,
             self.settings.cpus,
         )

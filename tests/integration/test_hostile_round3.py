@@ -534,11 +534,10 @@ def test_a_grpc_connection_carries_at_most_its_stream_cap(server: Server) -> Non
 
 
 def workers_rss(server: Server) -> int:
-    """The RSS of the supervisor's workers together (of the server itself when it is one
-    process)."""
+    """The RSS of the supervisor's workers together."""
     pid = server.process.pid
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return sum(rss_bytes(int(child)) for child in children) if children else rss_bytes(pid)
+    return sum(rss_bytes(int(child)) for child in children)
 
 
 FRONT_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
@@ -546,9 +545,9 @@ FRONT_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_
 
 @contextlib.contextmanager
 def fronted(tmp_path: Path, **env: str) -> Iterator[tuple[Server, list[grpc.Channel]]]:
-    """Digits served by two workers behind the supervisor's gRPC front (unless ``env`` says
-    otherwise), a 32 MiB budget each (the front's bound: 64 MiB for two), 16 MiB messages at
-    most; the channels a test opens in the list are closed after it."""
+    """Digits served by two workers behind the supervisor's gRPC front, a 32 MiB budget each
+    (the front's bound: 64 MiB), 16 MiB messages at most; the channels a test opens in the
+    list are closed after it."""
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
     settings = {
@@ -584,26 +583,17 @@ def answered_code(server: Server, request: pb.ModelInferRequest) -> grpc.StatusC
     return grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize(
-    "workers",
-    [{"TG_WORKERS": "2"}, {"TG_WORKERS": "0", "TG_CPUS": "1"}],
-    ids=["two workers", "one worker by default"],
-)
-def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(
-    tmp_path: Path, workers: dict[str, str]
-) -> None:
+def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: Path) -> None:
     """#28 finding 2: grpcio takes in each message whole before any handler (and so the
     budget) sees it: 16 connections each stalled short of the end of a 12 MiB message made
     the workers hold all 192 MiB, for as long as the clients liked. The supervisor's front
     now counts what each connection sent that its worker has not answered, and past
-    TG_MAX_INFLIGHT_BYTES for each worker (32 MiB here, 64 MiB for two) reads no more of
+    TG_MAX_INFLIGHT_BYTES for each worker (32 MiB here, 64 MiB for the two) reads no more of
     the connections holding the most, but the one with the oldest message arriving: the
     workers hold about the bound and that message, a small call on another connection is
-    answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again.
-    The one worker a 1-CPU (or GPU) machine starts by default is behind the front too: it was
-    one process, and held the 192 MiB."""
+    answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
     size, count = 12 * MIB, 16
-    with fronted(tmp_path, **workers) as (server, channels):
+    with fronted(tmp_path) as (server, channels):
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         before = workers_rss(server)
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))

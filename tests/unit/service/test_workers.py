@@ -48,16 +48,6 @@ def test_threads_set_by_hand_are_kept() -> None:
     assert settings.shared_threads == 3  # set by hand: always
 
 
-def test_one_worker_by_default_is_supervised_and_one_by_hand_is_alone(tmp_path: Path) -> None:
-    """#28 finding 2: the default on a 1-CPU or GPU machine was one process, whose gRPC had
-    no front to count what clients send; now only TG_WORKERS=1 set by hand runs alone."""
-    by_default = Settings(cpus=1, model_repository=tmp_path)
-    assert (by_default.workers, by_default.supervised) == (1, True)
-    by_hand = Settings(cpus=1, workers=1, model_repository=tmp_path)
-    assert (by_hand.workers, by_hand.supervised) == (1, False)
-    assert Settings(cpus=2, workers=2, model_repository=tmp_path).supervised
-
-
 def _repository(root: Path, megabytes: int) -> Path:
     """One model whose newest version's largest artifact is ``megabytes`` (sparse files)."""
     for version, size in (("1", 1), ("2", megabytes)):
