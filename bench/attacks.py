@@ -1,11 +1,13 @@
 """Peak memory under each attack of #28, a normal client beside it. Loopback only, bounded.
 
-    .venv/bin/python -m bench.attacks [--hold 10] [--only PNG]
+    .venv/bin/python -m bench.attacks [--hold 10] [--only PNG] [--workers 1]
 
-One server as the README starts it (default settings, one worker so that one process holds
-everything), serving digits, efficientnet_lite0 and an identity model with a dynamic dim. For
-each attack in turn: the server's RSS before, its peak during (VmHWM, reset before each attack
-through /proc/PID/clear_refs), its RSS two seconds after, and a normal client's latency
+One server as the README starts it (default settings but ``TG_WORKERS``: one worker by default,
+so that one process holds everything; with ``--workers 2``, the default on 2 CPUs, a supervisor
+and its workers, gRPC through the supervisor's front), serving digits, efficientnet_lite0 and an
+identity model with a dynamic dim. For each attack in turn: the server's RSS before (every
+process of it), its peak during (each process's VmHWM, reset before each attack through
+/proc/PID/clear_refs, added up), its RSS two seconds after, and a normal client's latency
 throughout (a digits request over REST every 50 ms: median, max, and how many failed). Each
 attack is held ``--hold`` seconds where it holds anything. Writes bench/results/attacks.md.
 """
@@ -320,30 +322,35 @@ def main() -> None:
     parser.add_argument(
         "--only", default="", help="run only the attacks whose name contains this (e.g. PNG)"
     )
+    parser.add_argument("--workers", type=int, default=1, help="TG_WORKERS (2 or more: the front)")
     args = parser.parse_args()
+    env = {"TG_WORKERS": str(args.workers)}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder) / "models"
         copy_model("digits", root / "digits")
         copy_model("efficientnet_lite0", root / "efficientnet_lite0")
         write_identity_model(root / "identity", max_batch_size=8, datatypes=("FP32",), width="w")
-        server = Server(root, env={"TG_WORKERS": "1"}, log_path=Path(folder) / "server.log")
+        server = Server(root, env=env, log_path=Path(folder) / "server.log")
         try:
             server.wait_until(timeout=300)
             pid = server.process.pid
+            pids = [pid, *map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
             for _ in range(20):  # the first requests' own high water
                 server.client.post("/v2/models/digits/infer", content=DIGIT)
-            budget = Settings(workers=1).max_inflight_bytes  # as the server resolves it here
+            # as the server resolves it here: each worker's, for all of them
+            budget = Settings(workers=args.workers).max_inflight_bytes * args.workers
             for protocol, name, attack in ATTACKS:
                 if args.only not in name:
                     continue
-                before = status(pid, "VmRSS")
-                Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+                before = sum(status(p, "VmRSS") for p in pids)
+                for p in pids:
+                    Path(f"/proc/{p}/clear_refs").write_text("5")  # VmHWM := VmRSS
                 with Probe(server.url) as probe:
                     what = attack(server, args.hold)
                 time.sleep(2)
-                after = status(pid, "VmRSS")
-                peak = status(pid, "VmHWM")
+                after = sum(status(p, "VmRSS") for p in pids)
+                peak = sum(status(p, "VmHWM") for p in pids)
                 lat = sorted(probe.latencies)
                 rows.append(
                     [
@@ -366,7 +373,12 @@ def main() -> None:
     text = "\n\n".join(
         [
             "# Peak memory under each attack (`python -m bench.attacks`)",
-            f"One worker, default settings: body budget {budget / MIB:.0f} MiB. Peak: VmHWM, "
+            (
+                "One worker (`TG_WORKERS=1`)"
+                if args.workers == 1
+                else f"{args.workers} workers behind the supervisor and its gRPC front"
+            )
+            + f": body budget {budget / MIB:.0f} MiB. Peak: VmHWM of each process, added up, "
             f"reset before each attack; held {args.hold:g} s where the attack holds anything; "
             "after: 2 s after it ended. Normal client: a digits request over REST every 50 ms "
             "throughout. Numbers in parentheses: the finding of #28.",

@@ -108,13 +108,22 @@ class TakeTurns:
     run's p99 (p99/p50 1.57 against 1.16 with one worker). Here a worker accepts one
     connection a wake-up, and a worker that holds more than another does lets the connection
     wait :data:`DEFER_S` for the other (its own reader off meanwhile: no spinning) before it
-    takes it anyway, so a connection waits that long at most and a busy or stopped worker
-    holds nothing up. The accepted socket goes to the loop (``connect_accepted_socket``) with
-    uvicorn's own protocol: nothing else changes.
+    takes it anyway. When the others took none of :data:`UNHEEDED_IN_A_ROW` such connections
+    in a row (dead, stopped or still loading: a count in the shared file says nothing of that),
+    the worker lets none wait for :data:`UNHEEDED_S`, so a burst is not taken one per
+    ``DEFER_S`` behind a worker that is not accepting (a worker merely busy leaves one unheeded
+    now and then: stopping at the first, or the eighth, took the even split of bursts away).
+    The accepted socket goes to the loop (``connect_accepted_socket``) with uvicorn's own
+    protocol: nothing else changes.
     """
 
     DEFER_S = 0.002
     """How long a worker holding more connections than another lets a new one wait for it."""
+    UNHEEDED_IN_A_ROW = 16
+    """Connections that waited for nothing (no other worker took them), each within 0.1 s of
+    the last, before none waits."""
+    UNHEEDED_S = 1.0
+    """How long none waits then."""
     RETRY_S = 0.5
     """Out of file descriptors (or memory): accepting pauses this long, as asyncio's does."""
 
@@ -134,27 +143,41 @@ class TakeTurns:
         self._fd = sock.fileno()
         self._connecting: set[asyncio.Task[object]] = set()
         self._waited = False
+        self._unheeded = 0
+        self._unheeded_at = float("-inf")
+        self._unheeded_until = float("-inf")
         self._stopped = False
         sock.setblocking(False)
         loop.add_reader(self._fd, self._readable)
 
     def _readable(self) -> None:
-        if not self._waited and self.balance.holds_more():
+        waited, self._waited = self._waited, False
+        if not waited and self.loop.time() >= self._unheeded_until and self.balance.holds_more():
             self._waited = True  # the next wake-up takes it, whoever holds what
             self.deferred += 1
             self._pause(self.DEFER_S)
             return
-        self._waited = False
         try:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            return  # another worker took it
+            if waited:
+                self._unheeded = 0  # another worker took it
+            return
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 raise
             log.warning("accepting paused for %.1f s: %s", self.RETRY_S, exc)
             self._pause(self.RETRY_S)
             return
+        if waited:  # nobody else took it
+            now = self.loop.time()
+            if now - self._unheeded_at > 0.1:  # the last was a while ago: a busy worker's
+                self._unheeded = 0
+            self._unheeded_at = now
+            self._unheeded += 1
+            if self._unheeded >= self.UNHEEDED_IN_A_ROW:  # the others are not accepting
+                self._unheeded = 0
+                self._unheeded_until = now + self.UNHEEDED_S
         conn.setblocking(False)
         self.accepted += 1
         self.balance.count(self.balance.mine + 1)  # at once: the next wake-up compares with it
@@ -165,7 +188,8 @@ class TakeTurns:
     async def _connect(self, conn: socket.socket) -> object:
         try:
             return await self.loop.connect_accepted_socket(self.protocol, conn)
-        except OSError:  # the client went before its transport was made
+        except Exception as exc:  # the client went before its transport was made, say
+            log.debug("an accepted connection was not served: %r", exc)
             conn.close()
             return None
 

@@ -236,7 +236,9 @@ async def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then
 ) -> None:
     """TakeTurns (service.limits.balance): one connection a wake-up; holding more than the
     other worker, it lets the connection wait DEFER_S (its reader off, so it does not spin),
-    then takes it anyway; stopped, it takes none."""
+    then takes it anyway, and after UNHEEDED_IN_A_ROW waits the other did not use lets none
+    wait for UNHEEDED_S (a dead or loading worker's count must not slow every accept);
+    stopped, it takes none."""
     import asyncio
     import socket
     import time
@@ -257,6 +259,7 @@ async def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then
     with socket.create_server(("127.0.0.1", 0)) as listener:
         address = listener.getsockname()
         turns = TakeTurns(loop, listener, Made, mine)
+        turns.UNHEEDED_IN_A_ROW = 1  # 16 in a row in the server; one shows the rule here
         clients = []
         try:
             clients.append(socket.create_connection(address))
@@ -275,10 +278,15 @@ async def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then
             await _until(lambda: len(made) == 3)
             assert turns.deferred == 1
 
+            other.count(0)  # fewer again, but it took nothing last time (dead, say): no waiting
+            clients.append(socket.create_connection(address))
+            await _until(lambda: len(made) == 4)
+            assert turns.deferred == 1
+
             turns.stop()
             clients.append(socket.create_connection(address))  # the kernel completes it
             await asyncio.sleep(0.05)
-            assert len(made) == 3
+            assert len(made) == 4
         finally:
             turns.stop()
             for client in clients:
