@@ -231,66 +231,78 @@ def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
     assert path.read_bytes()[2:] == bytes(2)
 
 
-async def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes_it(
+    tmp_path: Path, loop: str
 ) -> None:
     """TakeTurns (service.limits.balance): one connection a wake-up; holding more than the
     other worker, it lets the connection wait DEFER_S (its reader off, so it does not spin),
     then takes it anyway, and after UNHEEDED_IN_A_ROW waits the other did not use lets none
     wait for UNHEEDED_S (a dead or loading worker's count must not slow every accept);
     stopped, it takes none."""
-    import asyncio
-    import socket
-    import time
 
-    from service.limits.balance import ConnectionBalance, TakeTurns, create_balance_file
+    async def take_turns() -> None:
+        import asyncio
+        import socket
+        import time
 
-    path = create_balance_file(tmp_path / "connections", 2)
-    mine, other = ConnectionBalance(), ConnectionBalance()
-    mine.attach(path, 0)
-    other.attach(path, 1)
-    made: list[float] = []
+        from service.limits.balance import ConnectionBalance, TakeTurns, create_balance_file
 
-    class Made(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            made.append(time.monotonic())
+        path = create_balance_file(tmp_path / "connections", 2)
+        mine, other = ConnectionBalance(), ConnectionBalance()
+        mine.attach(path, 0)
+        other.attach(path, 1)
+        made: list[float] = []
 
-    loop = asyncio.get_running_loop()
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        address = listener.getsockname()
-        turns = TakeTurns(loop, listener, Made, mine)
-        turns.UNHEEDED_IN_A_ROW = 1  # 16 in a row in the server; one shows the rule here
-        clients = []
-        try:
-            clients.append(socket.create_connection(address))
-            await _until(lambda: len(made) == 1)
-            assert (turns.accepted, turns.deferred, mine.mine) == (1, 0, 1)  # counted at once
+        class Made(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                made.append(time.monotonic())
 
-            other.count(0)  # the other worker holds fewer: this one lets the next wait
-            started = time.monotonic()
-            clients.append(socket.create_connection(address))
-            await _until(lambda: len(made) == 2)
-            assert (turns.accepted, turns.deferred) == (2, 1)
-            assert made[1] - started >= TakeTurns.DEFER_S * 0.9  # nobody else took it
+        running = asyncio.get_running_loop()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            address = listener.getsockname()
+            turns = TakeTurns(running, listener, Made, mine)
+            turns.UNHEEDED_IN_A_ROW = 1  # 16 in a row in the server; one shows the rule here
+            clients = []
+            try:
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 1)
+                assert (turns.accepted, turns.deferred, mine.mine) == (1, 0, 1)  # counted at once
 
-            other.count(5)  # now it holds fewer: no waiting
-            clients.append(socket.create_connection(address))
-            await _until(lambda: len(made) == 3)
-            assert turns.deferred == 1
+                other.count(0)  # the other worker holds fewer: this one lets the next wait
+                started = time.monotonic()
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 2)
+                assert (turns.accepted, turns.deferred) == (2, 1)
+                assert made[1] - started >= TakeTurns.DEFER_S * 0.9  # nobody else took it
 
-            other.count(0)  # fewer again, but it took nothing last time (dead, say): no waiting
-            clients.append(socket.create_connection(address))
-            await _until(lambda: len(made) == 4)
-            assert turns.deferred == 1
+                other.count(5)  # now it holds fewer: no waiting
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 3)
+                assert turns.deferred == 1
 
-            turns.stop()
-            clients.append(socket.create_connection(address))  # the kernel completes it
-            await asyncio.sleep(0.05)
-            assert len(made) == 4
-        finally:
-            turns.stop()
-            for client in clients:
-                client.close()
+                other.count(0)  # fewer again, but it took nothing last time (dead, say): no waiting
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 4)
+                assert turns.deferred == 1
+
+                turns.stop()
+                clients.append(socket.create_connection(address))  # the kernel completes it
+                await asyncio.sleep(0.05)
+                assert len(made) == 4
+            finally:
+                turns.stop()
+                for client in clients:
+                    client.close()
+
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(take_turns())
+    else:
+        import asyncio
+
+        asyncio.run(take_turns())
 
 
 async def _until(done: Any, timeout_s: float = 5.0) -> None:
