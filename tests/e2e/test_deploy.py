@@ -217,6 +217,22 @@ def test_security_context_is_locked_down() -> None:
         assert instruction(stage, "USER") == ["10001:10001"]
 
 
+def test_every_read_only_container_has_a_writable_tmp() -> None:
+    """The supervisor of several workers (the default past one CPU) keeps its workers' sockets
+    and shared counts in a folder under /tmp: the KServe runtime's read-only root filesystem
+    had no /tmp mounted, so its server could not start with 2 CPUs."""
+    runtime = yaml.safe_load((DEPLOY / "kserve" / "servingruntime.yaml").read_text())["spec"]
+    pod = deployment()["spec"]["template"]["spec"]
+    for spec in (pod, runtime):
+        for container in spec["containers"]:
+            if not container.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                continue
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            assert "/tmp" in mounts, container["name"]
+            volume = next(v for v in spec["volumes"] if v["name"] == mounts["/tmp"])
+            assert "emptyDir" in volume
+
+
 def kserve_check(document: Any, model: str) -> str:
     """What KServe's SDK models say of ``document`` ("" when it fits), from a process of its own:
     the SDK registers the same protobuf names as tritonclient.grpc, and one process cannot hold
