@@ -55,6 +55,11 @@ def status(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field}")
 
 
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (a supervisor's workers)."""
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _probe(url: str, stop: Any, ready: Any, out: Any) -> None:
     """The normal client's loop, in a process of its own (the attack's clients would otherwise
     hold its GIL and add their own delays to what it measures)."""
@@ -335,7 +340,6 @@ def main() -> None:
         try:
             server.wait_until(timeout=300)
             pid = server.process.pid
-            pids = [pid, *map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
             for _ in range(20):  # the first requests' own high water
                 server.client.post("/v2/models/digits/infer", content=DIGIT)
             # as the server resolves it here: each worker's, for all of them
@@ -343,6 +347,7 @@ def main() -> None:
             for protocol, name, attack in ATTACKS:
                 if args.only not in name:
                     continue
+                pids = [pid, *children(pid)]  # now: a worker may have been replaced
                 before = sum(status(p, "VmRSS") for p in pids)
                 for p in pids:
                     Path(f"/proc/{p}/clear_refs").write_text("5")  # VmHWM := VmRSS
