@@ -51,8 +51,9 @@ class DrainingServer(uvicorn.Server):
             return
         config, loop = self.config, asyncio.get_running_loop()
 
-        def protocol() -> asyncio.Protocol:  # what uvicorn's startup makes for each connection
-            return config.http_protocol_class(  # type: ignore[call-arg]
+        # uvicorn's startup makes this in a closure of its own, which nothing can call.
+        def protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]  # typed type[Protocol]
                 config=config,
                 server_state=self.server_state,
                 app_state=self.lifespan.state,

@@ -120,8 +120,10 @@ class TakeTurns:
     DEFER_S = 0.002
     """How long a worker holding more connections than another lets a new one wait for it."""
     UNHEEDED_IN_A_ROW = 16
-    """Connections that waited for nothing (no other worker took them), each within 0.1 s of
-    the last, before none waits."""
+    """Connections that waited for nothing (no other worker took them), each within
+    :data:`UNHEEDED_WITHIN_S` of the last, before none waits."""
+    UNHEEDED_WITHIN_S = 0.1
+    """Farther apart than this, waits for nothing are a busy worker's, not a missing one's."""
     UNHEEDED_S = 1.0
     """How long none waits then."""
     RETRY_S = 0.5
@@ -141,7 +143,7 @@ class TakeTurns:
         self.accepted = 0
         self.deferred = 0
         self._fd = sock.fileno()
-        self._connecting: set[asyncio.Task[object]] = set()
+        self._connecting: set[asyncio.Task[None]] = set()
         self._waited = False
         self._unheeded = 0
         self._unheeded_at = float("-inf")
@@ -171,7 +173,7 @@ class TakeTurns:
             return
         if waited:  # nobody else took it
             now = self.loop.time()
-            if now - self._unheeded_at > 0.1:  # the last was a while ago: a busy worker's
+            if now - self._unheeded_at > self.UNHEEDED_WITHIN_S:
                 self._unheeded = 0
             self._unheeded_at = now
             self._unheeded += 1
@@ -185,13 +187,12 @@ class TakeTurns:
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
-    async def _connect(self, conn: socket.socket) -> object:
+    async def _connect(self, conn: socket.socket) -> None:
         try:
-            return await self.loop.connect_accepted_socket(self.protocol, conn)
+            await self.loop.connect_accepted_socket(self.protocol, conn)
         except Exception as exc:  # the client went before its transport was made, say
             log.debug("an accepted connection was not served: %r", exc)
             conn.close()
-            return None
 
     def _pause(self, seconds: float) -> None:
         self.loop.remove_reader(self._fd)
