@@ -22,6 +22,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from preprocessing.halves import matches_pillow
 from service import PROCESS_STARTED, __version__
 from service.artifacts.pins import check_pinned
 from service.cluster.control import ControlServer, Siblings, follow_siblings
@@ -37,6 +38,7 @@ from service.http.fast import InferFastPath
 from service.limits.admission import BodyBudget, BytesBudget, error_body
 from service.limits.memory import Trimmer
 from service.repository.models import ModelRepository
+from service.resources import SECOND_THREAD
 from service.settings import Settings
 from service.telemetry import tracing
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -59,6 +61,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_pinned(settings)
+        _enable_second_thread(settings)
         tracing.start(settings.tracing, __version__, span_exporter)
         repository = ModelRepository(settings)
         repository.steps = Steps(repository, asyncio.get_running_loop(), settings.request_timeout_s)
@@ -278,3 +281,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _response(answer: Answer) -> Response:
     return Response(answer.body, answer.status, answer.headers, media_type="application/json")
+
+
+def _enable_second_thread(settings: Settings) -> None:
+    """Give a lone image's resize a second thread (:class:`service.resources.SecondThread`)
+    when the server may use two CPUs or more and the installed Pillow resizes as the halves
+    assume (``preprocessing.halves.matches_pillow``)."""
+    if not settings.resize_halves or settings.cpus < 2:
+        return
+    if not matches_pillow():
+        log.warning(
+            "this Pillow resizes in an order preprocessing.halves does not know: images are "
+            "resized on one thread (the same pixels, slower for a request alone)"
+        )
+        return
+    SECOND_THREAD.enable()

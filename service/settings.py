@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     preprocess_threads: int = Field(default=0, ge=0)
     """Threads that decode and preprocess request payloads, off the event loop. 0: the CPUs
     divided among the workers (a request alone is preprocessed on its model's thread)."""
+    resize_halves: bool = True
+    """Resize an image in two halves on two threads while no batch runs (a request alone, with
+    two CPUs or more): the same pixels as one resize, sooner (``preprocessing.halves``)."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413 before they are read in full."""
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)

@@ -28,6 +28,7 @@ from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
 from service.pipelines.code import load_pipeline
+from service.resources import SECOND_THREAD
 from service.runtimes.base import Signature, shape_fits
 
 TEXT_INPUTS = ("input_ids", "attention_mask")
@@ -133,7 +134,7 @@ def pipeline_for(
         return TextInput(_text_pipeline(spec, signature, folder))
     if isinstance(spec, PythonSpec):
         return load_pipeline(spec, folder.parent, model)
-    pipeline = ImagePipeline(spec)
+    pipeline = ImagePipeline(spec, SECOND_THREAD)
     first = signature.inputs[0]
     produced = pipeline.output_shape
     if produced is not None and not shape_fits(first.shape, produced):

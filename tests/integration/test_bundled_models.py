@@ -168,6 +168,17 @@ def test_image_variants_get_the_expected_answer_and_the_training_tensor(
     assert served_tensor(server, "efficientnet_lite0", data).tobytes() == training_side.tobytes()
 
 
+@pytest.mark.parametrize("shape", ["tall", "wide"])
+def test_a_tall_and_a_wide_photo_get_the_training_tensor(server: Server, shape: str) -> None:
+    """Resized alone, an image is resized in halves on two threads (preprocessing.halves), and
+    Pillow orders its passes by the shape: vertical first for this tall one."""
+    upright = np.rot90(skimage.data.coffee())
+    stacked = np.concatenate([upright, upright], axis=0 if shape == "tall" else 1)
+    data = encode(np.ascontiguousarray(stacked), "PNG")  # 400 × 1200, or 800 × 600
+    training_side = ImageTransform(served_spec("efficientnet_lite0"))(data).numpy()
+    assert served_tensor(server, "efficientnet_lite0", data).tobytes() == training_side.tobytes()
+
+
 def test_exif_orientation_is_honoured_by_the_server(server: Server) -> None:
     upright = served_tensor(server, "efficientnet_lite0", VARIANTS["png"][0])
     rotated_with_exif = served_tensor(

@@ -147,3 +147,55 @@ def test_a_replacement_worker_clears_the_count_its_predecessor_left(tmp_path: Pa
         assert watcher.contended()
         CpuUse().attach(path, 1)  # its replacement
         assert not watcher.contended()
+
+
+def test_the_second_thread_takes_half_of_a_lone_resize_only() -> None:
+    """Ready while no batch runs and no other image has it; the second half runs on its own
+    thread; taken, both halves run on the caller's thread; a failing first half still waits
+    for the second."""
+    import threading
+
+    from service.resources import CPU_USE, SecondThread
+
+    second = SecondThread()
+    assert not second.ready()  # off until enabled
+    assert second(lambda: "a", lambda: "b") == ("a", "b")
+    second.enable()
+    assert second.ready()
+    here = threading.current_thread().name
+    names = second(lambda: threading.current_thread().name, lambda: threading.current_thread().name)
+    assert names[0] == here and names[1].startswith("second-half")
+    with CPU_USE:  # a batch runs: every CPU has work
+        assert not second.ready()
+    assert second.ready()
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    def held() -> str:
+        inside.set()
+        release.wait(5)
+        return threading.current_thread().name
+
+    other = threading.Thread(target=lambda: second(held, lambda: "b"))
+    other.start()
+    assert inside.wait(5)
+    assert not second.ready()  # another image has it
+    assert second(lambda: "a", lambda: threading.current_thread().name) == ("a", here)
+    release.set()
+    other.join(5)
+    assert second.ready()
+
+    finished = threading.Event()
+
+    def slow() -> str:
+        threading.Event().wait(0.05)
+        finished.set()
+        return "b"
+
+    def failing() -> str:
+        raise ValueError("first half")
+
+    with pytest.raises(ValueError, match="first half"):
+        second(failing, slow)
+    assert finished.is_set() and second.ready()
