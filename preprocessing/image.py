@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from preprocessing.halves import MIN_PIXELS, Halves, resize_in_halves
+from preprocessing.halves import MIN_PIXELS, MODES, Halves, resize_in_halves
 from preprocessing.pipeline import BadInput
 from preprocessing.spec import ImageSpec
 
@@ -248,6 +248,7 @@ def _resize_and_crop(
     if (
         halves is not None
         and resample != Image.Resampling.NEAREST
+        and image.mode in MODES
         and width * height >= MIN_PIXELS
         and halves.ready()
     ):

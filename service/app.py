@@ -38,7 +38,7 @@ from service.http.fast import InferFastPath
 from service.limits.admission import BodyBudget, BytesBudget, error_body
 from service.limits.memory import Trimmer
 from service.repository.models import ModelRepository
-from service.resources import SECOND_THREAD
+from service.resources import SECOND_THREAD, SecondThread
 from service.settings import Settings
 from service.telemetry import tracing
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -283,16 +283,18 @@ def _response(answer: Answer) -> Response:
     return Response(answer.body, answer.status, answer.headers, media_type="application/json")
 
 
-def _enable_second_thread(settings: Settings) -> None:
+def _enable_second_thread(settings: Settings, second: SecondThread = SECOND_THREAD) -> None:
     """Give a lone image's resize a second thread (:class:`service.resources.SecondThread`)
     when the server may use two CPUs or more and the installed Pillow resizes as the halves
-    assume (``preprocessing.halves.matches_pillow``)."""
+    assume (``preprocessing.halves.matches_pillow``); else take it away."""
     if not settings.resize_halves or settings.cpus < 2:
+        second.set(False)
         return
     if not matches_pillow():
         log.warning(
             "this Pillow resizes in an order preprocessing.halves does not know: images are "
             "resized on one thread (the same pixels, slower for a request alone)"
         )
+        second.set(False)
         return
-    SECOND_THREAD.enable()
+    second.set(True)

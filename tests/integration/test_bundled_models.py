@@ -170,8 +170,9 @@ def test_image_variants_get_the_expected_answer_and_the_training_tensor(
 
 @pytest.mark.parametrize("shape", ["tall", "wide"])
 def test_a_tall_and_a_wide_photo_get_the_training_tensor(server: Server, shape: str) -> None:
-    """Resized alone, an image is resized in halves on two threads (preprocessing.halves), and
-    Pillow orders its passes by the shape: vertical first for this tall one."""
+    """Alone, with two CPUs, an image is resized in halves on two threads (preprocessing.halves;
+    the wiring: tests/unit/service/test_app.py), and Pillow orders its passes by the shape:
+    vertical first for this tall one. Either way, the training side's pixels."""
     upright = np.rot90(skimage.data.coffee())
     stacked = np.concatenate([upright, upright], axis=0 if shape == "tall" else 1)
     data = encode(np.ascontiguousarray(stacked), "PNG")  # 400 × 1200, or 800 × 600

@@ -13,6 +13,7 @@ from PIL import Image
 
 from preprocessing import ImagePipeline, ImageSpec
 from preprocessing.halves import matches_pillow, resize_in_halves, vertical_first
+from preprocessing.image import _resize_and_crop
 from tests.conftest import encode
 
 FILTERS = [Image.Resampling.BILINEAR, Image.Resampling.BICUBIC, Image.Resampling.LANCZOS]
@@ -125,6 +126,13 @@ class Refusing:
         raise AssertionError("halves used although not ready")
 
 
+class ReadyButForbidden(Refusing):
+    """Halves that say they are ready but must not be used."""
+
+    def ready(self) -> bool:
+        return True
+
+
 def test_small_images_nearest_and_an_unready_second_thread_resize_whole(
     halves: TwoThreads,
 ) -> None:
@@ -136,3 +144,23 @@ def test_small_images_nearest_and_an_unready_second_thread_resize_whole(
     assert (len(halves.seconds), halves.asked) == (used, asked)
     spec = ImageSpec(resize=256, crop=224)
     assert ImagePipeline(spec, Refusing())(photo).tobytes() == ImagePipeline(spec)(photo).tobytes()
+
+
+@pytest.mark.parametrize("resize", [None, 1, 256])
+@pytest.mark.parametrize("crop", [None, 1, 2])
+def test_a_one_pixel_band_is_resized_whole(resize: int | None, crop: int | None) -> None:
+    """A crop or a resize to 1 pixel leaves one of the second pass's halves empty."""
+    image = Image.fromarray(skimage.data.chelsea())
+    halves = TwoThreads()
+    got = _resize_and_crop(image, resize, crop, Image.Resampling.BILINEAR, halves)
+    assert (
+        got.tobytes() == _resize_and_crop(image, resize, crop, Image.Resampling.BILINEAR).tobytes()
+    )
+
+
+def test_images_with_alpha_are_not_resized_in_halves() -> None:
+    """Pillow premultiplies alpha around each resize call: halves of RGBA would differ. The
+    pipeline converts to RGB or L before it resizes; the resize itself refuses the rest."""
+    rgba = Image.fromarray(skimage.data.chelsea()).convert("RGBA")
+    got = _resize_and_crop(rgba, 256, 224, Image.Resampling.BILINEAR, ReadyButForbidden())
+    assert got.tobytes() == _resize_and_crop(rgba, 256, 224, Image.Resampling.BILINEAR).tobytes()

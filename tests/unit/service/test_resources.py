@@ -136,6 +136,21 @@ def test_batches_beside_each_other_are_contended_across_workers(tmp_path: Path) 
         assert not alone.contended()
 
 
+def test_idle_means_no_batch_in_this_worker_or_another(tmp_path: Path) -> None:
+    from service.resources import CpuUse, create_cpu_use_file
+
+    path = create_cpu_use_file(tmp_path / "cpu-use", 2)
+    first, second = CpuUse(), CpuUse()
+    first.attach(path, 0)
+    second.attach(path, 1)
+    assert first.idle() and second.idle()
+    with second:
+        assert not first.idle() and not second.idle()
+    with first:
+        assert not first.idle()
+    assert first.idle() and CpuUse().idle()
+
+
 def test_a_replacement_worker_clears_the_count_its_predecessor_left(tmp_path: Path) -> None:
     from service.resources import CpuUse, create_cpu_use_file
 
@@ -160,7 +175,7 @@ def test_the_second_thread_takes_half_of_a_lone_resize_only() -> None:
     second = SecondThread()
     assert not second.ready()  # off until enabled
     assert second(lambda: "a", lambda: "b") == ("a", "b")
-    second.enable()
+    second.set(True)
     assert second.ready()
     here = threading.current_thread().name
     names = second(lambda: threading.current_thread().name, lambda: threading.current_thread().name)
