@@ -11,8 +11,11 @@ CPUs). Each pair runs every workload against each server, the order rotating eve
 640×480 JPEG → top-5, v1 predict) at 1 and 16 connections, W2 (the 64→256→10 MLP, a JSON
 tensor, v2 infer) at 64 and 1. wrk is the client (one thread), on the same CPUs. Then a lone
 image, alternately in this process (decode, preprocess, ONNX Runtime at batch 1 with the CPUs'
-threads, top-5, the image resized on one thread) and served, one at a time, against the defaults
-and the old default (``bench.batching.one_image_pairs``). Writes bench/results/defaults.md.
+threads, top-5, the image resized on one thread) and served, one at a time
+(``bench.batching.one_image_pairs``), against the defaults, the old default, and a fourth
+server for this only: the defaults with each image resized on one thread
+(``TG_RESIZE_HALVES=false``), the servers in turns over 4 rounds. Writes
+bench/results/defaults.md.
 """
 
 from __future__ import annotations
@@ -38,11 +41,15 @@ from tests.server import REPO_ROOT
 QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
 
 
+ONE_THREAD_RESIZE = "defaults, resize on one thread"
+LONE_ROUNDS = 4
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--seconds", type=int, default=4)
-    parser.add_argument("--images", type=int, default=200, help="lone images per side")
+    parser.add_argument("--images", type=int, default=400, help="lone images per side")
     args = parser.parse_args()
     cpus = available_cpus()
     configs = {
@@ -63,23 +70,36 @@ def main() -> None:
         "W2 c=1": (W2_PATH, mlp_body(), "application/json", 1),
     }
     names = list(configs)
-    lone: dict[str, tuple[float, float]] = {}
+    # Lone images only: the defaults with each image resized on one thread, which tells what
+    # the resize in halves (preprocessing.halves) gives a lone image from what the workers do.
+    lone_configs = {**configs, ONE_THREAD_RESIZE: {"TG_RESIZE_HALVES": "false"}}
+    lone_names = ["defaults", ONE_THREAD_RESIZE, "old default"]
+    lone: dict[str, list[tuple[float, float]]] = {name: [] for name in lone_names}
     with tempfile.TemporaryDirectory() as tmp:
         repository = served_repository(Path(tmp))
         servers = {
             name: serve_tree(REPO_ROOT, repository, {**QUIET, **settings})
-            for name, settings in configs.items()
+            for name, settings in lone_configs.items()
         }
         try:
             for _, port in servers.values():
                 wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
-            urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in servers.items()}
+            urls = {name: f"http://127.0.0.1:{servers[name][1]}" for name in names}
             measured = rotating(urls, workloads, args.pairs, args.seconds)
             pipeline, runtime = in_process(cpus)
-            for name in ("defaults", "old default"):
-                lone[name] = one_image_pairs(
-                    image, pipeline, runtime, top5(), servers[name][1], W1_PATH, args.images
-                )
+            for turn in range(LONE_ROUNDS):  # the servers in turns: the machine drifts
+                for name in lone_names[turn % 2 :] + lone_names[: turn % 2]:
+                    lone[name].append(
+                        one_image_pairs(
+                            image,
+                            pipeline,
+                            runtime,
+                            top5(),
+                            servers[name][1],
+                            W1_PATH,
+                            args.images // LONE_ROUNDS,
+                        )
+                    )
         finally:
             for process, _ in servers.values():
                 process.terminate()
@@ -110,14 +130,20 @@ def main() -> None:
         *(f"{n} p99/p50" for n in names),
     ]
     lone_rows = [
-        [name, f"{inside:.2f}", f"{served:.2f}", f"{inside / served:.3f}"]
-        for name, (inside, served) in lone.items()
+        [
+            name,
+            spread([inside for inside, _ in rounds], "{:.2f}"),
+            spread([served for _, served in rounds], "{:.2f}"),
+            spread(sorted(inside / served for inside, served in rounds), "{:.3f}"),
+        ]
+        for name, rounds in lone.items()
     ]
     publish(
         "defaults",
         f"# defaults vs the configurations they replace ({cpus} CPUs), {args.pairs} rotating "
         f"pairs of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n\n"
-        f"A lone image, {args.images} alternately in process and served (median ms):\n\n"
+        f"A lone image, {args.images} alternately in process and served, in {LONE_ROUNDS} "
+        "rounds of the servers in turn (median (min–max) of the rounds' medians, ms):\n\n"
         + table(lone_rows, ["server", "in process ms", "served ms", "served / in process rate"])
         + "\n",
     )

@@ -171,7 +171,7 @@ class OnnxRuntime(Runtime):
     ) -> dict[str, np.ndarray]:
         """A batch alone, on the session that runs lone batches faster (:class:`AloneChoice`),
         timed for it when nothing else ran meanwhile."""
-        wide = self._alone.wide()
+        wide = self._alone.wide(_rows(batch))
         started = time.perf_counter()
         outputs = self._run(self._session if wide else shared, batch)
         if not CPU_USE.contended():
@@ -251,51 +251,81 @@ class OnnxRuntime(Runtime):
 
 class AloneChoice:
     """Whether a batch alone runs on every CPU's threads (the wide session) or on the share:
-    the one that has run lone batches faster per row, as measured while serving (warmup seeds
-    it). A model whose operators gain from more threads (a CNN: 1.7 × on 2 CPUs) takes them; a
-    tiny one (the W2 MLP), which only pays for waking them, keeps to its share. The other side
-    runs one lone batch in :data:`EXPLORE`, so that the choice follows the machine.
+    the one that has run lone batches of its size faster, as measured while serving (warmup
+    seeds it). A model whose operators gain from more threads (a CNN: 1.7 × on 2 CPUs) takes
+    them; a tiny one (the W2 MLP), which only pays for waking them, keeps to its share.
 
-    Each side's estimate is the least time per row seen, aged by :data:`AGING_PER_S` of itself
-    for every second since it was seen: a sample slowed by another process is never too fast,
-    so one good sample tells, and both sides age alike however often each runs. (Aged per
-    sample instead, the chosen side, sampled 63 times as often, climbed to its typical time
-    while the other kept its best: efficientnet flipped to the share for a third of its lone
-    batches, each 1.2 ms slower.) Read and written without a lock from the instance threads:
-    a lost update costs one estimate one sample."""
+    Each batch size (rounded down to a power of two) is judged apart: per row, a batch of 32
+    costs a third of a lone image, and judged together the side that last ran a large batch
+    looked fastest for every size (efficientnet ran its first 150 lone images on the share
+    after a warmup, 13 ms against 8). For each size, each side's estimate is the least time per
+    row seen, aged by :data:`AGING_PER_S` of itself for every second since it was seen: a
+    sample slowed by another process is never too fast, so one good sample tells, and both
+    sides age alike however often each runs. (Aged per sample instead, the chosen side climbed
+    to its typical time while the other kept its best.) The side not chosen runs one batch
+    once its last try is :data:`EXPLORE_S` old, so that the choice follows the machine, and the
+    first batches after a pause measure both sides afresh.
 
-    __slots__ = ("clock", "count", "per_row", "seen")
+    Read and written without a lock from the instance threads: a lost update costs one
+    estimate one sample."""
+
+    __slots__ = ("clock", "sizes")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.count = 0
+        self.sizes: dict[int, _Sides] = {}
+        """Per size bucket (``rows.bit_length()``: at most 64 of them)."""
+
+    def sides(self, rows: int) -> _Sides:
+        key = max(rows, 1).bit_length()
+        sides = self.sizes.get(key)
+        if sides is None:
+            sides = self.sizes[key] = _Sides()
+        return sides
+
+    def wide(self, rows: int) -> bool:
+        sides = self.sides(rows)
+        if not sides.per_row[0] or not sides.per_row[1]:
+            return not sides.per_row[0]  # the unmeasured side first
+        now = self.clock()
+        best = sides.estimate(0, now) < sides.estimate(1, now) * WIDE_GAIN
+        other = 1 if best else 0
+        if now - sides.tried[other] >= EXPLORE_S:
+            sides.tried[other] = now
+            return not best
+        return best
+
+    def record(self, wide: bool, seconds: float, rows: int) -> None:
+        sides = self.sides(rows)
+        side = 0 if wide else 1
+        sample, now = seconds / max(rows, 1), self.clock()
+        sides.tried[side] = max(sides.tried[side], now)
+        if not sides.per_row[side] or sample <= sides.estimate(side, now):
+            sides.per_row[side], sides.seen[side] = sample, now
+
+
+class _Sides:
+    """One size bucket's estimates in :class:`AloneChoice`: index 0 wide, 1 the share."""
+
+    __slots__ = ("per_row", "seen", "tried")
+
+    def __init__(self) -> None:
         self.per_row = [0.0, 0.0]
-        """The least seconds per row seen, wide and shared; 0: not measured yet."""
+        """The least seconds per row seen; 0: not measured yet."""
         self.seen = [0.0, 0.0]
-        """When each was seen (``clock``)."""
+        """When each was seen (the choice's clock)."""
+        self.tried = [0.0, 0.0]
+        """When each side last ran a lone batch of this size."""
 
     def estimate(self, side: int, now: float) -> float:
         return self.per_row[side] * (1.0 + AGING_PER_S * (now - self.seen[side]))
 
-    def wide(self) -> bool:
-        self.count += 1
-        if not self.per_row[0] or not self.per_row[1]:
-            return not self.per_row[0]  # the unmeasured side first
-        now = self.clock()
-        best = self.estimate(0, now) < self.estimate(1, now) * WIDE_GAIN
-        return best != (self.count % EXPLORE == 0)
-
-    def record(self, wide: bool, seconds: float, rows: int) -> None:
-        side = 0 if wide else 1
-        sample, now = seconds / max(rows, 1), self.clock()
-        if not self.per_row[side] or sample <= self.estimate(side, now):
-            self.per_row[side], self.seen[side] = sample, now
-
 
 WIDE_GAIN = 0.9
 """A batch alone takes every CPU's threads only when they run it at least 10 % faster."""
-EXPLORE = 64
-"""One lone batch in this many runs on the side not chosen."""
+EXPLORE_S = 1.0
+"""How often each size's side not chosen runs one lone batch (at most: only lone batches of
+that size run it)."""
 AGING_PER_S = 0.5
 """How fast a best time is forgotten: after a second, a better one within 1.5 × replaces it."""
 

@@ -1,6 +1,7 @@
 import json
 import random
 import re
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -447,7 +448,7 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     x = {"x": np.ones((2, 8), np.float32)}
     runtime.warmup(x)  # both warmed, then each timed once: the lone choice's seeds
     assert used == [wide, shared, wide, shared]
-    assert all(runtime._alone.per_row)  # type: ignore[attr-defined]  # not on Runtime
+    assert all(runtime._alone.sides(2).per_row)  # type: ignore[attr-defined]  # not on Runtime
     from service.runtimes.onnx import AloneChoice
 
     class Fixed(AloneChoice):  # the estimates this test sets, not the machine's timings
@@ -455,7 +456,8 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
             pass
 
     choice = runtime._alone = Fixed()  # type: ignore[attr-defined]  # not on Runtime
-    choice.per_row = [1.0, 2.0]  # every CPU's threads twice as fast per row (a CNN)
+    choice.sides(2).per_row = [1.0, 2.0]  # every CPU's threads twice as fast per row (a CNN)
+    choice.sides(2).tried = [time.monotonic()] * 2  # both just tried: no exploring yet
     used.clear()
     with CPU_USE:
         alone = runtime.run(x)
@@ -463,21 +465,22 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
             beside = runtime.run(x)
     assert used == [wide, shared]
     np.testing.assert_allclose(alone["y"], beside["y"], rtol=1e-6)
-    choice.per_row = [2.0, 1.0]  # the share as fast (a tiny model): alone on it too
+    choice.sides(2).per_row = [2.0, 1.0]  # the share as fast (a tiny model): alone on it too
+    choice.sides(2).tried[0] -= 1.0  # the wide side last tried a second ago
     used.clear()
     for _ in range(64):
         with CPU_USE:
             runtime.run(x)
-    assert used.count(shared) == 63 and used.count(wide) == 1  # one in 64 explores
+    assert used.count(shared) == 63 and used.count(wide) == 1  # one a second explores
     now = [0.0]
     real = AloneChoice(clock=lambda: now[0])
-    real.per_row = [2.0, 1.0]
+    real.sides(2).per_row = [2.0, 1.0]
     real.record(True, 0.5, 2)  # one fast sample of the wide side tells at once
-    assert real.per_row == [0.25, 1.0]
+    assert real.sides(2).per_row == [0.25, 1.0]
     now[0] = 1.0
-    real.record(True, 9.0, 1)  # a slow one (another process ran) does not replace it
-    assert real.per_row[0] == 0.25
-    assert real.estimate(0, now[0]) == pytest.approx(0.375)  # it ages by time instead
+    real.record(True, 0.9, 2)  # a slow one (another process ran) does not replace it
+    assert real.sides(2).per_row[0] == 0.25
+    assert real.sides(2).estimate(0, now[0]) == pytest.approx(0.375)  # it ages by time instead
     single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
     single.load(path, None, 8)
     assert single._shared is None  # type: ignore[attr-defined]  # not on Runtime
@@ -489,8 +492,8 @@ def test_the_lone_choice_holds_while_the_machine_slows_in_phases() -> None:
     machine that another process slows by 15 % every other 30 batches. Aged per sample, the
     chosen side's estimate climbed to its slow phase while the other side kept its best, and
     lone batches flipped to the share (0.952 of them wide); aged by time, all but the
-    explored one in 64 stay wide once it has run."""
-    from service.runtimes.onnx import EXPLORE, AloneChoice
+    explored one a second stay wide once it has run."""
+    from service.runtimes.onnx import EXPLORE_S, AloneChoice
 
     rng, now = random.Random(3), [0.0]
     choice = AloneChoice(clock=lambda: now[0])
@@ -499,10 +502,40 @@ def test_the_lone_choice_holds_while_the_machine_slows_in_phases() -> None:
     wide = 0
     for batch in range(6400):
         slowed = 1.15 if (batch // 30) % 2 else 1.0
-        chosen = choice.wide()
+        chosen = choice.wide(1)
         wide += chosen
         seconds = (rng.uniform(4.4, 4.8) if chosen else rng.uniform(5.6, 6.0)) * slowed / 1000
         now[0] += 0.01  # a lone batch every 10 ms
         choice.record(chosen, seconds, 1)
     assert wide / 6400 >= 0.97
-    assert wide / 6400 <= 1 - 1 / EXPLORE + 0.001  # it still explores the share
+    assert wide / 6400 <= 1 - 0.01 / EXPLORE_S + 0.001  # it still explores the share
+
+
+def test_each_batch_size_is_judged_apart_and_a_pause_measures_both_sides_again() -> None:
+    """efficientnet on 2 CPUs: a lone image takes 8 ms wide and 13 ms on the share, a batch of
+    32 0.09 s and 0.1 s (per row a third of a lone image's, and the share as fast). Judged by
+    one estimate per row for every size, the warmup's batch of 32 made the share look fastest
+    and the first 150 lone images after it ran there. Judged per size, the lone images are wide
+    from the third (each side tried once, the explored first)."""
+    from service.runtimes.onnx import AloneChoice
+
+    now = [0.0]
+    choice = AloneChoice(clock=lambda: now[0])
+    for rows, wide_s, share_s in ((1, 0.0135, 0.013), (32, 0.09, 0.1)):  # warmup, contended
+        choice.record(True, wide_s, rows)
+        choice.record(False, share_s, rows)
+    now[0] = 60.0  # a minute later, the first lone images
+    chosen = []
+    for _ in range(100):
+        wide = choice.wide(1)
+        chosen.append(wide)
+        choice.record(wide, 0.008 if wide else 0.013, 1)
+        now[0] += 0.012
+    assert chosen[:2].count(False) <= 1
+    assert all(chosen[2:80])  # once both are measured: wide
+    assert chosen[80:].count(False) == 1  # but for one try of the share a second (1.2 s)
+    # the batch of 32 keeps its own estimates (the share as fast: it stays there)
+    assert choice.sides(32).per_row == pytest.approx([0.09 / 32, 0.1 / 32])
+    now[0] += 30.0  # a pause: both sides are tried again before the choice is trusted
+    after = [choice.wide(1) for _ in range(1)]
+    assert after == [False]  # the side not chosen is tried first
