@@ -169,13 +169,16 @@ class OnnxRuntime(Runtime):
     def _run_alone(
         self, shared: ort.InferenceSession, batch: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        """A batch alone, on the session that runs lone batches faster (:class:`AloneChoice`),
-        timed for it when nothing else ran meanwhile."""
-        wide = self._alone.wide(_rows(batch))
+        """A batch alone, on the session that runs lone batches of its size faster
+        (:class:`AloneChoice`), timed for it when nothing else ran meanwhile."""
+        rows = _rows(batch)
+        sides, clock = self._alone.sides(rows), self._alone.clock
+        wide = sides.wide(clock())
         started = time.perf_counter()
         outputs = self._run(self._session if wide else shared, batch)
+        seconds = time.perf_counter() - started
         if not CPU_USE.contended():
-            self._alone.record(wide, time.perf_counter() - started, _rows(batch))
+            sides.record(wide, seconds / max(rows, 1), clock())
         return outputs
 
     def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
@@ -277,31 +280,17 @@ class AloneChoice:
         """Per size bucket (``rows.bit_length()``: at most 64 of them)."""
 
     def sides(self, rows: int) -> _Sides:
-        key = max(rows, 1).bit_length()
+        key = rows.bit_length() if rows > 0 else 1
         sides = self.sizes.get(key)
         if sides is None:
             sides = self.sizes[key] = _Sides()
         return sides
 
     def wide(self, rows: int) -> bool:
-        sides = self.sides(rows)
-        if not sides.per_row[0] or not sides.per_row[1]:
-            return not sides.per_row[0]  # the unmeasured side first
-        now = self.clock()
-        best = sides.estimate(0, now) < sides.estimate(1, now) * WIDE_GAIN
-        other = 1 if best else 0
-        if now - sides.tried[other] >= EXPLORE_S:
-            sides.tried[other] = now
-            return not best
-        return best
+        return self.sides(rows).wide(self.clock())
 
     def record(self, wide: bool, seconds: float, rows: int) -> None:
-        sides = self.sides(rows)
-        side = 0 if wide else 1
-        sample, now = seconds / max(rows, 1), self.clock()
-        sides.tried[side] = max(sides.tried[side], now)
-        if not sides.per_row[side] or sample <= sides.estimate(side, now):
-            sides.per_row[side], sides.seen[side] = sample, now
+        self.sides(rows).record(wide, seconds / max(rows, 1), self.clock())
 
 
 class _Sides:
@@ -319,6 +308,25 @@ class _Sides:
 
     def estimate(self, side: int, now: float) -> float:
         return self.per_row[side] * (1.0 + AGING_PER_S * (now - self.seen[side]))
+
+    def wide(self, now: float) -> bool:
+        """Whether the next lone batch runs on every CPU's threads."""
+        per_row = self.per_row
+        if not per_row[0] or not per_row[1]:
+            return not per_row[0]  # the unmeasured side first
+        best = self.estimate(0, now) < self.estimate(1, now) * WIDE_GAIN
+        other = 1 if best else 0
+        if now - self.tried[other] >= EXPLORE_S:
+            self.tried[other] = now
+            return not best
+        return best
+
+    def record(self, wide: bool, per_row: float, now: float) -> None:
+        side = 0 if wide else 1
+        if now > self.tried[side]:
+            self.tried[side] = now
+        if not self.per_row[side] or per_row <= self.estimate(side, now):
+            self.per_row[side], self.seen[side] = per_row, now
 
 
 WIDE_GAIN = 0.9

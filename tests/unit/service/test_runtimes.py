@@ -1,7 +1,6 @@
 import json
 import random
 import re
-import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -451,13 +450,11 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     assert all(runtime._alone.sides(2).per_row)  # type: ignore[attr-defined]  # not on Runtime
     from service.runtimes.onnx import AloneChoice
 
-    class Fixed(AloneChoice):  # the estimates this test sets, not the machine's timings
-        def record(self, wide: bool, seconds: float, rows: int) -> None:
-            pass
-
-    choice = runtime._alone = Fixed()  # type: ignore[attr-defined]  # not on Runtime
-    choice.sides(2).per_row = [1.0, 2.0]  # every CPU's threads twice as fast per row (a CNN)
-    choice.sides(2).tried = [time.monotonic()] * 2  # both just tried: no exploring yet
+    # The estimates this test sets, not the machine's timings: a stopped clock (nothing ages)
+    # and times per row no real run is as fast as (none replaces them).
+    choice = runtime._alone = AloneChoice(clock=lambda: 100.0)  # type: ignore[attr-defined]
+    choice.sides(2).per_row = [1e-12, 2e-12]  # every CPU's threads twice as fast (a CNN)
+    choice.sides(2).tried = [100.0, 100.0]  # both just tried: no exploring yet
     used.clear()
     with CPU_USE:
         alone = runtime.run(x)
@@ -465,8 +462,8 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
             beside = runtime.run(x)
     assert used == [wide, shared]
     np.testing.assert_allclose(alone["y"], beside["y"], rtol=1e-6)
-    choice.sides(2).per_row = [2.0, 1.0]  # the share as fast (a tiny model): alone on it too
-    choice.sides(2).tried[0] -= 1.0  # the wide side last tried a second ago
+    choice.sides(2).per_row = [2e-12, 1e-12]  # the share as fast (a tiny model): alone on it too
+    choice.sides(2).tried[0] = 99.0  # the wide side last tried a second ago
     used.clear()
     for _ in range(64):
         with CPU_USE:
