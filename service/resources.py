@@ -243,7 +243,7 @@ class CpuUse:
         if shared is None:
             return False
         counts = shared[:]  # bytes: iterating an mmap gives 1-byte strings, these ints
-        return any(count for i, count in enumerate(counts) if i != self._index)
+        return any(counts[: self._index]) or any(counts[self._index + 1 :])
 
     def idle(self) -> bool:
         """Whether no batch runs now, in this process or another worker."""
