@@ -259,9 +259,9 @@ class AloneChoice:
     them; a tiny one (the W2 MLP), which only pays for waking them, keeps to its share.
 
     Each batch size (rounded down to a power of two) is judged apart: per row, a batch of 32
-    costs a third of a lone image, and judged together the side that last ran a large batch
-    looked fastest for every size (efficientnet ran its first 150 lone images on the share
-    after a warmup, 13 ms against 8). For each size, each side's estimate is the least time per
+    costs a third of a lone image, and judged together each side's estimate came from whatever
+    size it had run fastest per row, not from the size at hand (efficientnet ran its first 150
+    lone images after a warmup on the share, 13 ms against 8). For each size, each side's estimate is the least time per
     row seen, aged by :data:`AGING_PER_S` of itself for every second since it was seen: a
     sample slowed by another process is never too fast, so one good sample tells, and both
     sides age alike however often each runs. (Aged per sample instead, the chosen side climbed
