@@ -261,13 +261,13 @@ class AloneChoice:
     Each batch size (rounded down to a power of two) is judged apart: per row, a batch of 32
     costs a third of a lone image, and judged together each side's estimate came from whatever
     size it had run fastest per row, not from the size at hand (efficientnet ran its first 150
-    lone images after a warmup on the share, 13 ms against 8). For each size, each side's estimate is the least time per
-    row seen, aged by :data:`AGING_PER_S` of itself for every second since it was seen: a
-    sample slowed by another process is never too fast, so one good sample tells, and both
-    sides age alike however often each runs. (Aged per sample instead, the chosen side climbed
-    to its typical time while the other kept its best.) The side not chosen runs one batch
-    once its last try is :data:`EXPLORE_S` old, so that the choice follows the machine, and the
-    first batches after a pause measure both sides afresh.
+    lone images after a warmup on the share, 13 ms against 8). For each size, each side's
+    estimate is the least time per row seen, aged by :data:`AGING_PER_S` of itself for every
+    second since it was seen: a sample slowed by another process is never too fast, so one
+    good sample tells, and both sides age alike however often each runs. (Aged per sample
+    instead, the chosen side climbed to its typical time while the other kept its best.) The
+    side not chosen runs one batch once its last try is :data:`EXPLORE_S` old, so that the
+    choice follows the machine, and the first batches after a pause measure both sides afresh.
 
     Read and written without a lock from the instance threads: a lost update costs one
     estimate one sample."""
