@@ -88,7 +88,8 @@ def main() -> None:
             measured = rotating(urls, workloads, args.pairs, args.seconds)
             pipeline, runtime = in_process(cpus)
             for turn in range(LONE_ROUNDS):  # the servers in turns: the machine drifts
-                for name in lone_names[turn % 2 :] + lone_names[: turn % 2]:
+                shift = turn % len(lone_names)
+                for name in lone_names[shift:] + lone_names[:shift]:
                     lone[name].append(
                         one_image_pairs(
                             image,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -172,13 +172,13 @@ class OnnxRuntime(Runtime):
         """A batch alone, on the session that runs lone batches of its size faster
         (:class:`AloneChoice`), timed for it when nothing else ran meanwhile."""
         rows = _rows(batch)
-        sides, clock = self._alone.sides(rows), self._alone.clock
-        wide = sides.wide(clock())
+        sides = self._alone.sides(rows)
+        wide = sides.wide()
         started = time.perf_counter()
         outputs = self._run(self._session if wide else shared, batch)
         seconds = time.perf_counter() - started
         if not CPU_USE.contended():
-            sides.record(wide, seconds / max(rows, 1), clock())
+            sides.record(wide, seconds / max(rows, 1))
         return outputs
 
     def warmup(self, batch: Mapping[str, np.ndarray]) -> None:
@@ -191,7 +191,7 @@ class OnnxRuntime(Runtime):
         for wide, session in ((True, self._session), (False, shared)):
             started = time.perf_counter()
             self._run(session, batch)
-            self._alone.record(wide, time.perf_counter() - started, rows)
+            self._alone.seed(wide, time.perf_counter() - started, rows)
 
     def _run(
         self, session: ort.InferenceSession, batch: Mapping[str, np.ndarray]
@@ -259,83 +259,99 @@ class AloneChoice:
     them; a tiny one (the W2 MLP), which only pays for waking them, keeps to its share.
 
     Each batch size (rounded down to a power of two) is judged apart: per row, a batch of 32
-    costs a third of a lone image, and judged together each side's estimate came from whatever
-    size it had run fastest per row, not from the size at hand (efficientnet ran its first 150
-    lone images after a warmup on the share, 13 ms against 8). For each size, each side's
-    estimate is the least time per row seen, aged by :data:`AGING_PER_S` of itself for every
-    second since it was seen: a sample slowed by another process is never too fast, so one
-    good sample tells, and both sides age alike however often each runs. (Aged per sample
-    instead, the chosen side climbed to its typical time while the other kept its best.) The
-    side not chosen runs one batch once its last try is :data:`EXPLORE_S` old, so that the
-    choice follows the machine, and the first batches after a pause measure both sides afresh.
+    costs a third of a lone image, and with one estimate per row for every size each side's
+    came from whatever size it had run fastest per row, not from the size at hand (at the
+    defaults a worker's first 150 lone images after its warmup took 13 ms, then 8).
 
-    Read and written without a lock from the instance threads: a lost update costs one
-    estimate one sample."""
+    For each size, each side's estimate is the least time per row seen, aged by
+    :data:`AGING` of itself for every lone batch of that size since (either side's): a sample
+    slowed by another process is never too fast, so one good sample tells, and both sides age
+    alike however often each runs. (Aged per sample of its own side instead, the chosen side
+    climbed to its typical time while the other kept its best. Aged by wall time, a size whose
+    batches came a second or more apart found the side last run freshest, and flipped.) The side
+    not chosen runs one batch in :data:`EXPLORE` of its size, so that the choice follows the
+    machine; warmup's timings only seed the estimates, and the first two lone batches of a size
+    try both sides.
 
-    __slots__ = ("clock", "sizes")
+    Read and written without a lock from the instance threads: a lost update costs an estimate
+    one sample, and two instances of a model may both take the same turn to explore."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
+    __slots__ = ("sizes",)
+
+    def __init__(self) -> None:
         self.sizes: dict[int, _Sides] = {}
         """Per size bucket (``rows.bit_length()``: at most 64 of them)."""
 
     def sides(self, rows: int) -> _Sides:
-        key = rows.bit_length() if rows > 0 else 1
+        key = rows.bit_length()
         sides = self.sizes.get(key)
         if sides is None:
             sides = self.sizes[key] = _Sides()
         return sides
 
     def wide(self, rows: int) -> bool:
-        return self.sides(rows).wide(self.clock())
+        return self.sides(rows).wide()
 
     def record(self, wide: bool, seconds: float, rows: int) -> None:
-        self.sides(rows).record(wide, seconds / max(rows, 1), self.clock())
+        """A lone batch's time, as served."""
+        self.sides(rows).record(wide, seconds / max(rows, 1))
+
+    def seed(self, wide: bool, seconds: float, rows: int) -> None:
+        """A warmup batch's time: an estimate until the size's first lone batches try both."""
+        self.sides(rows).record(wide, seconds / max(rows, 1), tried=False)
 
 
 class _Sides:
-    """One size bucket's estimates in :class:`AloneChoice`: index 0 wide, 1 the share."""
+    """One size bucket's estimates in :class:`AloneChoice`: index 0 wide, 1 the share. Its
+    clock is its count of lone batches."""
 
-    __slots__ = ("per_row", "seen", "tried")
+    __slots__ = ("count", "per_row", "seen", "tried")
 
     def __init__(self) -> None:
+        self.count = 0
         self.per_row = [0.0, 0.0]
         """The least seconds per row seen; 0: not measured yet."""
-        self.seen = [0.0, 0.0]
-        """When each was seen (the choice's clock)."""
-        self.tried = [0.0, 0.0]
-        """When each side last ran a lone batch of this size."""
+        self.seen = [0, 0]
+        """At which count each was seen."""
+        self.tried = [-EXPLORE, -EXPLORE]
+        """At which count each side last ran a lone batch."""
 
-    def estimate(self, side: int, now: float) -> float:
-        return self.per_row[side] * (1.0 + AGING_PER_S * (now - self.seen[side]))
+    def estimate(self, side: int) -> float:
+        return self.per_row[side] * (1.0 + AGING * (self.count - self.seen[side]))
 
-    def wide(self, now: float) -> bool:
+    def wide(self) -> bool:
         """Whether the next lone batch runs on every CPU's threads."""
-        per_row = self.per_row
-        if not per_row[0] or not per_row[1]:
-            return not per_row[0]  # the unmeasured side first
-        best = self.estimate(0, now) < self.estimate(1, now) * WIDE_GAIN
+        self.count += 1
+        count, tried = self.count, self.tried
+        if not self.per_row[0] or not self.per_row[1]:
+            # Unmeasured (a size warmup did not run): each side once, then the measured one.
+            for side in (0, 1):
+                if not self.per_row[side] and count - tried[side] >= EXPLORE:
+                    tried[side] = count
+                    return side == 0
+            return bool(self.per_row[0])
+        best = self.estimate(0) < self.estimate(1) * WIDE_GAIN
         other = 1 if best else 0
-        if now - self.tried[other] >= EXPLORE_S:
-            self.tried[other] = now
+        if count - tried[other] >= EXPLORE:
+            tried[other] = count
             return not best
         return best
 
-    def record(self, wide: bool, per_row: float, now: float) -> None:
+    def record(self, wide: bool, per_row: float, tried: bool = True) -> None:
         side = 0 if wide else 1
-        if now > self.tried[side]:
-            self.tried[side] = now
-        if not self.per_row[side] or per_row <= self.estimate(side, now):
-            self.per_row[side], self.seen[side] = per_row, now
+        if tried and self.count > self.tried[side]:
+            self.tried[side] = self.count
+        if not self.per_row[side] or per_row <= self.estimate(side):
+            self.per_row[side], self.seen[side] = per_row, self.count
 
 
 WIDE_GAIN = 0.9
 """A batch alone takes every CPU's threads only when they run it at least 10 % faster."""
-EXPLORE_S = 1.0
-"""How often each size's side not chosen runs one lone batch (at most: only lone batches of
-that size run it)."""
-AGING_PER_S = 0.5
-"""How fast a best time is forgotten: after a second, a better one within 1.5 × replaces it."""
+EXPLORE = 64
+"""One lone batch of a size in this many runs on the side not chosen."""
+AGING = 0.005
+"""How fast a best time is forgotten, per lone batch of its size: after 100, a better one
+within 1.5 × replaces it."""
 
 
 def _rows(batch: Mapping[str, np.ndarray]) -> int:

@@ -450,11 +450,12 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     assert all(runtime._alone.sides(2).per_row)  # type: ignore[attr-defined]  # not on Runtime
     from service.runtimes.onnx import AloneChoice
 
-    # The estimates this test sets, not the machine's timings: a stopped clock (nothing ages)
-    # and times per row no real run is as fast as (none replaces them).
-    choice = runtime._alone = AloneChoice(clock=lambda: 100.0)  # type: ignore[attr-defined]
-    choice.sides(2).per_row = [1e-12, 2e-12]  # every CPU's threads twice as fast (a CNN)
-    choice.sides(2).tried = [100.0, 100.0]  # both just tried: no exploring yet
+    # The estimates this test sets, not the machine's timings: times per row no real run is as
+    # fast as (none replaces them), both sides just tried (no exploring yet).
+    choice = runtime._alone = AloneChoice()  # type: ignore[attr-defined]  # not on Runtime
+    sides = choice.sides(2)
+    sides.per_row = [1e-12, 2e-12]  # every CPU's threads twice as fast (a CNN)
+    sides.tried = [0, 0]
     used.clear()
     with CPU_USE:
         alone = runtime.run(x)
@@ -462,22 +463,20 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
             beside = runtime.run(x)
     assert used == [wide, shared]
     np.testing.assert_allclose(alone["y"], beside["y"], rtol=1e-6)
-    choice.sides(2).per_row = [2e-12, 1e-12]  # the share as fast (a tiny model): alone on it too
-    choice.sides(2).tried[0] = 99.0  # the wide side last tried a second ago
+    sides.per_row = [2e-12, 1e-12]  # the share as fast (a tiny model): alone on it too
     used.clear()
-    for _ in range(64):
+    for _ in range(128):
         with CPU_USE:
             runtime.run(x)
-    assert used.count(shared) == 63 and used.count(wide) == 1  # one a second explores
-    now = [0.0]
-    real = AloneChoice(clock=lambda: now[0])
+    assert used.count(shared) == 126 and used.count(wide) == 2  # one in 64 explores
+    real = AloneChoice()
     real.sides(2).per_row = [2.0, 1.0]
     real.record(True, 0.5, 2)  # one fast sample of the wide side tells at once
     assert real.sides(2).per_row == [0.25, 1.0]
-    now[0] = 1.0
+    real.sides(2).count += 100  # a hundred lone batches of its size later
     real.record(True, 0.9, 2)  # a slow one (another process ran) does not replace it
     assert real.sides(2).per_row[0] == 0.25
-    assert real.sides(2).estimate(0, now[0]) == pytest.approx(0.375)  # it ages by time instead
+    assert real.sides(2).estimate(0) == pytest.approx(0.375)  # it ages by those batches instead
     single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
     single.load(path, None, 8)
     assert single._shared is None  # type: ignore[attr-defined]  # not on Runtime
@@ -486,53 +485,65 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
 def test_the_lone_choice_holds_while_the_machine_slows_in_phases() -> None:
     """A CNN whose lone batch takes 4.4–4.8 ms on every CPU and 5.6–6.0 ms on its share,
     seeded by a warmup that ran beside another worker's (the share looked faster), on a
-    machine that another process slows by 15 % every other 30 batches. Aged per sample, the
-    chosen side's estimate climbed to its slow phase while the other side kept its best, and
-    lone batches flipped to the share (0.952 of them wide); aged by time, all but the
-    explored one a second stay wide once it has run."""
-    from service.runtimes.onnx import EXPLORE_S, AloneChoice
+    machine that another process slows by 15 % every other 30 batches. Aged per sample of its
+    own side, the chosen side's estimate climbed to its slow phase while the other side kept
+    its best, and lone batches flipped to the share (0.952 of them wide); aged by the size's
+    batches, both sides alike, all but the explored one in 64 stay wide."""
+    from service.runtimes.onnx import EXPLORE, AloneChoice
 
-    rng, now = random.Random(3), [0.0]
-    choice = AloneChoice(clock=lambda: now[0])
-    choice.record(True, 0.0116, 1)
-    choice.record(False, 0.0101, 1)
+    rng = random.Random(3)
+    choice = AloneChoice()
+    choice.seed(True, 0.0116, 1)
+    choice.seed(False, 0.0101, 1)
     wide = 0
     for batch in range(6400):
         slowed = 1.15 if (batch // 30) % 2 else 1.0
         chosen = choice.wide(1)
         wide += chosen
         seconds = (rng.uniform(4.4, 4.8) if chosen else rng.uniform(5.6, 6.0)) * slowed / 1000
-        now[0] += 0.01  # a lone batch every 10 ms
         choice.record(chosen, seconds, 1)
     assert wide / 6400 >= 0.97
-    assert wide / 6400 <= 1 - 0.01 / EXPLORE_S + 0.001  # it still explores the share
+    assert wide / 6400 <= 1 - 1 / EXPLORE + 0.001  # it still explores the share
 
 
-def test_each_batch_size_is_judged_apart_and_a_pause_measures_both_sides_again() -> None:
+def test_each_batch_size_is_judged_apart_and_both_sides_are_tried_first() -> None:
     """efficientnet on 2 CPUs: a lone image takes 8 ms wide and 13 ms on the share, a batch of
-    32 0.09 s and 0.1 s (per row a third of a lone image's, and the share as fast). Judged by
-    one estimate per row for every size, the warmup's batch of 32 made the share look fastest
-    and the first 150 lone images after it ran there. Judged per size, the lone images are wide
-    from the third (each side tried once, the explored first)."""
-    from service.runtimes.onnx import AloneChoice
+    32 0.09 s and 0.1 s (per row a third of a lone image's, and the share as fast), and a
+    warmup beside another worker's made the wide side look slower. With one estimate per row
+    for every size the batch of 32 stood for the lone images too; per size, the first two lone
+    images try both sides and the rest run wide, but for one in 64 on the share."""
+    from service.runtimes.onnx import EXPLORE, AloneChoice
 
-    now = [0.0]
-    choice = AloneChoice(clock=lambda: now[0])
+    choice = AloneChoice()
     for rows, wide_s, share_s in ((1, 0.0135, 0.013), (32, 0.09, 0.1)):  # warmup, contended
-        choice.record(True, wide_s, rows)
-        choice.record(False, share_s, rows)
-    now[0] = 60.0  # a minute later, the first lone images
+        choice.seed(True, wide_s, rows)
+        choice.seed(False, share_s, rows)
     chosen = []
     for _ in range(100):
         wide = choice.wide(1)
         chosen.append(wide)
         choice.record(wide, 0.008 if wide else 0.013, 1)
-        now[0] += 0.012
-    assert chosen[:2].count(False) <= 1
-    assert all(chosen[2:80])  # once both are measured: wide
-    assert chosen[80:].count(False) == 1  # but for one try of the share a second (1.2 s)
+    assert chosen[:2] == [True, False]  # the side the seeds did not choose, then the other
+    assert all(chosen[2 : 2 + EXPLORE - 1])  # once both are measured: wide
+    assert chosen[2:].count(False) == 1  # but for one try of the share in 64
     # the batch of 32 keeps its own estimates (the share as fast: it stays there)
     assert choice.sides(32).per_row == pytest.approx([0.09 / 32, 0.1 / 32])
-    now[0] += 30.0  # a pause: both sides are tried again before the choice is trusted
-    after = [choice.wide(1) for _ in range(1)]
-    assert after == [False]  # the side not chosen is tried first
+
+
+def test_lone_batches_far_apart_keep_to_the_faster_side() -> None:
+    """The same model with lone images a second or more apart: the choice reads no clock, so
+    nothing ages while no batch of the size runs. (Aged by wall time, the side run last looked
+    freshest after each gap, and a third to a half of such images ran on the share.)"""
+    from service.runtimes.onnx import EXPLORE, AloneChoice
+
+    choice = AloneChoice()
+    choice.seed(True, 0.0135, 1)
+    choice.seed(False, 0.013, 1)
+    rng = random.Random(5)
+    chosen = []
+    for _ in range(200):
+        wide = choice.wide(1)
+        chosen.append(wide)
+        seconds = rng.uniform(0.0075, 0.0085) if wide else rng.uniform(0.0125, 0.0135)
+        choice.record(wide, seconds, 1)
+    assert sum(chosen) / 200 >= 1 - 3 / EXPLORE
