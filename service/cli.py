@@ -157,6 +157,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         inherited_listener,
     )
     from service.http.server import DrainingServer
+    from service.http.writes import OneWrite
     from service.limits.balance import BALANCE
     from service.limits.connections import ConnectionLimits, guarded_protocol
     from service.resources import CPU_USE, raise_open_file_limit
@@ -214,6 +215,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                 write_timeout_s=settings.write_timeout_s,
             ),
             app.state.body_budget,
+            OneWrite,  # a response's head and body in one write
         ),
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn says int; it takes seconds as a float (loop.call_later)
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),

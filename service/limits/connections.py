@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -71,16 +72,28 @@ class ConnectionLimits:
     """None: as many as ``max_connections``."""
 
 
+Writes = Callable[[asyncio.Transport, asyncio.AbstractEventLoop], asyncio.Transport]
+"""What a connection's protocol writes through, made from its transport and loop
+(:class:`service.http.writes.OneWrite`)."""
+
+
 def guarded_protocol(
-    limits: ConnectionLimits, budget: BytesBudget | None = None
+    limits: ConnectionLimits, budget: BytesBudget | None = None, writes: Writes | None = None
 ) -> type[GuardedHttpProtocol]:
     """The protocol class uvicorn instantiates per connection, bound to ``limits`` (one class a
     server: its sweep and its set of connections are its own); answers not yet taken by their
-    clients count in ``budget``."""
+    clients count in ``budget``; each connection writes through ``writes`` when given."""
     return type(
         "GuardedHttpProtocol",
         (GuardedHttpProtocol,),
-        {"limits": limits, "budget": budget, "_sweep": None, "_open": set(), "_per_client": {}},
+        {
+            "limits": limits,
+            "budget": budget,
+            "writes": None if writes is None else staticmethod(writes),
+            "_sweep": None,
+            "_open": set(),
+            "_per_client": {},
+        },
     )
 
 
@@ -89,6 +102,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionLimits]
     budget: ClassVar[BytesBudget | None] = None
+    writes: ClassVar[Writes | None] = None
     _sweep: ClassVar[asyncio.TimerHandle | None] = None
     _open: ClassVar[set[Any]] = set()
     _per_client: ClassVar[dict[str, int]] = {}
@@ -109,7 +123,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._address: str | None = None  # counted in _per_client while open
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # narrower than BaseTransport, as uvicorn's own
-        super().connection_made(transport)
+        writes = type(self).writes
+        super().connection_made(transport if writes is None else writes(transport, self.loop))
         BALANCE.count(len(self.connections))
         if len(self.connections) > self.limits.max_connections:
             self._refuse(

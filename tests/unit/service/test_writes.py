@@ -1,0 +1,78 @@
+"""One write an answer (service.http.writes): a response head waits for the body written after
+it in the same turn of the loop, over a real socket pair and the loop's own transport."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from service.http.writes import OneWrite
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n"
+BODY = b'{"ok":true}'
+
+
+@asynccontextmanager
+async def pair() -> AsyncIterator[tuple[OneWrite, socket.socket]]:
+    """A connected socket pair: ours behind the loop's transport and a OneWrite, theirs raw."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+    theirs.setblocking(False)
+    try:
+        yield OneWrite(transport, loop), theirs
+    finally:
+        transport.abort()
+        theirs.close()
+
+
+def received(peer: socket.socket) -> bytes:
+    try:
+        return peer.recv(65536)
+    except BlockingIOError:
+        return b""
+
+
+async def test_a_head_waits_for_its_body_and_both_leave_in_one_write() -> None:
+    async with pair() as (transport, peer):
+        transport.write(HEAD)
+        assert received(peer) == b""  # held: nothing sent yet
+        assert transport.get_write_buffer_size() == len(HEAD)  # counted while held
+        transport.write(BODY)
+        assert received(peer) == HEAD + BODY  # one send: one read takes both
+        assert transport.get_write_buffer_size() == 0
+
+
+async def test_a_head_no_body_follows_leaves_at_the_end_of_the_turn() -> None:
+    """A streamed answer's head, or an interim 100 Continue: sent as soon as the loop turns."""
+    async with pair() as (transport, peer):
+        transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await asyncio.sleep(0)
+        assert received(peer) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        transport.write(b"chunk")  # not a head: at once
+        assert received(peer) == b"chunk"
+
+
+async def test_close_sends_a_held_head_first() -> None:
+    async with pair() as (transport, peer):
+        transport.write(HEAD)
+        transport.close()
+        await asyncio.sleep(0.01)
+        peer.settimeout(5)
+        assert peer.recv(65536) == HEAD
+        assert peer.recv(65536) == b""  # then the end of the stream
+
+
+async def test_an_aborted_connection_sends_nothing_it_held() -> None:
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+    writes = OneWrite(transport, loop)
+    writes.write(HEAD)
+    writes.abort()
+    await asyncio.sleep(0.01)
+    theirs.settimeout(5)
+    assert theirs.recv(65536) == b""
+    theirs.close()
