@@ -204,17 +204,24 @@ Workload = tuple[str, bytes, str, int]
 
 
 def rotating(
-    urls: dict[str, str], workloads: dict[str, Workload], pairs: int, seconds: int
+    urls: dict[str, str],
+    workloads: dict[str, Workload],
+    pairs: int,
+    seconds: int,
+    cpu: tuple[Mapping[str, int], dict[tuple[str, str], list[float]]] | None = None,
 ) -> dict[tuple[str, str], list[WrkResult]]:
     """Every workload against every server (``urls``: name → base URL), ``pairs`` times, the
     order of the servers rotating each time, so that a drifting machine falls on all alike.
-    Results by (workload, server), one per pair; any wrk error fails the run."""
+    Results by (workload, server), one per pair; any wrk error fails the run. With ``cpu``
+    (each server's process id, and where to put them): the server's CPU µs a request in
+    each run too (:func:`cpu_seconds`)."""
     names = list(urls)
     results: dict[tuple[str, str], list[WrkResult]] = {}
     for pair in range(pairs):
         order = names[pair % len(names) :] + names[: pair % len(names)]
         for workload, (path, body, content_type, connections) in workloads.items():
             for name in order:
+                before = 0.0 if cpu is None else cpu_seconds(cpu[0][name])
                 result = wrk(
                     urls[name] + path,
                     body,
@@ -224,8 +231,24 @@ def rotating(
                 )
                 assert result.errors == 0, (name, workload, result)
                 results.setdefault((workload, name), []).append(result)
+                if cpu is not None:
+                    used = cpu_seconds(cpu[0][name]) - before
+                    cpu[1].setdefault((workload, name), []).append(1e6 * used / result.requests)
                 settle(urls[name])
     return results
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of ``pid`` and its children (a server's supervisor and workers)."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    total = 0
+    for process in [str(pid), *children]:
+        with open(f"/proc/{process}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 SETTLE_S = 0.25

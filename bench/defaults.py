@@ -4,10 +4,11 @@
 
 Three servers of the working tree serve one repository (efficientnet_lite0 and the W2 MLP) and
 stay up: the server with **no setting at all** (its defaults), the **old default** (one worker
-per two CPUs, its threads the CPUs divided among workers, each image resized on one thread:
-``TG_WORKERS=1 TG_RESIZE_HALVES=false`` on 2 CPUs) and **one worker per CPU, one thread each**
+per two CPUs, its threads the CPUs divided among workers, each image resized on one thread,
+every batch on its instance's thread: ``TG_WORKERS=1 TG_RESIZE_HALVES=false
+TG_INLINE_BATCH_US=0`` on 2 CPUs) and **one worker per CPU, one thread each**
 (``TG_WORKERS=2 TG_INTRA_OP_THREADS=1 TG_PREPROCESS_THREADS=1 TG_RESIZE_HALVES=false`` on 2
-CPUs). Each pair runs every workload against each server, the order rotating every pair: W1 (a
+CPUs; small batches on the loop, as at the defaults). Each pair runs every workload against each server, the order rotating every pair: W1 (a
 640×480 JPEG → top-5, v1 predict) at 1 and 16 connections, W2 (the 64→256→10 MLP, a JSON
 tensor, v2 infer) at 64 and 1. wrk is the client (one thread), on the same CPUs. Then a lone
 image, alternately in this process (decode, preprocess, ONNX Runtime at batch 1 with the CPUs'
@@ -54,7 +55,11 @@ def main() -> None:
     cpus = available_cpus()
     configs = {
         "defaults": {},
-        "old default": {"TG_WORKERS": str(max(1, cpus // 2)), "TG_RESIZE_HALVES": "false"},
+        "old default": {
+            "TG_WORKERS": str(max(1, cpus // 2)),
+            "TG_RESIZE_HALVES": "false",
+            "TG_INLINE_BATCH_US": "0",
+        },
         "1 thread per worker": {
             "TG_WORKERS": str(cpus),
             "TG_INTRA_OP_THREADS": "1",

@@ -224,6 +224,46 @@ class SchedulerConfig:
     instances: int = 1
     pad_to: tuple[int, ...] = ()
     """Warmed batch sizes to pad each batch's rows up to (empty: no padding)."""
+    inline_run_ns: int = 0
+    """A batch of tensors whose run is expected to take at most this long runs on the event
+    loop's thread (:class:`RunTimes`); 0: every batch on its instance's thread."""
+
+
+class RunTimes:
+    """How long a model's batches ran lately, by their inputs' size in bytes (to a power of
+    two), for the batches :attr:`SchedulerConfig.inline_run_ns` keeps on the event loop.
+
+    Handing a batch to its instance's thread and its outputs back wakes that thread and then
+    the loop: on the 2-CPU machine that cost a lone request of the W2 MLP more CPU (about
+    130 µs) than its whole model run (12 µs), and a third of its throughput at one connection
+    (docs/performance.md, "Small batches on the loop"). Kept only for what is measured to run
+    briefly, so that the loop is never held long: a size not run yet goes to the instance's
+    thread; the estimate is the median of the size's last :data:`KEPT` runs, so one run
+    slowed by the machine (a preemption) does not move it and a size whose runs grew slow
+    goes back within three; a run :data:`FAR` times past the bound starts its size over."""
+
+    KEPT = 5
+    FAR = 10
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: dict[int, deque[int]] = {}
+
+    def expected_ns(self, size: int) -> int | None:
+        """The estimate for a batch of ``size`` bytes; None before one of its size has run."""
+        runs = self._runs.get(size.bit_length())
+        return None if runs is None else sorted(runs)[len(runs) // 2]
+
+    def record(self, size: int, ns: int, bound_ns: int) -> None:
+        """A run of a batch of ``size`` bytes took ``ns``; ``bound_ns``: the loop's bound."""
+        key = size.bit_length()
+        if ns > self.FAR * bound_ns:
+            self._runs.pop(key, None)
+        elif (runs := self._runs.get(key)) is not None:
+            runs.append(ns)
+        else:
+            self._runs[key] = deque([ns], maxlen=self.KEPT)
 
 
 class Instance:
@@ -298,6 +338,7 @@ class Scheduler:
     _warned: set[BatchShape] = field(default_factory=set)
     _broken: str | None = None
     """Why the model failed its golden replay: from then on no batch runs on it."""
+    _run_times: RunTimes = field(default_factory=RunTimes)
 
     def start(self) -> None:
         for index in range(self.config.instances):
@@ -513,11 +554,20 @@ class Scheduler:
             outputs, started, infer_ns = instance.infer(batch)
             return outputs, started, infer_ns, prepared_ns, begun
 
-        loop = asyncio.get_running_loop()
+        size, inline = -1, False  # its inputs' bytes (-1: not tensors); run on the loop
+        tensors = [p.work for p in items if isinstance(p.work, dict)]
+        if self.config.inline_run_ns and len(tensors) == len(items):
+            size = sum(array.nbytes for inputs in tensors for array in inputs.values())
+            expected = self._run_times.expected_ns(size)
+            inline = expected is not None and expected <= self.config.inline_run_ns
         try:
-            outputs, started, infer_ns, prepared_ns, begun = await loop.run_in_executor(
-                instance.executor, work
-            )
+            if inline:
+                ran = work()
+            else:
+                ran = await asyncio.get_running_loop().run_in_executor(instance.executor, work)
+            outputs, started, infer_ns, prepared_ns, begun = ran
+            if size >= 0:
+                self._run_times.record(size, infer_ns, self.config.inline_run_ns)
             if padded:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
             if self.config.max_batch_size == 0:  # no batch dimension: one request, whole

@@ -194,7 +194,12 @@ class ModelRepository:
             with self._guard:
                 self._loads[version.name].discard(bound)
         version.waits_for_step = False
-        version.served = ServedVersion(loaded, partial(self._broken, version), self.budget)
+        version.served = ServedVersion(
+            loaded,
+            partial(self._broken, version),
+            self.budget,
+            self.settings.inline_batch_us,
+        )
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
 

@@ -33,8 +33,11 @@ class ServedVersion:
         loaded: LoadedVersion,
         on_broken: Callable[[str], None] | None = None,
         budget: BatchBudget | None = None,
+        inline_batch_us: int = 0,
     ) -> None:
         self.loaded = loaded
+        self.inline_batch_us = inline_batch_us
+        """Batches expected to run within this many microseconds run on the event loop."""
         self.budget = budget
         """The server's budget, for the batches its scheduler concatenates."""
         self.on_broken = on_broken
@@ -65,7 +68,7 @@ class ServedVersion:
             runtimes = self.loaded.runtimes
             self.scheduler = Scheduler(
                 self.loaded.name,
-                scheduler_config(config),
+                scheduler_config(config, self.inline_batch_us),
                 [runtimes[i % len(runtimes)].run for i in range(config.instances)],
                 self.stats,
                 warmed=set(self.loaded.warmed),
@@ -126,7 +129,7 @@ class _InUse:
                 served._idle.notify_all()
 
 
-def scheduler_config(config: ModelConfig) -> SchedulerConfig:
+def scheduler_config(config: ModelConfig, inline_batch_us: int = 0) -> SchedulerConfig:
     delay_ms = config.batching.max_queue_delay_ms
     return SchedulerConfig(
         max_batch_size=config.max_batch_size,
@@ -138,4 +141,5 @@ def scheduler_config(config: ModelConfig) -> SchedulerConfig:
         adaptive=delay_ms is None,
         max_queue_size=config.batching.max_queue_size,
         instances=config.instances,
+        inline_run_ns=inline_batch_us * 1000,
     )

@@ -714,3 +714,72 @@ async def test_a_large_request_that_cannot_start_its_last_chunk_in_time_stops_ea
     assert "10 chunks" in stopped.value.message
     await s.stop()
     assert len(runs) <= 2, runs  # the old code ran 5, then answered 504 all the same
+
+
+def threads_of(
+    names: list[str], seconds: list[float]
+) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """A model that notes the thread each batch runs on, and computes for ``seconds[0]`` (a
+    sleep stands for it; the test changes it between batches)."""
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names.append(threading.current_thread().name)
+        time.sleep(seconds[0])
+        return {"y": batch["x"] * 2}
+
+    return run
+
+
+async def test_a_batch_measured_brief_runs_on_the_event_loop_and_a_new_size_on_its_instance() -> (
+    None
+):
+    """Handing a batch to its instance's thread and back cost a lone request of a small model
+    more than its run: a batch whose size ran briefly before runs on the loop's own thread.
+    A size never run yet (a thousand rows here), and a request its instance prepares, go to
+    the instance's thread; so does every batch with the bound at 0."""
+    names: list[str] = []
+    loop_thread = threading.current_thread().name
+    s = scheduler(threads_of(names, [0.0]), max_batch_size=1024, inline_run_ns=10**9)
+    s.start()
+    for rows in (1, 1, 1, 1000, 1000):
+        x = np.ones((rows, 2), np.float32)
+        np.testing.assert_array_equal((await s.submit({"x": x}, None, None))["y"], x * 2)
+
+    def prepare() -> dict[str, np.ndarray]:
+        return {"x": np.ones((1, 2), np.float32)}
+
+    await s.submit(prepare, None, None)
+    await s.stop()
+    instance = "m-instance-0_0"
+    assert names == [instance, loop_thread, loop_thread, instance, loop_thread, instance]
+
+    names.clear()
+    s = scheduler(threads_of(names, [0.0]), inline_run_ns=0)
+    s.start()
+    for _ in range(3):
+        await s.submit({"x": np.ones((1, 2), np.float32)}, None, None)
+    await s.stop()
+    assert names == [instance] * 3
+
+
+async def test_a_size_whose_runs_grow_slow_goes_back_to_its_instance_thread() -> None:
+    """The loop is never held long: one slow run (a preemption) does not move a size's
+    estimate, three of the last five do, and the next batches of that size go to the
+    instance's thread until their runs are brief again; one run ten times past the bound
+    starts its size over on the instance's thread at once."""
+    names: list[str] = []
+    seconds = [0.0]
+    loop_thread, instance = threading.current_thread().name, "m-instance-0_0"
+    s = scheduler(threads_of(names, seconds), inline_run_ns=20_000_000)  # 20 ms
+    s.start()
+    x = {"x": np.ones((1, 2), np.float32)}
+    for slow in (0.0, 0.0, 0.05, 0.0, 0.05, 0.05, 0.0, 0.0, 0.0, 0.0):
+        seconds[0] = slow
+        await s.submit(x, None, None)
+    assert names == [instance] + [loop_thread] * 5 + [instance, instance, loop_thread, loop_thread]
+    names.clear()
+    for slow in (0.25, 0.0, 0.0):  # 250 ms: past ten times the bound
+        seconds[0] = slow
+        await s.submit(x, None, None)
+    await s.stop()
+    assert names == [loop_thread, instance, loop_thread]
