@@ -83,11 +83,12 @@ class Settings(BaseSettings):
     """Resize an image in two halves on two threads while no batch runs (a request alone, with
     two CPUs or more): the same pixels as one resize, sooner (``preprocessing.halves``)."""
     inline_batch_us: int = Field(default=200, ge=0)
-    """A batch whose model run is expected (from the last runs of batches of its size) to take
+    """A batch whose model run is expected (from the last runs of batches of its shape) to take
     at most this many microseconds runs on the event loop's thread, not handed to its instance's
     thread and back: for a small model the two hand-offs cost more than the run
-    (docs/performance.md, "Small batches on the loop"). 0: every batch on its instance's
-    thread."""
+    (docs/performance.md, "Small batches on the loop"). Never for string inputs, models with
+    several instances, or a shape that once ran ten times past it. 0: every batch on its
+    instance's thread."""
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413 before they are read in full."""
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)

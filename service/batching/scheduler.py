@@ -32,7 +32,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -230,35 +230,43 @@ class SchedulerConfig:
 
 
 class RunTimes:
-    """How long a model's batches ran lately, by their inputs' size in bytes (to a power of
-    two), for the batches :attr:`SchedulerConfig.inline_run_ns` keeps on the event loop.
+    """How long a model's batches ran lately, by their shape (the inputs' non-batch dims and
+    dtypes, and the rows to a power of two), for the batches
+    :attr:`SchedulerConfig.inline_run_ns` keeps on the event loop.
 
     Handing a batch to its instance's thread and its outputs back wakes that thread and then
     the loop: on the 2-CPU machine that cost a lone request of the W2 MLP more CPU (about
     130 µs) than its whole model run (12 µs), and a third of its throughput at one connection
     (docs/performance.md, "Small batches on the loop"). Kept only for what is measured to run
-    briefly, so that the loop is never held long: a size not run yet goes to the instance's
-    thread; the estimate is the median of the size's last :data:`KEPT` runs, so one run
-    slowed by the machine (a preemption) does not move it and a size whose runs grew slow
-    goes back within three; a run :data:`FAR` times past the bound starts its size over."""
+    briefly, so that the loop is never held long: a shape not run yet goes to the instance's
+    thread; the estimate is the median of the shape's last :data:`KEPT` runs, so one run
+    slowed by the machine (a preemption) does not move it and a shape whose runs grew slow goes
+    back within three; a shape that once ran :data:`FAR` times past the bound on its thread's CPU
+    (its cost follows its values, not its shape) stays on the instance's thread for good."""
 
     KEPT = 5
     FAR = 10
 
-    __slots__ = ("_runs",)
+    __slots__ = ("_never", "_runs")
 
     def __init__(self) -> None:
-        self._runs: dict[int, deque[int]] = {}
+        self._runs: dict[Hashable, deque[int]] = {}
+        self._never: set[Hashable] = set()
 
-    def expected_ns(self, size: int) -> int | None:
-        """The estimate for a batch of ``size`` bytes; None before one of its size has run."""
-        runs = self._runs.get(size.bit_length())
+    def expected_ns(self, key: Hashable) -> int | None:
+        """The estimate for a batch of shape ``key``; None before one of it has run, or once
+        one ran far past the bound."""
+        runs = self._runs.get(key)
         return None if runs is None else sorted(runs)[len(runs) // 2]
 
-    def record(self, size: int, ns: int, bound_ns: int) -> None:
-        """A run of a batch of ``size`` bytes took ``ns``; ``bound_ns``: the loop's bound."""
-        key = size.bit_length()
-        if ns > self.FAR * bound_ns:
+    def record(self, key: Hashable, ns: int, thread_ns: int, bound_ns: int) -> None:
+        """A run of a batch of shape ``key`` took ``ns``, ``thread_ns`` of them on the CPU of
+        the thread that ran it (a run preempted for a few ms of the machine's other work is
+        slow, not costly: it is not barred); ``bound_ns``: the loop's bound."""
+        if key in self._never:
+            return
+        if min(ns, thread_ns) > self.FAR * bound_ns:
+            self._never.add(key)
             self._runs.pop(key, None)
         elif (runs := self._runs.get(key)) is not None:
             runs.append(ns)
@@ -539,7 +547,7 @@ class Scheduler:
         rows = sum(p.rows for p in items)
         padded = bool(self.config.pad_to) and self.config.max_batch_size > 0
 
-        def work() -> tuple[dict[str, np.ndarray], float, int, int, float]:
+        def work() -> tuple[dict[str, np.ndarray], float, int, int, float, int]:
             begun = time.monotonic()
             try:
                 batch = collate(items)
@@ -551,23 +559,34 @@ class Scheduler:
             if padded:
                 batch = pad_rows(batch, rows, self.config.pad_to)
             self._check_warmed(batch, len(items))
+            thread_ns = time.thread_time_ns()  # this thread's CPU: a preemption is not the run's
             outputs, started, infer_ns = instance.infer(batch)
-            return outputs, started, infer_ns, prepared_ns, begun
+            return outputs, started, infer_ns, prepared_ns, begun, time.thread_time_ns() - thread_ns
 
-        size, inline = -1, False  # its inputs' bytes (-1: not tensors); run on the loop
-        tensors = [p.work for p in items if isinstance(p.work, dict)]
-        if self.config.inline_run_ns and len(tensors) == len(items):
-            size = sum(array.nbytes for inputs in tensors for array in inputs.values())
-            expected = self._run_times.expected_ns(size)
-            inline = expected is not None and expected <= self.config.inline_run_ns
+        # On the loop only with one instance (several are asked for to run batches side by
+        # side), for tensors none of which are strings (their cost is not their shape's).
+        shape: Hashable | None = None
+        inline = False
+        config = self.config
+        if (
+            config.inline_run_ns
+            and config.instances == 1
+            and all(isinstance(p.work, dict) for p in items)
+        ):
+            first = items[0].work
+            assert isinstance(first, dict)
+            if not any(array.dtype == object for array in first.values()):
+                shape = (items[0].key, rows.bit_length())
+                expected = self._run_times.expected_ns(shape)
+                inline = expected is not None and expected <= config.inline_run_ns
         try:
             if inline:
                 ran = work()
             else:
                 ran = await asyncio.get_running_loop().run_in_executor(instance.executor, work)
-            outputs, started, infer_ns, prepared_ns, begun = ran
-            if size >= 0:
-                self._run_times.record(size, infer_ns, self.config.inline_run_ns)
+            outputs, started, infer_ns, prepared_ns, begun, thread_ns = ran
+            if shape is not None:
+                self._run_times.record(shape, infer_ns, thread_ns, config.inline_run_ns)
             if padded:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
             if self.config.max_batch_size == 0:  # no batch dimension: one request, whole

@@ -44,11 +44,12 @@ class OneWrite(asyncio.Transport):
             and not self._transport.is_closing()
         ):
             self._head = bytes(data)
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
         else:
             self._transport.write(data)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send a held head now (at the end of the turn, or before the transport closes)."""
         head = self._head
         if head is not None:
             self._head = None
@@ -56,18 +57,18 @@ class OneWrite(asyncio.Transport):
                 self._transport.write(head)
 
     def writelines(self, list_of_data: Any) -> None:
-        self._flush()
+        self.flush()
         self._transport.writelines(list_of_data)
 
     def write_eof(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.write_eof()
 
     def can_write_eof(self) -> bool:
         return self._transport.can_write_eof()
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.close()
 
     def abort(self) -> None:

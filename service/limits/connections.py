@@ -34,7 +34,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -70,6 +70,13 @@ class ConnectionLimits:
     write_timeout_s: float = 60.0
     max_connections_per_client: int | None = None
     """None: as many as ``max_connections``."""
+
+
+@runtime_checkable
+class Flushes(Protocol):
+    """A transport that may hold what was written (:class:`service.http.writes.OneWrite`)."""
+
+    def flush(self) -> None: ...
 
 
 Writes = Callable[[asyncio.Transport, asyncio.AbstractEventLoop], asyncio.Transport]
@@ -177,6 +184,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         does (returning None closes the transport)."""
         cycle = self.cycle
         if cycle is None or cycle.response_complete or cycle.more_body or self._in_head:
+            if isinstance(self.transport, Flushes):  # the loop closes the transport under it
+                self.transport.flush()
             return None
         cycle.keep_alive = False  # its answer says ``connection: close`` and closes after
         if not cycle.response_started and cycle.scope.get("http_version") == "1.1":

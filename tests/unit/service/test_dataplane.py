@@ -428,11 +428,14 @@ def test_offloaded_work_through_many_bytes_runs_one_at_a_time(tmp_path: Path) ->
     assert most[0] == 1
 
 
-def test_batches_measured_brief_run_on_the_event_loop_by_default(core: InProcess) -> None:
-    """TG_INLINE_BATCH_US (200 µs by default) reaches each model's scheduler; the identity
-    model's batches, once one of their size has run, are within it."""
+def test_the_loop_bound_reaches_each_scheduler_and_strings_never_run_on_the_loop(
+    core: InProcess,
+) -> None:
+    """TG_INLINE_BATCH_US (200 µs by default) reaches each model's scheduler. The identity
+    model takes a BYTES input, whose cost is its strings' and not its shape's: its batches
+    are never timed for the loop (every one runs on the instance's thread)."""
     request = InferenceRequest("identity", None, all_inputs(2))
-    for _ in range(5):
+    for _ in range(3):
         infer(core, request)
     [(_, served)] = [
         (v, s) for v, s in core.dataplane.repository.served_versions() if v.name == "identity"
@@ -440,5 +443,4 @@ def test_batches_measured_brief_run_on_the_event_loop_by_default(core: InProcess
     scheduler = served.scheduler
     assert scheduler is not None and scheduler.config.inline_run_ns == 200_000
     assert Settings().inline_batch_us == 200
-    runs = scheduler._run_times._runs.values()  # by size: this one's ran five times at least
-    assert any(len(r) == 5 and sorted(r)[2] < 200_000 for r in runs)
+    assert not scheduler._run_times._runs

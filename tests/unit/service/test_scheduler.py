@@ -720,29 +720,34 @@ def threads_of(
     names: list[str], seconds: list[float]
 ) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """A model that notes the thread each batch runs on, and computes for ``seconds[0]`` (a
-    sleep stands for it; the test changes it between batches)."""
+    busy loop), or waits for ``-seconds[0]`` (a sleep: a run preempted, slow but not costly);
+    the test changes it between batches."""
 
     def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names.append(threading.current_thread().name)
-        time.sleep(seconds[0])
+        if seconds[0] < 0:
+            time.sleep(-seconds[0])
+        end = time.perf_counter() + seconds[0]
+        while time.perf_counter() < end:
+            pass
         return {"y": batch["x"] * 2}
 
     return run
 
 
-async def test_a_batch_measured_brief_runs_on_the_event_loop_and_a_new_size_on_its_instance() -> (
+async def test_a_batch_measured_brief_runs_on_the_event_loop_and_a_new_shape_on_its_instance() -> (
     None
 ):
     """Handing a batch to its instance's thread and back cost a lone request of a small model
-    more than its run: a batch whose size ran briefly before runs on the loop's own thread.
-    A size never run yet (a thousand rows here), and a request its instance prepares, go to
-    the instance's thread; so does every batch with the bound at 0."""
+    more than its run: a batch whose shape ran briefly before runs on the loop's own thread.
+    A shape never run yet (a thousand rows, or rows of another width) and a request its
+    instance prepares go to the instance's thread; so does every batch with the bound at 0."""
     names: list[str] = []
-    loop_thread = threading.current_thread().name
+    loop_thread, instance = threading.current_thread().name, "m-instance-0_0"
     s = scheduler(threads_of(names, [0.0]), max_batch_size=1024, inline_run_ns=10**9)
     s.start()
-    for rows in (1, 1, 1, 1000, 1000):
-        x = np.ones((rows, 2), np.float32)
+    for rows, width in ((1, 2), (1, 2), (1, 2), (1000, 2), (1000, 2), (1, 7), (1, 7)):
+        x = np.ones((rows, width), np.float32)
         np.testing.assert_array_equal((await s.submit({"x": x}, None, None))["y"], x * 2)
 
     def prepare() -> dict[str, np.ndarray]:
@@ -750,8 +755,7 @@ async def test_a_batch_measured_brief_runs_on_the_event_loop_and_a_new_size_on_i
 
     await s.submit(prepare, None, None)
     await s.stop()
-    instance = "m-instance-0_0"
-    assert names == [instance, loop_thread, loop_thread, instance, loop_thread, instance]
+    assert names == [instance, loop_thread, loop_thread] + [instance, loop_thread] * 2 + [instance]
 
     names.clear()
     s = scheduler(threads_of(names, [0.0]), inline_run_ns=0)
@@ -762,11 +766,33 @@ async def test_a_batch_measured_brief_runs_on_the_event_loop_and_a_new_size_on_i
     assert names == [instance] * 3
 
 
-async def test_a_size_whose_runs_grow_slow_goes_back_to_its_instance_thread() -> None:
-    """The loop is never held long: one slow run (a preemption) does not move a size's
-    estimate, three of the last five do, and the next batches of that size go to the
-    instance's thread until their runs are brief again; one run ten times past the bound
-    starts its size over on the instance's thread at once."""
+async def test_strings_and_several_instances_never_run_on_the_loop() -> None:
+    """A string input's cost is its strings', not its shape's; several instances are asked for
+    to run batches side by side: neither is run on the loop, however brief."""
+    names: list[str] = []
+    s = scheduler(threads_of(names, [0.0]), inline_run_ns=10**9)
+    s.start()
+    for _ in range(3):
+        await s.submit({"x": np.array([[b"a", b"b"]], dtype=object)}, None, None)
+    await s.stop()
+    assert set(names) == {"m-instance-0_0"}
+
+    names.clear()
+    s = scheduler(threads_of(names, [0.0]), inline_run_ns=10**9, instances=2)
+    s.start()
+    for _ in range(3):
+        await s.submit({"x": np.ones((1, 2), np.float32)}, None, None)
+    await s.stop()
+    assert all(name.startswith("m-instance-") for name in names) and len(names) == 3
+
+
+async def test_a_shape_whose_runs_grow_slow_goes_back_to_its_instance_thread() -> None:
+    """The loop is never held long: one slow run (a preemption) does not move a shape's
+    estimate, three of the last five do, and the next batches of that shape go to the
+    instance's thread until their runs are brief again; a shape that once runs ten times past
+    the bound on its thread's CPU (its cost follows its values) stays on the instance's thread
+    for good, while a run as long but asleep (preempted by the machine's other work) does
+    not bar it."""
     names: list[str] = []
     seconds = [0.0]
     loop_thread, instance = threading.current_thread().name, "m-instance-0_0"
@@ -778,8 +804,8 @@ async def test_a_size_whose_runs_grow_slow_goes_back_to_its_instance_thread() ->
         await s.submit(x, None, None)
     assert names == [instance] + [loop_thread] * 5 + [instance, instance, loop_thread, loop_thread]
     names.clear()
-    for slow in (0.25, 0.0, 0.0):  # 250 ms: past ten times the bound
+    for slow in (-0.25, 0.0, 0.25, 0.0, 0.0, 0.0):  # 250 ms: ten times the bound, asleep, then busy
         seconds[0] = slow
         await s.submit(x, None, None)
     await s.stop()
-    assert names == [loop_thread, instance, loop_thread]
+    assert names == [loop_thread] * 3 + [instance] * 3

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from service.http.writes import OneWrite
+from service.limits.connections import Flushes
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n"
 BODY = b'{"ok":true}'
@@ -75,4 +77,67 @@ async def test_an_aborted_connection_sends_nothing_it_held() -> None:
     await asyncio.sleep(0.01)
     theirs.settimeout(5)
     assert theirs.recv(65536) == b""
+    theirs.close()
+
+
+async def test_head_and_body_are_one_call_on_the_transport() -> None:
+    """One read taking both could also be two sends read late: the transport under OneWrite
+    is asked once, with both."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+    calls: list[tuple[str, list[bytes]]] = []
+    write, writelines = transport.write, transport.writelines
+
+    def noted_write(data: bytes) -> None:
+        calls.append(("write", [bytes(data)]))
+        write(data)
+
+    def noted_writelines(data: list[bytes]) -> None:
+        calls.append(("writelines", [bytes(d) for d in data]))
+        writelines(data)
+
+    transport.write = noted_write  # type: ignore[method-assign]  # the real one, noted
+    transport.writelines = noted_writelines  # type: ignore[method-assign]  # the real one, noted
+    writes = OneWrite(transport, loop)
+    writes.write(HEAD)
+    writes.write(BODY)
+    # asyncio's own writelines joins and calls write: that one write is its, not a second send
+    assert calls[0] == ("writelines", [HEAD, BODY]) and calls[1:] in (
+        [],
+        [("write", [HEAD + BODY])],
+    )
+    transport.abort()
+    theirs.close()
+
+
+class ClosesAtEof(asyncio.Protocol):
+    """As GuardedHttpProtocol at a FIN after a complete answer: flush, then let the loop close."""
+
+    writes: OneWrite | None = None
+
+    def eof_received(self) -> bool | None:
+        if isinstance(self.writes, Flushes):
+            self.writes.flush()
+        return None
+
+
+async def test_a_held_head_is_flushed_before_the_loop_closes_at_the_client_s_fin() -> None:
+    """A HEAD answer's head has no body after it; if the client's FIN is read in the same
+    turn, the loop closes the transport before the end-of-turn flush, which found it closing
+    and dropped the head (a review's reproduction). The protocol flushes first."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    transport, protocol = await loop.connect_accepted_socket(ClosesAtEof, ours)
+    writes = protocol.writes = OneWrite(transport, loop)
+    theirs.shutdown(socket.SHUT_WR)  # the FIN, read in the turn below
+
+    def step() -> None:  # the answer's last step, busy while the FIN arrives
+        time.sleep(0.02)
+        writes.write(b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n")
+
+    loop.call_soon(step)
+    await asyncio.sleep(0.1)
+    theirs.settimeout(5)
+    assert theirs.recv(65536) == b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n"
     theirs.close()
