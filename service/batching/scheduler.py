@@ -564,21 +564,21 @@ class Scheduler:
             return outputs, started, infer_ns, prepared_ns, begun, time.thread_time_ns() - thread_ns
 
         # On the loop only with one instance (several are asked for to run batches side by
-        # side), for tensors none of which are strings (their cost is not their shape's).
+        # side), for tensors none of which are strings (their cost is not their shape's). A
+        # batch is tensors throughout or one unprepared request (its key is ALONE).
         shape: Hashable | None = None
         inline = False
         config = self.config
+        first = items[0].work
         if (
             config.inline_run_ns
             and config.instances == 1
-            and all(isinstance(p.work, dict) for p in items)
+            and isinstance(first, dict)
+            and not any(array.dtype == object for array in first.values())
         ):
-            first = items[0].work
-            assert isinstance(first, dict)
-            if not any(array.dtype == object for array in first.values()):
-                shape = (items[0].key, rows.bit_length())
-                expected = self._run_times.expected_ns(shape)
-                inline = expected is not None and expected <= config.inline_run_ns
+            shape = (items[0].key, rows.bit_length())
+            expected = self._run_times.expected_ns(shape)
+            inline = expected is not None and expected <= config.inline_run_ns
         try:
             if inline:
                 ran = work()

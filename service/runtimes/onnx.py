@@ -289,13 +289,6 @@ class AloneChoice:
             sides = self.sizes[key] = _Sides()
         return sides
 
-    def wide(self, rows: int) -> bool:
-        return self.sides(rows).wide()
-
-    def record(self, wide: bool, seconds: float, rows: int) -> None:
-        """A lone batch's time, as served."""
-        self.sides(rows).record(wide, seconds / max(rows, 1))
-
     def seed(self, wide: bool, seconds: float, rows: int) -> None:
         """A warmup batch's time: an estimate until the size's first lone batches try both."""
         self.sides(rows).record(wide, seconds / max(rows, 1), tried=False)

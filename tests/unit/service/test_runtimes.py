@@ -471,10 +471,10 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     assert used.count(shared) == 126 and used.count(wide) == 2  # one in 64 explores
     real = AloneChoice()
     real.sides(2).per_row = [2.0, 1.0]
-    real.record(True, 0.5, 2)  # one fast sample of the wide side tells at once
+    real.sides(2).record(True, 0.25)  # one fast sample of the wide side tells at once
     assert real.sides(2).per_row == [0.25, 1.0]
     real.sides(2).count += 100  # a hundred lone batches of its size later
-    real.record(True, 0.9, 2)  # a slow one (another process ran) does not replace it
+    real.sides(2).record(True, 0.45)  # a slow one (another process ran) does not replace it
     assert real.sides(2).per_row[0] == 0.25
     assert real.sides(2).estimate(0) == pytest.approx(0.375)  # it ages by those batches instead
     single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
@@ -498,10 +498,10 @@ def test_the_lone_choice_holds_while_the_machine_slows_in_phases() -> None:
     wide = 0
     for batch in range(6400):
         slowed = 1.15 if (batch // 30) % 2 else 1.0
-        chosen = choice.wide(1)
+        chosen = choice.sides(1).wide()
         wide += chosen
         seconds = (rng.uniform(4.4, 4.8) if chosen else rng.uniform(5.6, 6.0)) * slowed / 1000
-        choice.record(chosen, seconds, 1)
+        choice.sides(1).record(chosen, seconds)
     assert wide / 6400 >= 0.97
     assert wide / 6400 <= 1 - 1 / EXPLORE + 0.001  # it still explores the share
 
@@ -520,9 +520,9 @@ def test_each_batch_size_is_judged_apart_and_both_sides_are_tried_first() -> Non
         choice.seed(False, share_s, rows)
     chosen = []
     for _ in range(100):
-        wide = choice.wide(1)
+        wide = choice.sides(1).wide()
         chosen.append(wide)
-        choice.record(wide, 0.008 if wide else 0.013, 1)
+        choice.sides(1).record(wide, 0.008 if wide else 0.013)
     assert chosen[:2] == [True, False]  # the side the seeds did not choose, then the other
     assert all(chosen[2 : 2 + EXPLORE - 1])  # once both are measured: wide
     assert chosen[2:].count(False) == 1  # but for one try of the share in 64
@@ -542,8 +542,8 @@ def test_lone_batches_far_apart_keep_to_the_faster_side() -> None:
     rng = random.Random(5)
     chosen = []
     for _ in range(200):
-        wide = choice.wide(1)
+        wide = choice.sides(1).wide()
         chosen.append(wide)
         seconds = rng.uniform(0.0075, 0.0085) if wide else rng.uniform(0.0125, 0.0135)
-        choice.record(wide, seconds, 1)
+        choice.sides(1).record(wide, seconds)
     assert sum(chosen) / 200 >= 1 - 3 / EXPLORE

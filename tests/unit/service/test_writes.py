@@ -30,6 +30,11 @@ async def pair() -> AsyncIterator[tuple[OneWrite, socket.socket]]:
         theirs.close()
 
 
+async def arriving(peer: socket.socket) -> bytes:
+    """The next bytes (b"" at the end of the stream) once they arrive, within 5 s."""
+    return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(peer, 65536), 5)
+
+
 def received(peer: socket.socket) -> bytes:
     try:
         return peer.recv(65536)
@@ -61,10 +66,8 @@ async def test_close_sends_a_held_head_first() -> None:
     async with pair() as (transport, peer):
         transport.write(HEAD)
         transport.close()
-        await asyncio.sleep(0.01)
-        peer.settimeout(5)
-        assert peer.recv(65536) == HEAD
-        assert peer.recv(65536) == b""  # then the end of the stream
+        assert await arriving(peer) == HEAD
+        assert await arriving(peer) == b""  # then the end of the stream
 
 
 async def test_an_aborted_connection_sends_nothing_it_held() -> None:
@@ -74,9 +77,8 @@ async def test_an_aborted_connection_sends_nothing_it_held() -> None:
     writes = OneWrite(transport, loop)
     writes.write(HEAD)
     writes.abort()
-    await asyncio.sleep(0.01)
-    theirs.settimeout(5)
-    assert theirs.recv(65536) == b""
+    theirs.setblocking(False)
+    assert await arriving(theirs) == b""
     theirs.close()
 
 
@@ -133,11 +135,10 @@ async def test_a_held_head_is_flushed_before_the_loop_closes_at_the_client_s_fin
     theirs.shutdown(socket.SHUT_WR)  # the FIN, read in the turn below
 
     def step() -> None:  # the answer's last step, busy while the FIN arrives
-        time.sleep(0.02)
+        time.sleep(0.02)  # blocks the loop on purpose: the FIN is read in this same turn
         writes.write(b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n")
 
     loop.call_soon(step)
-    await asyncio.sleep(0.1)
-    theirs.settimeout(5)
-    assert theirs.recv(65536) == b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n"
+    theirs.setblocking(False)
+    assert await arriving(theirs) == b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n"
     theirs.close()
