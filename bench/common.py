@@ -156,6 +156,20 @@ def serve_tree(
     return process, port
 
 
+@contextmanager
+def running(servers: Mapping[str, tuple[subprocess.Popen[bytes], int]]) -> Iterator[dict[str, str]]:
+    """Servers started with :func:`serve_tree` (name → process and HTTP port), once each is
+    ready: name → base URL. Every one is stopped afterwards, whatever happened."""
+    try:
+        for _, port in servers.values():
+            wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
+        yield {name: f"http://127.0.0.1:{port}" for name, (_, port) in servers.items()}
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=60)
+
+
 def wait_until_up(url: str, method: str = "GET", timeout_s: float = 120) -> None:
     """Poll ``url`` until it answers 200 (connection errors: not yet); TimeoutError after."""
     import httpx
@@ -238,13 +252,16 @@ def rotating(
     return results
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU of ``pid`` and its children (a server's supervisor and workers)."""
-    children = subprocess.run(
-        ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
-    ).stdout.split()
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """User and system CPU of ``pid`` and, unless told not to, its children (a server's
+    supervisor and workers)."""
+    kids = []
+    if children:
+        kids = subprocess.run(
+            ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
     total = 0
-    for process in [str(pid), *children]:
+    for process in [str(pid), *kids]:
         with open(f"/proc/{process}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime

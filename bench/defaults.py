@@ -8,8 +8,8 @@ per two CPUs, its threads the CPUs divided among workers, each image resized on 
 every batch on its instance's thread: ``TG_WORKERS=1 TG_RESIZE_HALVES=false
 TG_INLINE_BATCH_US=0`` on 2 CPUs) and **one worker per CPU, one thread each**
 (``TG_WORKERS=2 TG_INTRA_OP_THREADS=1 TG_PREPROCESS_THREADS=1 TG_RESIZE_HALVES=false`` on 2
-CPUs; small batches on the loop, as at the defaults). Each pair runs every workload against each server, the order rotating every pair: W1 (a
-640×480 JPEG → top-5, v1 predict) at 1 and 16 connections, W2 (the 64→256→10 MLP, a JSON
+CPUs; small batches on the loop, as at the defaults). Each pair runs every workload against
+each server, the order rotating every pair: W1 (a 640×480 JPEG → top-5, v1 predict) at 1 and 16 connections, W2 (the 64→256→10 MLP, a JSON
 tensor, v2 infer) at 64 and 1. wrk is the client (one thread), on the same CPUs. Then a lone
 image, alternately in this process (decode, preprocess, ONNX Runtime at batch 1 with the CPUs'
 threads, top-5, the image resized on one thread) and served, one at a time
@@ -35,7 +35,7 @@ from bench.batching import (
     served_repository,
     top5,
 )
-from bench.common import publish, rotating, serve_tree, spread, table, wait_until_up
+from bench.common import publish, rotating, running, serve_tree, spread, table
 from service.resources import available_cpus
 from tests.server import REPO_ROOT
 
@@ -86,10 +86,8 @@ def main() -> None:
             name: serve_tree(REPO_ROOT, repository, {**QUIET, **settings})
             for name, settings in lone_configs.items()
         }
-        try:
-            for _, port in servers.values():
-                wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
-            urls = {name: f"http://127.0.0.1:{servers[name][1]}" for name in names}
+        with running(servers) as every:
+            urls = {name: every[name] for name in names}
             measured = rotating(urls, workloads, args.pairs, args.seconds)
             pipeline, runtime = in_process(cpus)
             for turn in range(LONE_ROUNDS):  # the servers in turns: the machine drifts
@@ -106,10 +104,6 @@ def main() -> None:
                             args.images // LONE_ROUNDS,
                         )
                     )
-        finally:
-            for process, _ in servers.values():
-                process.terminate()
-                process.wait(timeout=60)
     results = {
         key: [(r.requests_per_s, r.p50_ms, r.p99_ms) for r in runs]
         for key, runs in measured.items()

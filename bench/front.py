@@ -22,19 +22,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.batching import served_repository
-from bench.common import publish, serve_tree, spread, table, wait_until_up, worktree
+from bench.common import cpu_seconds, publish, running, serve_tree, spread, table, worktree
 from bench.grpc import bodies, h2load
 from tests.server import REPO_ROOT, free_port
 
 CELLS = ((1, 1), (1, 64), (8, 8))
 """(connections, streams on each)."""
-TICKS_PER_S = 100  # os.sysconf("SC_CLK_TCK") on Linux
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
 
 
 def main() -> None:
@@ -55,15 +48,13 @@ def main() -> None:
             name: serve_tree(tree, repository, {}, grpc_port=grpc_ports[name])
             for name, tree in trees.items()
         }
-        try:
-            for _, port in servers.values():
-                wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
+        with running(servers):
             for run in range(args.runs):
                 order = list(trees) if run % 2 == 0 else list(reversed(trees))
                 for cell in CELLS:
                     for name in order:
                         pid = servers[name][0].pid
-                        before = cpu_s(pid)
+                        before = cpu_seconds(pid, children=False)
                         rate, mean_ms = h2load(
                             f"http://127.0.0.1:{grpc_ports[name]}",
                             frame,
@@ -72,13 +63,9 @@ def main() -> None:
                             connections=cell[0],
                         )
                         calls = rate * args.seconds
-                        cost_us = (cpu_s(pid) - before) / calls * 1e6
+                        cost_us = (cpu_seconds(pid, children=False) - before) / calls * 1e6
                         measured[(name, cell)].append((rate, mean_ms, cost_us))
                         print(name, cell, f"{rate:.0f}/s {mean_ms:.2f} ms {cost_us:.1f} µs")
-        finally:
-            for process, _ in servers.values():
-                process.terminate()
-                process.wait(60)
     new, older = "this tree", args.old
     rows = []
     for cell in CELLS:

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.inline [--pairs 5] [--seconds 4]
 
 Two servers of this tree serve one repository (efficientnet_lite0 and the W2 MLP), at the
-defaults but for one setting: ``TG_INLINE_BATCH_US`` at its default (a batch whose size ran
+defaults but for one setting: ``TG_INLINE_BATCH_US`` at its default (a batch whose shape ran
 within 200 µs runs on the loop's thread) and 0 (every batch on its instance's thread, as
 before). Rotating pairs of wrk runs: W2 (the 64→256→10 MLP, a JSON tensor, v2 infer) at 1 and
 64 connections, and W1 (a 640×480 JPEG → top-5, v1 predict) at 1 connection, whose batches are
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from bench.batching import W1_PATH, W2_PATH, jpeg_640x480, mlp_body, served_repository
-from bench.common import publish, rotating, serve_tree, spread, table, wait_until_up
+from bench.common import publish, rotating, running, serve_tree, spread, table
 from tests.server import REPO_ROOT
 
 QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
@@ -45,16 +45,9 @@ def main() -> None:
             name: serve_tree(REPO_ROOT, repository, {**QUIET, **settings})
             for name, settings in CONFIGS.items()
         }
-        try:
-            for _, port in servers.values():
-                wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
-            urls = {name: f"http://127.0.0.1:{port}" for name, (_, port) in servers.items()}
+        with running(servers) as urls:
             pids = {name: process.pid for name, (process, _) in servers.items()}
             measured = rotating(urls, workloads, args.pairs, args.seconds, (pids, cpu))
-        finally:
-            for process, _ in servers.values():
-                process.terminate()
-                process.wait(timeout=60)
     rates = {key: [r.requests_per_s for r in runs] for key, runs in measured.items()}
     on, off = names
     rows = []

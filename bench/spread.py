@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.batching import W1_PATH, jpeg_640x480, served_repository
-from bench.common import publish, serve_tree, spread, table, wait_until_up, worktree, wrk
+from bench.common import publish, running, serve_tree, spread, table, worktree, wrk
 from tests.server import REPO_ROOT
 
 
@@ -51,15 +51,13 @@ def main() -> None:
         servers = {
             name: serve_tree(tree, repository, {}, logs[name]) for name, tree in trees.items()
         }
-        try:
-            for _, port in servers.values():
-                wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
+        with running(servers) as urls:
             for run in range(args.runs):
                 order = list(trees) if run % 2 == 0 else list(reversed(trees))
                 for name in order:
                     start = logs[name].stat().st_size
                     result = wrk(
-                        f"http://127.0.0.1:{servers[name][1]}{W1_PATH}",
+                        urls[name] + W1_PATH,
                         image,
                         "image/jpeg",
                         connections=16,
@@ -72,10 +70,6 @@ def main() -> None:
                     measured[name].append(
                         (result.requests_per_s, result.p99_ms / result.p50_ms, imbalance)
                     )
-        finally:
-            for process, _ in servers.values():
-                process.terminate()
-                process.wait(timeout=60)
     rows = [
         [
             name,
