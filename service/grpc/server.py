@@ -158,6 +158,17 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
     """A started gRPC server on ``TG_HOST:TG_GRPC_PORT`` in the running event loop; its
     inference requests hold their size in ``budget``, REST's budget for bodies in flight."""
     settings = cluster.dataplane.settings
+    worker = Worker.from_environment()
+    # One of several workers is reached through the supervisor's front, which counts what each
+    # client sent (service/cluster/front.py). On a port of its own, nothing sees a message
+    # before grpc has received it whole: a ModelInfer message still arriving holds the most a
+    # message may be (InferenceServicer._receive), and grpc's BDP probing, which grows each
+    # stream's flow-control window towards the link's bandwidth-delay product whether or not
+    # a handler reads it (16 calls that no handler read held +130 MiB; with it off, +2 MiB),
+    # is off: a stream takes in its window (64 KiB) until a handler asks for its message, and
+    # then that message. Over loopback, 60 MiB and 1 MiB calls took the same time either way.
+    unseen = worker is None
+    own_port = [("grpc.http2.bdp_probe", 0)] if unseen else []
     server = grpc.aio.server(
         options=[
             # Triton's meaning: a larger message is RESOURCE_EXHAUSTED, checked by gRPC itself
@@ -181,16 +192,16 @@ async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> Grp
             # grpcio binds with SO_REUSEPORT by default, which lets any process of this user bind
             # the port beside the server and take its calls.
             ("grpc.so_reuseport", 0),
+            *own_port,
         ],
     )
-    servicer = InferenceServicer(cluster, budget)
+    servicer = InferenceServicer(cluster, budget, unseen)
     handlers = inference_handlers(servicer)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
     server.add_registered_method_handlers(SERVICE, handlers)  # grpc's fast path, as generated
     health_pb2_grpc.add_HealthServicer_to_server(  # type: ignore[no-untyped-call]  # generated code is untyped
         HealthServicer(cluster), server
     )
-    worker = Worker.from_environment()
     if worker is None:
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         port = server.add_insecure_port(f"{host}:{settings.grpc_port}")

@@ -38,6 +38,7 @@ from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.repository import metadata
 from service.telemetry import tracing
+from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID, request_id_for
 
 log = logging.getLogger("tensorgate.grpc")
@@ -67,6 +68,10 @@ the budget. Its bytes, once, where its raw contents are read as views of them
 (:func:`codec.parse_infer`); twice where upb reads them (a message under ``SCAN_FROM_BYTES``
 or of more than ``MAX_SCANNED_FIELDS`` fields): its bytes and the parsed message while it is
 parsed, then the parsed message and the raw contents read out of it."""
+ARRIVING_S = 0.02
+"""How long a ModelInfer message may take to arrive whole before it holds TG_MAX_BODY_BYTES of
+the budget (:meth:`InferenceServicer._receive`): a message within grpc's stream window (64 KiB)
+is whole at once; over loopback 1 MiB took 1.5 ms, 60 MiB 115 ms."""
 STREAM_IN_FLIGHT = 64
 """Requests of one ModelStreamInfer stream being answered at once; the next is read when one is
 done (gRPC's flow control holds the client back), so a stream holds a bounded amount."""
@@ -151,7 +156,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` over the DataPlane. Every RPC but the health ones asks
     for the API token (``authorization: Bearer …`` metadata) when one is set."""
 
-    def __init__(self, cluster: Cluster, budget: BytesBudget | None = None) -> None:
+    def __init__(
+        self, cluster: Cluster, budget: BytesBudget | None = None, unseen: bool = False
+    ) -> None:
         self.cluster = cluster
         self.dataplane = cluster.dataplane
         """Inference, and the repository's read-only views; the whole server is ``cluster``'s."""
@@ -159,6 +166,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.budget = budget
         """The server's budget for request bodies in flight (:mod:`service.limits.admission`):
         an inference request's message holds its size in it until answered."""
+        self.unseen = unseen
+        """Whether a ModelInfer message still arriving holds TG_MAX_BODY_BYTES of the budget
+        until it has (:meth:`_receive`): on a port of its own, where no front counts what
+        clients send (``service.cluster.front``)."""
         self.closing = asyncio.Event()
         """Set when the server stops: open streams stop reading and end."""
 
@@ -274,18 +285,54 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
 
     async def _receive(self, context: grpc.aio.ServicerContext[Any, Any]) -> codec.Unparsed:
-        """The call's one message, within TG_BODY_TIMEOUT_S."""
+        """The call's one message, within TG_BODY_TIMEOUT_S.
+
+        Where clients reach this server's port directly (:attr:`unseen`), a message not whole
+        within :data:`ARRIVING_S` of being asked for holds TG_MAX_BODY_BYTES (the most it can
+        be) of the budget until it is, or is UNAVAILABLE at once, and let go, when that would
+        leave less than as much again for messages that have arrived: grpcio tells nothing of
+        a message until all of it has arrived, and 16 connections each stalled short of the
+        end of a 12 MiB message held all 192 MiB (#28 finding 2). A small message is whole by
+        then (grpc's stream window holds it before the handler asks), so small calls never
+        wait for room; what arrives before the check is bounded by the link's speed over
+        :data:`ARRIVING_S` and, on a stream not being read, by its flow-control window
+        (``grpc.http2.bdp_probe`` off: :func:`service.grpc.server.start_grpc`)."""
         limit_s = self.settings.body_timeout_s
+        reading = asyncio.ensure_future(context.read())
+        held = 0
         try:
-            message = await asyncio.wait_for(context.read(), limit_s)
+            if self.unseen and self.budget is not None:
+                await asyncio.wait((reading,), timeout=ARRIVING_S)
+                if not reading.done():
+                    held = self._hold_arriving(self.budget)
+            message = await asyncio.wait_for(reading, limit_s)
         except TimeoutError:
             raise MessageTimeout(
                 f"the request message did not arrive in full within {limit_s:g} s "
                 "(TG_BODY_TIMEOUT_S)"
             ) from None
+        finally:
+            reading.cancel()  # refused or timed out: grpc lets the message go with the call
+            if held and self.budget is not None:
+                self.budget.release(held)  # the message, whole, is counted as its size next
         if not isinstance(message, codec.Unparsed):  # grpc.aio.EOF: the client sent none
             raise InvalidInput("ModelInfer takes one ModelInferRequest; the call sent none")
         return message
+
+    def _hold_arriving(self, budget: BytesBudget) -> int:
+        """Hold the most a message may be for one still arriving, or refuse it (UNAVAILABLE).
+        One such size of the budget is left to messages that have arrived: messages stalled
+        short of their ends must not refuse every small call."""
+        size = self.settings.max_body_bytes
+        if budget.try_take(size, spare=size):
+            return size
+        REFUSED["body_budget"] += 1
+        raise ServerBusy(
+            f"this call's message was still arriving after {ARRIVING_S * 1000:.0f} ms; until "
+            f"it has, it holds the most a message may be ({size} bytes, TG_MAX_BODY_BYTES), "
+            f"and the server holds {budget.held} of its {budget.limit} bytes for requests in "
+            "flight (TG_MAX_INFLIGHT_BYTES): retry shortly"
+        )
 
     async def _infer(
         self,

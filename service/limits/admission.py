@@ -83,11 +83,12 @@ class BytesBudget:
             if self.held > self.high:
                 self.high = self.held
 
-    def try_take(self, size: int) -> bool:
-        """Hold ``size`` more bytes if they fit; False (nothing refused, nothing counted) if
-        not: for what the server can do another way, such as a batch run a request at a time."""
+    def try_take(self, size: int, spare: int = 0) -> bool:
+        """Hold ``size`` more bytes if they fit with ``spare`` still free; False (nothing
+        refused, nothing counted) if not: for what the server can do another way, such as a
+        batch run a request at a time."""
         with self._lock:
-            if self.held + size > self.limit:
+            if self.held + size + spare > self.limit:
                 return False
             self.held += size
             if self.held > self.high:

@@ -544,14 +544,16 @@ FRONT_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_
 
 
 @contextlib.contextmanager
-def fronted(tmp_path: Path, **env: str) -> Iterator[tuple[Server, list[grpc.Channel]]]:
-    """Digits served by two workers behind the supervisor's gRPC front, a 32 MiB budget each
-    (the front's bound: 64 MiB), 16 MiB messages at most; the channels a test opens in the
-    list are closed after it."""
+def small_budget(
+    tmp_path: Path, workers: int = 2, **env: str
+) -> Iterator[tuple[Server, list[grpc.Channel]]]:
+    """Digits served by ``workers`` (two: behind the supervisor's gRPC front), a 32 MiB budget
+    each (the front's bound: 64 MiB for two), 16 MiB messages at most; the channels a test
+    opens in the list are closed after it."""
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
     settings = {
-        "TG_WORKERS": "2",
+        "TG_WORKERS": str(workers),
         "TG_MAX_INFLIGHT_BYTES": str(32 * MIB),
         "TG_MAX_BODY_BYTES": str(16 * MIB),
         **env,
@@ -583,6 +585,31 @@ def answered_code(server: Server, request: pb.ModelInferRequest) -> grpc.StatusC
     return grpc.StatusCode.OK
 
 
+def stalled_calls(
+    proxy: FaultyProxy, channels: list[grpc.Channel], size: int, count: int
+) -> tuple[list[grpc.Future], int]:
+    """``count`` ModelInfer calls of ``size`` bytes through ``proxy`` (each stalled short of its
+    end), once no byte more has passed for 2 s; and the bytes that passed."""
+    request = digits_call(None, bytes(size))[0]
+    calls = [through(proxy, channels).ModelInfer.future(request) for _ in range(count)]
+    passed, still = -1, 0
+    deadline = time.monotonic() + 60
+    while still < 8 and time.monotonic() < deadline:
+        time.sleep(0.25)  # a look at the proxy's count
+        still = still + 1 if proxy.passed_up == passed else 0
+        passed = proxy.passed_up
+    return calls, passed
+
+
+def read_whole_again(server: Server, calls: list[grpc.Future], size: int) -> None:
+    """Once the stalled clients are gone: their calls ended, a ``size`` call is read whole."""
+    for call in calls:
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=30)
+    code = answered_code(server, digits_call(None, bytes(size))[0])
+    assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
+
+
 def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: Path) -> None:
     """#28 finding 2: grpcio takes in each message whole before any handler (and so the
     budget) sees it: 16 connections each stalled short of the end of a 12 MiB message made
@@ -593,19 +620,12 @@ def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: P
     workers hold about the bound and that message, a small call on another connection is
     answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
     size, count = 12 * MIB, 16
-    with fronted(tmp_path) as (server, channels):
+    with small_budget(tmp_path) as (server, channels):
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         before = workers_rss(server)
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
         try:
-            request = digits_call(None, bytes(size))[0]
-            calls = [through(proxy, channels).ModelInfer.future(request) for _ in range(count)]
-            passed, still = -1, 0
-            deadline = time.monotonic() + 60
-            while still < 8 and time.monotonic() < deadline:  # 2 s without a byte more
-                time.sleep(0.25)
-                still = still + 1 if proxy.passed_up == passed else 0
-                passed = proxy.passed_up
+            calls, passed = stalled_calls(proxy, channels, size, count)
             held = workers_rss(server) - before
             print(
                 f"passed {passed / MIB:.0f} MiB of {count * size / MIB:.0f}; +{held / MIB:.0f} MiB"
@@ -615,11 +635,7 @@ def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: P
             assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         finally:
             proxy.close()  # the stalled clients go (their connections reset)
-        for call in calls:
-            with pytest.raises(grpc.RpcError):
-                call.result(timeout=30)
-        code = answered_code(server, digits_call(None, bytes(size))[0])
-        assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
+        read_whole_again(server, calls, size)
 
 
 def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_path: Path) -> None:
@@ -629,7 +645,7 @@ def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_pa
     connection holding a message not whole within TG_BODY_TIMEOUT_S (3 s here), as the worker
     ends a ModelInfer's, and a large call is read whole again."""
     size = 12 * MIB
-    with fronted(tmp_path, TG_BODY_TIMEOUT_S="3") as (server, channels):
+    with small_budget(tmp_path, TG_BODY_TIMEOUT_S="3") as (server, channels):
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
         try:
             request = digits_call(None, bytes(size))[0]
@@ -657,7 +673,7 @@ def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path:
     oldest message arriving is read on until it is whole and answered, which lets the others
     go on: every call is answered (or refused by its worker's budget at once), none waits for
     TG_BODY_TIMEOUT_S (the test's 40 s; without it, 3 waited and ended DEADLINE_EXCEEDED)."""
-    with fronted(tmp_path, TG_BODY_TIMEOUT_S="40") as (server, channels):
+    with small_budget(tmp_path, TG_BODY_TIMEOUT_S="40") as (server, channels):
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(rate=3_000_000))
         try:
             request = digits_call(None, bytes(6 * MIB))[0]
@@ -678,3 +694,35 @@ def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path:
         assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
         assert grpc.StatusCode.INVALID_ARGUMENT in codes
         assert took < 35  # not held until TG_BODY_TIMEOUT_S
+
+
+def test_grpc_messages_still_arriving_at_one_workers_own_port_hold_the_most_a_message_may_be(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 2 where no front counts (one worker, the default on one CPU or a GPU):
+    grpcio took in 16 connections' 12 MiB messages, each stalled short of its end, and the
+    server held all 192 MiB for as long as the clients liked. A message not whole within
+    ARRIVING_S now holds TG_MAX_BODY_BYTES of the budget until it is (16 MiB of 32 here, the
+    other 16 left to messages that have arrived: one at once), and is UNAVAILABLE at once, let
+    go, when that does not fit. A small call is answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
+    size, count = 12 * MIB, 16
+    with small_budget(tmp_path, workers=1) as (server, channels):
+        assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
+        before = rss_bytes(server.process.pid)
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
+        try:
+            calls, _ = stalled_calls(proxy, channels, size, count)
+            held = rss_bytes(server.process.pid) - before
+            refused = [call for call in calls if call.done()]
+            print(f"+{held / MIB:.0f} MiB held; {len(refused)} of {count} refused")
+            assert held < count * size * 0.4  # 192 MiB before: one message, and what passed
+            assert len(refused) >= count - 1  # the budget holds one message still arriving
+            for call in refused:
+                error = call.exception()
+                assert isinstance(error, grpc.RpcError)
+                assert error.code() is grpc.StatusCode.UNAVAILABLE, error
+                assert "TG_MAX_BODY_BYTES" in (error.details() or "")
+            assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
+        finally:
+            proxy.close()  # the stalled clients go (their connections reset)
+        read_whole_again(server, calls, size)
