@@ -1,7 +1,7 @@
 """Old code against new code, alternately, in one sitting: the paired measurement that a claim
 like "this change costs nothing" or "this buys 5 %" needs on a shared, drifting machine.
 
-    .venv/bin/python -m bench.paired --old d5a6af0 [--pairs 5] [--seconds 5]
+    .venv/bin/python -m bench.paired --old d5a6af0 [--pairs 5] [--seconds 5] [--defaults]
 
 The old revision is checked out in a temporary git worktree and served by this venv (its
 packages are the same unless the locks changed between the two); the new side is the working
@@ -26,22 +26,22 @@ from bench.batching import W1_PATH, W2_PATH, jpeg_640x480, mlp_body, served_repo
 from bench.common import publish, spread, table, wait_until_up, worktree, wrk
 from tests.server import REPO_ROOT, free_port
 
+QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
 ENV = {
-    "TG_WORKERS": "1",  # a code change compared on one process (bench.defaults: the defaults)
-    "TG_ACCESS_LOG": "false",
-    "TG_LOG_LEVEL": "warning",
+    **QUIET,
+    "TG_WORKERS": "1",  # a code change compared on one process (--defaults: the defaults)
     "TG_INTRA_OP_THREADS": "2",
     "TG_PREPROCESS_THREADS": "2",
 }
 
 
 def serve(
-    tree: Path, repository: Path, extra: dict[str, str] | None = None
+    tree: Path, repository: Path, extra: dict[str, str] | None = None, defaults: bool = False
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {
-        **os.environ,
-        **ENV,
+        **{k: v for k, v in os.environ.items() if not k.startswith("TG_")},
+        **(QUIET if defaults else ENV),
         "TG_PORT": str(port),
         "TG_HOST": "127.0.0.1",
         "TG_GRPC_PORT": str(free_port()),
@@ -70,6 +70,11 @@ def main() -> None:
         metavar="TG_NAME=VALUE",
         help="a setting for the new side only (e.g. TG_GRPC_PORT=0)",
     )
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="both sides at the server's defaults (workers, threads), not one worker of 2 threads",
+    )
     args = parser.parse_args()
     new_env = dict(item.split("=", 1) for item in args.new_env)
     workloads = {
@@ -80,7 +85,10 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
         repository = served_repository(Path(tmp))
-        servers = {"old": serve(old_tree, repository), "new": serve(REPO_ROOT, repository, new_env)}
+        servers = {
+            "old": serve(old_tree, repository, defaults=args.defaults),
+            "new": serve(REPO_ROOT, repository, new_env, args.defaults),
+        }
         try:
             for _, url in servers.values():
                 wait_until_up(f"{url}/v2/health/ready", timeout_s=300)
@@ -121,7 +129,8 @@ def main() -> None:
     publish(
         "paired",
         f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "
-        f"of {args.seconds} s\n\nmedian (min–max)\n\n{table(rows, header)}\n",
+        f"of {args.seconds} s{', default settings' if args.defaults else ''}\n\n"
+        f"median (min–max)\n\n{table(rows, header)}\n",
     )
 
 

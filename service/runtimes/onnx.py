@@ -162,17 +162,21 @@ class OnnxRuntime(Runtime):
         shared = self._shared
         if shared is None:
             return self._run(self._session, batch)
-        if CPU_USE.contended():
+        rows = _rows(batch)
+        sides = self._alone.sides(rows)
+        if sides.small(rows) or CPU_USE.contended():
             return self._run(shared, batch)
-        return self._run_alone(shared, batch)
+        return self._run_alone(shared, batch, sides, rows)
 
     def _run_alone(
-        self, shared: ort.InferenceSession, batch: Mapping[str, np.ndarray]
+        self,
+        shared: ort.InferenceSession,
+        batch: Mapping[str, np.ndarray],
+        sides: _Sides,
+        rows: int,
     ) -> dict[str, np.ndarray]:
         """A batch alone, on the session that runs lone batches of its size faster
         (:class:`AloneChoice`), timed for it when nothing else ran meanwhile."""
-        rows = _rows(batch)
-        sides = self._alone.sides(rows)
         wide = sides.wide()
         started = time.perf_counter()
         outputs = self._run(self._session if wide else shared, batch)
@@ -256,7 +260,9 @@ class AloneChoice:
     """Whether a batch alone runs on every CPU's threads (the wide session) or on the share:
     the one that has run lone batches of its size faster, as measured while serving (warmup
     seeds it). A model whose operators gain from more threads (a CNN: 1.7 × on 2 CPUs) takes
-    them; a tiny one (the W2 MLP), which only pays for waking them, keeps to its share.
+    them; a tiny one (the W2 MLP), which only pays for waking them, keeps to its share, and a
+    batch its share runs within :data:`SMALL_RUN_S` is not chosen for at all
+    (:meth:`_Sides.small`).
 
     Each batch size (rounded down to a power of two) is judged apart: per row, a batch of 32
     costs a third of a lone image, and with one estimate per row for every size each side's
@@ -309,6 +315,11 @@ class _Sides:
         self.tried = [-EXPLORE, -EXPLORE]
         """At which count each side last ran a lone batch."""
 
+    def small(self, rows: int) -> bool:
+        """Whether ``rows`` run on the share within :data:`SMALL_RUN_S`: such a batch keeps to
+        the share with nothing timed or explored."""
+        return 0.0 < self.per_row[1] * rows < SMALL_RUN_S
+
     def estimate(self, side: int) -> float:
         return self.per_row[side] * (1.0 + AGING * (self.count - self.seen[side]))
 
@@ -338,6 +349,11 @@ class _Sides:
             self.per_row[side], self.seen[side] = per_row, self.count
 
 
+SMALL_RUN_S = 100e-6
+"""A batch that its share runs within this long is not worth every CPU's threads: waking
+them costs about what they could save, the other CPU is often another worker's, and choosing
+(timing, exploring the wide side one batch in :data:`EXPLORE`) cost the W2 MLP's one-row
+requests more than their 12 µs run (docs/performance.md, "Defaults that win")."""
 WIDE_GAIN = 0.9
 """A batch alone takes every CPU's threads only when they run it at least 10 % faster."""
 EXPLORE = 64

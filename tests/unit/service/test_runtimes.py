@@ -13,7 +13,7 @@ from service.artifacts.manifest import check_pt2
 from service.errors import ModelLoadError
 from service.model_config import TensorConfig
 from service.runtimes import create_runtime, resolve_device
-from service.runtimes.base import RuntimeOptions, Signature
+from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from service.runtimes.onnx import providers_for
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime
 from service.runtimes.torchscript import TorchScriptRuntime
@@ -426,15 +426,12 @@ def test_a_package_for_a_cpu_this_one_is_not_is_refused_before_it_loads(
         Pt2Runtime(RuntimeOptions("cpu", 1)).load(future, Signature(spec.inputs, spec.outputs), 8)
 
 
-def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: Path) -> None:
-    """Two sessions of one graph: every CPU's threads for a batch alone, the share beside
-    another batch (service.resources.CPU_USE); both answer alike and both are warmed."""
-    from service.resources import CPU_USE
-
-    path = linear_onnx(tmp_path)
+def two_sessions(path: Path) -> tuple[Runtime, object, object, list[object]]:
+    """An ONNX runtime of ``path`` with two sessions (every CPU's threads and the share), the
+    two, and the list each run appends its session to."""
     runtime = create_runtime("onnx", RuntimeOptions("cpu", 2, shared_threads=1))
     runtime.load(path, None, 8)
-    # the ONNX runtime's own sessions and lone choice, not on the Runtime type:
+    # the ONNX runtime's own sessions, not on the Runtime type:
     wide, shared = runtime._session, runtime._shared  # type: ignore[attr-defined]  # see above
     assert shared is not None and shared is not wide
     used: list[object] = []
@@ -444,6 +441,21 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
             used.append(_s),
             _o(names, feed),
         )[1]
+    return runtime, wide, shared, used
+
+
+def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sessions of one graph: every CPU's threads for a batch alone, the share beside
+    another batch (service.resources.CPU_USE); both answer alike and both are warmed."""
+    from service.resources import CPU_USE
+    from service.runtimes import onnx
+
+    monkeypatch.setattr(onnx, "SMALL_RUN_S", 0.0)  # the estimates below, not small batches
+
+    path = linear_onnx(tmp_path)
+    runtime, wide, shared, used = two_sessions(path)
     x = {"x": np.ones((2, 8), np.float32)}
     runtime.warmup(x)  # both warmed, then each timed once: the lone choice's seeds
     assert used == [wide, shared, wide, shared]
@@ -480,6 +492,30 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(tmp_path: 
     single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
     single.load(path, None, 8)
     assert single._shared is None  # type: ignore[attr-defined]  # not on Runtime
+
+
+def test_a_batch_its_share_runs_in_microseconds_keeps_to_it_untimed(tmp_path: Path) -> None:
+    """A batch the share runs within SMALL_RUN_S (the W2 MLP's) is neither timed nor explored
+    on every CPU's threads: choosing cost more than its run. A larger batch of the same model,
+    and any size not measured yet, is chosen for as before."""
+    from service.resources import CPU_USE
+    from service.runtimes.onnx import EXPLORE, SMALL_RUN_S, AloneChoice
+
+    runtime, wide, shared, used = two_sessions(linear_onnx(tmp_path))
+    choice = runtime._alone = AloneChoice()  # type: ignore[attr-defined]  # not on Runtime
+    small, large = choice.sides(2), choice.sides(8)
+    small.per_row = [SMALL_RUN_S / 8, SMALL_RUN_S / 4]  # 2 rows: half the bound on the share
+    large.per_row = [SMALL_RUN_S / 8, SMALL_RUN_S / 4]  # 8 rows: twice it
+    large.tried = [0, 0]
+    for _ in range(2 * EXPLORE):
+        with CPU_USE:
+            runtime.run({"x": np.ones((2, 8), np.float32)})
+    assert used == [shared] * 2 * EXPLORE  # never the wide session, not even to explore
+    assert small.count == 0 and small.per_row == [SMALL_RUN_S / 8, SMALL_RUN_S / 4]  # untimed
+    used.clear()
+    with CPU_USE:
+        runtime.run({"x": np.ones((8, 8), np.float32)})
+    assert used == [wide] and large.count == 1  # the wide side is twice as fast here: chosen
 
 
 def test_the_lone_choice_holds_while_the_machine_slows_in_phases() -> None:
