@@ -321,10 +321,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _hold_arriving(self, budget: BytesBudget) -> int:
         """Hold the most a message may be for one still arriving, or refuse it (UNAVAILABLE).
-        One such size of the budget is left to messages that have arrived: messages stalled
-        short of their ends must not refuse every small call."""
+        One such size of the budget is left to messages that have arrived, where the budget
+        holds two (messages stalled short of their ends must not refuse every small call); a
+        budget of less than two holds one message arriving at a time, and so never refuses one
+        for good (TG_MAX_INFLIGHT_BYTES may be as low as TG_MAX_BODY_BYTES)."""
         size = self.settings.max_body_bytes
-        if budget.try_take(size, spare=size):
+        if budget.try_take(size, spare=min(size, budget.limit - size)):
             return size
         REFUSED["body_budget"] += 1
         raise ServerBusy(

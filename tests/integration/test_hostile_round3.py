@@ -726,3 +726,22 @@ def test_grpc_messages_still_arriving_at_one_workers_own_port_hold_the_most_a_me
         finally:
             proxy.close()  # the stalled clients go (their connections reset)
         read_whole_again(server, calls, size)
+
+
+def test_a_slow_message_is_read_whole_where_the_budget_holds_one_message(tmp_path: Path) -> None:
+    """A budget as small as one message (TG_MAX_INFLIGHT_BYTES = TG_MAX_BODY_BYTES, the default
+    under 1 GiB of memory) keeps no room spare for messages that have arrived: a message still
+    arriving after ARRIVING_S holds the whole budget until it has, and is read whole, not
+    refused for good (4 MiB at 2 MB/s, 2 s on the way)."""
+    with small_budget(tmp_path, workers=1, TG_MAX_INFLIGHT_BYTES=str(16 * MIB)) as (
+        server,
+        channels,
+    ):
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(rate=2_000_000))
+        try:
+            request = digits_call(None, bytes(4 * MIB))[0]
+            with pytest.raises(grpc.RpcError) as answered:
+                through(proxy, channels).ModelInfer(request, timeout=30)
+        finally:
+            proxy.close()
+        assert answered.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
