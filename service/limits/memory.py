@@ -42,6 +42,30 @@ TRIM_AFTER_BYTES = 32 << 20
 holds now) before a trim is worth its walk over the heaps."""
 
 
+ARENAS = 2
+"""glibc malloc arenas a server process uses (:func:`limit_arenas`)."""
+_M_ARENA_MAX = -8  # mallopt's parameter, <malloc.h>
+
+
+def limit_arenas(count: int = ARENAS) -> bool:
+    """At most ``count`` glibc malloc arenas for this process's threads from now on, unless
+    ``MALLOC_ARENA_MAX`` already says how many; True when set. glibc gives each thread that
+    allocates an arena of its own (up to 8 per CPU), and what a burst leaves in the arenas of
+    threads that hold a few live chunks in each is never handed back, not even by
+    ``malloc_trim``: after 30 refused gRPC calls of 60 MiB, three thread arenas kept about
+    30 MiB each (RSS 1.06–1.13 × where it started); with two arenas, 1.01–1.03 ×. Call it
+    before the server starts its threads."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_ARENA_MAX, count))
+
+
 def malloc_trim() -> Callable[[], object] | None:
     """glibc's ``malloc_trim(0)``, or None where the C library has none."""
     try:

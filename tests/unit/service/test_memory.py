@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
+
 from service.limits.admission import BytesBudget
-from service.limits.memory import TRIM_AFTER_BYTES, Trimmer, malloc_free_bytes, malloc_trim
+from service.limits.memory import (
+    ARENAS,
+    TRIM_AFTER_BYTES,
+    Trimmer,
+    malloc_free_bytes,
+    malloc_trim,
+)
 
 
 def test_a_trim_follows_what_the_budget_let_go_and_never_a_quiet_server() -> None:
@@ -69,3 +81,43 @@ def test_this_c_library_trims_for_real() -> None:
     trim()
     free_bytes = malloc_free_bytes()
     assert free_bytes is not None and free_bytes() >= 0
+
+
+ARENA_PROBE = """
+import ctypes, os, sys, threading
+from service.limits.memory import limit_arenas
+if sys.argv[1] == "limited":
+    assert limit_arenas()
+go = threading.Barrier(8)
+def allocate():
+    go.wait()  # all at once: each thread that finds the arenas busy takes a new one
+    kept = [bytearray(4096) for _ in range(2000)]
+    go.wait()
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+ctypes.CDLL("libc.so.6").malloc_stats()  # one "Arena N:" block per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(malloc_trim() is None, reason="glibc only")
+@pytest.mark.parametrize("mode", ["limited", "as glibc likes"])
+def test_the_server_keeps_to_two_malloc_arenas(mode: str) -> None:
+    """glibc gives threads allocating at once arenas of their own, up to 8 per CPU, and what a
+    burst leaves in them is never given back; a server process keeps to ARENAS."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run(
+        [sys.executable, "-c", ARENA_PROBE, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    arenas = done.stderr.count("Arena ")
+    if mode == "limited":
+        assert 1 <= arenas <= ARENAS, done.stderr
+    else:
+        assert arenas > ARENAS, done.stderr  # the probe does make arenas: the test can fail
