@@ -16,15 +16,12 @@ Writes bench/results/paired.md.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench.batching import W1_PATH, W2_PATH, jpeg_640x480, mlp_body, served_repository
-from bench.common import publish, spread, table, wait_until_up, worktree, wrk
-from tests.server import REPO_ROOT, free_port
+from bench.common import publish, running, serve_tree, spread, table, worktree, wrk
+from tests.server import REPO_ROOT
 
 QUIET = {"TG_ACCESS_LOG": "false", "TG_LOG_LEVEL": "warning"}
 ENV = {
@@ -33,29 +30,6 @@ ENV = {
     "TG_INTRA_OP_THREADS": "2",
     "TG_PREPROCESS_THREADS": "2",
 }
-
-
-def serve(
-    tree: Path, repository: Path, extra: dict[str, str] | None = None, defaults: bool = False
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TG_")},
-        **(QUIET if defaults else ENV),
-        "TG_PORT": str(port),
-        "TG_HOST": "127.0.0.1",
-        "TG_GRPC_PORT": str(free_port()),
-        "TG_MODEL_REPOSITORY": str(repository),
-        **(extra or {}),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve"],
-        cwd=tree,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    return process, f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
@@ -85,19 +59,18 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
         repository = served_repository(Path(tmp))
+        base = QUIET if args.defaults else ENV
         servers = {
-            "old": serve(old_tree, repository, defaults=args.defaults),
-            "new": serve(REPO_ROOT, repository, new_env, args.defaults),
+            "old": serve_tree(old_tree, repository, base),
+            "new": serve_tree(REPO_ROOT, repository, {**base, **new_env}),
         }
-        try:
-            for _, url in servers.values():
-                wait_until_up(f"{url}/v2/health/ready", timeout_s=300)
+        with running(servers) as urls:
             for pair in range(args.pairs):
                 sides = ("old", "new") if pair % 2 == 0 else ("new", "old")
                 for name, (path, body, content_type, connections) in workloads.items():
                     for side in sides:
                         result = wrk(
-                            servers[side][1] + path,
+                            urls[side] + path,
                             body,
                             content_type,
                             connections=connections,
@@ -107,10 +80,6 @@ def main() -> None:
                         results.setdefault((name, side), []).append(
                             (result.requests_per_s, result.p50_ms)
                         )
-        finally:
-            for process, _ in servers.values():
-                process.terminate()
-                process.wait(timeout=60)
     rows = []
     for name in workloads:
         old, new = results[(name, "old")], results[(name, "new")]
