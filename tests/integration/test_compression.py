@@ -174,7 +174,7 @@ def _rss_kib(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])

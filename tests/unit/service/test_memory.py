@@ -102,7 +102,10 @@ ctypes.CDLL("libc.so.6").malloc_stats()  # one "Arena N:" block per arena, on st
 """
 
 
-@pytest.mark.skipif(malloc_trim() is None, reason="glibc only")
+@pytest.mark.skipif(
+    malloc_trim() is None,
+    reason="needs glibc (mallopt, malloc_stats): this C library has no malloc_trim",
+)
 @pytest.mark.parametrize("mode", ["limited", "as glibc likes"])
 def test_the_server_keeps_to_two_malloc_arenas(mode: str) -> None:
     """glibc gives threads allocating at once arenas of their own, up to 8 per CPU, and what a
