@@ -44,6 +44,7 @@ from service.model_config import TensorConfig, load_model_config
 from service.pipelines.classification import Classifier
 from service.runtimes import create_runtime
 from service.runtimes.base import Runtime, RuntimeOptions
+from service.settings import CPUS_PER_WORKER
 from tests.models import Mlp
 from tests.server import MODELS, Server, free_port
 
@@ -127,6 +128,19 @@ def in_process(threads: int) -> tuple[ImagePipeline, Runtime]:
     runtime = create_runtime("onnx", RuntimeOptions("cpu", threads))
     runtime.load(MODELS / "efficientnet_lite0" / "1" / "model.onnx", None, 32)
     return pipeline, runtime
+
+
+def in_process_alike(threads: int, image: np.ndarray) -> Runtime:
+    """The W1 model as a server of ``threads`` CPUs whose default workers share them makes its
+    runtime: a session of every CPU's threads for a batch alone (its threads spinning while a
+    run lasts) and one of the worker's share, warmed with ``image`` (a batch of one)."""
+    workers = max(1, threads // CPUS_PER_WORKER)
+    runtime = create_runtime(
+        "onnx", RuntimeOptions("cpu", threads, shared_threads=max(1, threads // workers))
+    )
+    runtime.load(MODELS / "efficientnet_lite0" / "1" / "model.onnx", None, 32)
+    runtime.warmup({"input": image})
+    return runtime
 
 
 def top5() -> Classifier:

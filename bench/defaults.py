@@ -15,7 +15,10 @@ image, alternately in this process (decode, preprocess, ONNX Runtime at batch 1 
 threads, top-5, the image resized on one thread) and served, one at a time
 (``bench.batching.one_image_pairs``), against the defaults, the old default, and a fourth
 server for this only: the defaults with each image resized on one thread
-(``TG_RESIZE_HALVES=false``), the servers in turns over 4 rounds. Writes
+(``TG_RESIZE_HALVES=false``), the servers in turns over 4 rounds; and against the defaults once
+more, in process with the runtime as the server makes it (two sessions: every CPU's threads,
+spinning while a run lasts, for a batch alone; ``bench.batching.in_process_alike``), which
+tells what serving costs from what the server's runtime settings give. Writes
 bench/results/defaults.md.
 """
 
@@ -29,6 +32,7 @@ from bench.batching import (
     W1_PATH,
     W2_PATH,
     in_process,
+    in_process_alike,
     jpeg_640x480,
     mlp_body,
     one_image_pairs,
@@ -80,6 +84,7 @@ def main() -> None:
     lone_configs = {**configs, ONE_THREAD_RESIZE: {"TG_RESIZE_HALVES": "false"}}
     lone_names = ["defaults", ONE_THREAD_RESIZE, "old default"]
     lone: dict[str, list[tuple[float, float]]] = {name: [] for name in lone_names}
+    alike: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         repository = served_repository(Path(tmp))
         servers = {
@@ -90,6 +95,7 @@ def main() -> None:
             urls = {name: every[name] for name in names}
             measured = rotating(urls, workloads, args.pairs, args.seconds)
             pipeline, runtime = in_process(cpus)
+            same = in_process_alike(cpus, pipeline(image)[None])
             for turn in range(LONE_ROUNDS):  # the servers in turns: the machine drifts
                 shift = turn % len(lone_names)
                 for name in lone_names[shift:] + lone_names[:shift]:
@@ -104,6 +110,18 @@ def main() -> None:
                             args.images // LONE_ROUNDS,
                         )
                     )
+                    if name == "defaults":
+                        alike.append(
+                            one_image_pairs(
+                                image,
+                                pipeline,
+                                same,
+                                top5(),
+                                servers[name][1],
+                                W1_PATH,
+                                args.images // LONE_ROUNDS,
+                            )
+                        )
     results = {
         key: [(r.requests_per_s, r.p50_ms, r.p99_ms) for r in runs]
         for key, runs in measured.items()
@@ -136,7 +154,7 @@ def main() -> None:
             spread([served for _, served in rounds], "{:.2f}"),
             spread(sorted(inside / served for inside, served in rounds), "{:.3f}"),
         ]
-        for name, rounds in lone.items()
+        for name, rounds in [*lone.items(), ("defaults, vs the server's runtime", alike)]
     ]
     publish(
         "defaults",

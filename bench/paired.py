@@ -8,7 +8,7 @@ packages are the same unless the locks changed between the two); the new side is
 tree. Both servers serve one repository (efficientnet_lite0 and the W2 MLP) with the same
 settings and stay up; each pair runs every workload against one server and then the other (the
 order flips every pair), so that drift falls on both sides alike:
-W1 (a 640×480 JPEG → top-5, v1 predict) at 16 connections; W2 (the 64→256→10 MLP, a JSON
+W1 (a 640×480 JPEG → top-5, v1 predict) at 16 and at 1 connection; W2 (the 64→256→10 MLP, a JSON
 tensor, v2 infer) at 64 and at 1 connection. Loopback only; wrk is the client.
 Writes bench/results/paired.md.
 """
@@ -53,10 +53,11 @@ def main() -> None:
     new_env = dict(item.split("=", 1) for item in args.new_env)
     workloads = {
         "W1 c=16": (W1_PATH, jpeg_640x480(), "image/jpeg", 16),
+        "W1 c=1": (W1_PATH, jpeg_640x480(), "image/jpeg", 1),
         "W2 c=64": (W2_PATH, mlp_body(), "application/json", 64),
         "W2 c=1": (W2_PATH, mlp_body(), "application/json", 1),
     }
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
         repository = served_repository(Path(tmp))
         base = QUIET if args.defaults else ENV
@@ -78,7 +79,7 @@ def main() -> None:
                         )
                         assert result.errors == 0, (side, name, result)
                         results.setdefault((name, side), []).append(
-                            (result.requests_per_s, result.p50_ms)
+                            (result.requests_per_s, result.p50_ms, result.p99_ms)
                         )
     rows = []
     for name in workloads:
@@ -87,14 +88,25 @@ def main() -> None:
         rows.append(
             [
                 name,
-                spread([r for r, _ in old], "{:.0f}"),
-                spread([r for r, _ in new], "{:.0f}"),
-                spread([p for _, p in old], "{:.2f}"),
-                spread([p for _, p in new], "{:.2f}"),
+                spread([r for r, _, _ in old], "{:.0f}"),
+                spread([r for r, _, _ in new], "{:.0f}"),
+                spread([p for _, p, _ in old], "{:.2f}"),
+                spread([p for _, p, _ in new], "{:.2f}"),
+                spread(sorted(p99 / p50 for _, p50, p99 in old), "{:.2f}"),
+                spread(sorted(p99 / p50 for _, p50, p99 in new), "{:.2f}"),
                 spread(ratios, "{:.3f}"),
             ]
         )
-    header = ["workload", "old req/s", "new req/s", "old p50 ms", "new p50 ms", "new/old req/s"]
+    header = [
+        "workload",
+        "old req/s",
+        "new req/s",
+        "old p50 ms",
+        "new p50 ms",
+        "old p99/p50",
+        "new p99/p50",
+        "new/old req/s",
+    ]
     publish(
         "paired",
         f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "

@@ -185,7 +185,8 @@ class Settings(BaseSettings):
         self.workers, self._sizing_warning = worker_sizing(self)
         # Each worker's runtimes and pool may use every CPU of the process: a lone request runs
         # as fast as on one worker, and under load the workers' threads take turns (ONNX
-        # Runtime's idle threads sleep rather than spin; docs/performance.md, "Defaults").
+        # Runtime's threads spin only while a batch alone runs; docs/performance.md,
+        # "Defaults that win").
         self._threads_defaulted = not self.intra_op_threads
         self.intra_op_threads = self.intra_op_threads or self.cpus
         # The pool works only when several requests are in flight (a lone one is preprocessed

@@ -94,14 +94,6 @@ class OnnxRuntime(Runtime):
     artifact = "model.onnx"
 
     def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self.options.intra_op_threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Idle intra-op threads spin by default, burning the cores that the event loop and
-        # preprocessing need between batches; measured in bench/protocol.py.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = providers_for(
             self.options.device,
             ort.get_available_providers(),
@@ -112,7 +104,12 @@ class OnnxRuntime(Runtime):
             # The GPU image takes CUDA and cuDNN from pip's nvidia-* wheels, not from system
             # paths: onnxruntime finds them only once they are loaded (or torch imported).
             ort.preload_dlls()
+        threads, shared = self.options.intra_op_threads, self.options.shared_threads
+        two = self.options.device == "cpu" and 0 < shared < threads
         try:
+            # With a share session beside it, this one runs only batches alone on the server
+            # (CPU_USE): its threads spin between operators, and stop when the run ends.
+            options = _session_options(threads, spin=two)
             self._session = ort.InferenceSession(str(path), options, providers=providers)
             bounded = self.options.bucketed or self.options.device != "cpu"
             if not bounded and _unbounded(self._session, declared, max_batch_size):
@@ -120,14 +117,14 @@ class OnnxRuntime(Runtime):
                 self._session = ort.InferenceSession(str(path), options, providers=providers)
             self._shared: ort.InferenceSession | None = None
             self._alone = AloneChoice()
-            shared = self.options.shared_threads
-            if self.options.device == "cpu" and 0 < shared < self.options.intra_op_threads:
+            if two:
                 # A second session of the same graph with the process's share of the CPUs, for
                 # batches that run beside another (service.resources.CpuUse): an intra-op pool
                 # is fixed per session, and one wider than its share splits each operator
                 # into halves that wait on each other's preempted threads.
-                options.intra_op_num_threads = shared
-                self._shared = ort.InferenceSession(str(path), options, providers=providers)
+                share = _session_options(shared, spin=False)
+                share.enable_cpu_mem_arena = options.enable_cpu_mem_arena
+                self._shared = ort.InferenceSession(str(path), share, providers=providers)
         except Exception as exc:  # onnxruntime raises its own unexported exception types
             raise ModelLoadError(f"onnxruntime cannot load {path.name}: {exc}") from None
         graph = Signature(
@@ -394,6 +391,23 @@ def _text(name: str, array: np.ndarray) -> np.ndarray:
             f"input '{name}': onnxruntime string tensors hold UTF-8 text, and an element is not"
         ) from None
     return text
+
+
+def _session_options(threads: int, spin: bool) -> ort.SessionOptions:
+    """Options of one session of ``threads`` intra-op threads. Idle intra-op threads spin by
+    default, burning the cores that the event loop and preprocessing need between batches
+    (bench/protocol.py): they sleep, unless ``spin``, where they spin while a run lasts (a
+    thread that sleeps between operators is woken for each: 1.0 ms of a lone
+    efficientnet_lite0 image's 5.0 on 2 CPUs) and stop when it ends (force_spinning_stop)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    return options
 
 
 def _unbounded(

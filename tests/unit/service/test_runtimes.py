@@ -1,6 +1,7 @@
 import json
 import random
 import re
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -492,6 +493,53 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(
     single = create_runtime("onnx", RuntimeOptions("cpu", 1, shared_threads=1))
     single.load(path, None, 8)
     assert single._shared is None  # type: ignore[attr-defined]  # not on Runtime
+
+
+def test_a_batch_alone_spins_its_threads_only_while_it_runs(tmp_path: Path) -> None:
+    """The session of every CPU's threads runs only batches alone on the server: its threads
+    spin between operators instead of being woken for each (1.0 ms of a lone
+    efficientnet_lite0 image's 5.0 on 2 CPUs, bench/defaults.py), and stop when the run ends
+    (``session.force_spinning_stop``): without it onnxruntime's threads burned 48 ms of CPU in
+    the 200 ms after each run, what the loop and preprocessing need between batches. The
+    share session, which runs beside other batches, never spins."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 512])],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    runtime, wide, shared, used = two_sessions(path)
+    spins = [
+        session.get_session_options().get_session_config_entry(  # type: ignore[attr-defined]
+            "session.intra_op.allow_spinning"
+        )
+        for session in (wide, shared)
+    ]
+    assert spins == ["1", "0"]
+    from service.resources import CPU_USE
+    from service.runtimes.onnx import SMALL_RUN_S, AloneChoice
+
+    choice = runtime._alone = AloneChoice()  # type: ignore[attr-defined]  # not on Runtime
+    sides = choice.sides(256)
+    sides.per_row, sides.tried = [SMALL_RUN_S, 2 * SMALL_RUN_S], [0, 0]  # wide: twice as fast
+    x = {"x": np.ones((256, 512), np.float32)}  # a GEMM onnxruntime splits among its threads
+    for _ in range(5):
+        with CPU_USE:
+            runtime.run(x)
+    assert used == [wide] * 5
+    started = time.process_time()
+    time.sleep(0.2)
+    assert time.process_time() - started < 0.010  # every thread of this process, asleep
 
 
 def test_a_batch_its_share_runs_in_microseconds_keeps_to_it_untimed(tmp_path: Path) -> None:
