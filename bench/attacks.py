@@ -1,6 +1,6 @@
 """Peak memory under each attack of #28, a normal client beside it. Loopback only, bounded.
 
-    .venv/bin/python -m bench.attacks [--hold 10] [--only PNG] [--workers 1]
+    .venv/bin/python -m bench.attacks [--hold 10] [--only PNG] [--workers 1] [--repeat 1]
 
 One server as the README starts it (default settings but ``TG_WORKERS``: one worker by default,
 so that one process holds everything; with ``--workers 2``, the default on 2 CPUs, a supervisor
@@ -9,7 +9,9 @@ identity model with a dynamic dim. For each attack in turn: the server's RSS bef
 process of it), its peak during (each process's VmHWM, reset before each attack through
 /proc/PID/clear_refs, added up), its RSS two seconds after, and a normal client's latency
 throughout (a digits request over REST every 50 ms: median, max, and how many failed). Each
-attack is held ``--hold`` seconds where it holds anything. Writes bench/results/attacks.md.
+attack is held ``--hold`` seconds where it holds anything; ``--repeat`` runs each attack that many
+times in a row on the same server, a row each (the normal client's worst varies from run to run
+more than between revisions: one run tells little). Writes bench/results/attacks.md.
 """
 
 from __future__ import annotations
@@ -328,6 +330,7 @@ def main() -> None:
         "--only", default="", help="run only the attacks whose name contains this (e.g. PNG)"
     )
     parser.add_argument("--workers", type=int, default=1, help="TG_WORKERS (2 or more: the front)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each attack, a row each")
     args = parser.parse_args()
     env = {"TG_WORKERS": str(args.workers)}
     rows = []
@@ -344,9 +347,8 @@ def main() -> None:
                 server.client.post("/v2/models/digits/infer", content=DIGIT)
             # as the server resolves it here: each worker's, for all of them
             budget = Settings(workers=args.workers).max_inflight_bytes * args.workers
-            for protocol, name, attack in ATTACKS:
-                if args.only not in name:
-                    continue
+            selected = [entry for entry in ATTACKS if args.only in entry[1]]
+            for protocol, name, attack in [e for e in selected for _ in range(args.repeat)]:
                 pids = [pid, *children(pid)]  # now: a worker may have been replaced
                 before = sum(status(p, "VmRSS") for p in pids)
                 for p in pids:
