@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from service.limits.admission import BytesBudget
 
@@ -55,23 +56,25 @@ def limit_arenas(count: int = ARENAS) -> bool:
     ``malloc_trim``: after 30 refused gRPC calls of 60 MiB, three thread arenas kept about
     30 MiB each (RSS 1.06–1.13 × where it started); with two arenas, 1.01–1.03 ×. Call it
     before the server starts its threads."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = _glibc("mallopt")
+    if "MALLOC_ARENA_MAX" in os.environ or mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_ARENA_MAX, count))
 
 
+def _glibc(name: str) -> Any | None:
+    """The C library's function ``name``, or None where it has none (not glibc)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def malloc_trim() -> Callable[[], object] | None:
     """glibc's ``malloc_trim(0)``, or None where the C library has none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)
@@ -104,10 +107,8 @@ def rss_bytes() -> int:
 def malloc_free_bytes() -> Callable[[], int] | None:
     """glibc's count of the bytes its heaps hold free (``mallinfo2().fordblks``, glibc 2.33
     on), or None where the C library has none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        info = libc.mallinfo2
-    except (OSError, AttributeError):
+    info = _glibc("mallinfo2")
+    if info is None:
         return None
     info.argtypes, info.restype = [], _Mallinfo2
     return lambda: int(info().fordblks)
