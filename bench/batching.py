@@ -44,7 +44,7 @@ from service.model_config import TensorConfig, load_model_config
 from service.pipelines.classification import Classifier
 from service.runtimes import create_runtime
 from service.runtimes.base import Runtime, RuntimeOptions
-from service.settings import CPUS_PER_WORKER
+from service.settings import Settings
 from tests.models import Mlp
 from tests.server import MODELS, Server, free_port
 
@@ -134,9 +134,10 @@ def in_process_alike(threads: int, image: np.ndarray) -> Runtime:
     """The W1 model as a server of ``threads`` CPUs whose default workers share them makes its
     runtime: a session of every CPU's threads for a batch alone (its threads spinning while a
     run lasts) and one of the worker's share, warmed with ``image`` (a batch of one)."""
-    workers = max(1, threads // CPUS_PER_WORKER)
+    settings = Settings(cpus=threads)  # its workers and their share, as the server sizes them
     runtime = create_runtime(
-        "onnx", RuntimeOptions("cpu", threads, shared_threads=max(1, threads // workers))
+        "onnx",
+        RuntimeOptions("cpu", settings.intra_op_threads, shared_threads=settings.shared_threads),
     )
     runtime.load(MODELS / "efficientnet_lite0" / "1" / "model.onnx", None, 32)
     runtime.warmup({"input": image})
