@@ -1,6 +1,7 @@
 """Peak memory under each attack of #28, a normal client beside it. Loopback only, bounded.
 
     .venv/bin/python -m bench.attacks [--hold 10] [--only PNG] [--workers 1] [--repeat 1]
+                                      [--client-nice 0]
 
 One server as the README starts it (default settings but ``TG_WORKERS``: one worker by default,
 so that one process holds everything; with ``--workers 2``, the default on 2 CPUs, a supervisor
@@ -11,7 +12,11 @@ process of it), its peak during (each process's VmHWM, reset before each attack 
 throughout (a digits request over REST every 50 ms: median, max, and how many failed). Each
 attack is held ``--hold`` seconds where it holds anything; ``--repeat`` runs each attack that many
 times in a row on the same server, a row each (the normal client's worst varies from run to run
-more than between revisions: one run tells little). Writes bench/results/attacks.md.
+more than between revisions: one run tells little). ``--client-nice N`` runs the attack's
+threads at that nice value (the normal client and the server stay at 0): on a machine where
+the attacking client shares the server's few CPUs, it tells the server's own delays from the
+CPU time the client's threads take beside it (an attacker elsewhere takes none of it).
+Writes bench/results/attacks.md.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import gzip
 import io
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import tempfile
@@ -43,6 +49,8 @@ from tests.identity import binary_request, write_identity_model
 from tests.server import Server, copy_model
 
 MIB = 1 << 20
+CLIENT_NICE = [0]
+"""The attack threads' nice value (``--client-nice``)."""
 
 
 DIGIT = json.dumps(
@@ -113,6 +121,8 @@ def concurrently(count: int, work: Callable[[int], object]) -> list[object]:
     results: list[object] = [None] * count
 
     def run(index: int) -> None:
+        if CLIENT_NICE[0]:  # this thread only (Linux: a thread's nice value is its own)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CLIENT_NICE[0])
         try:
             results[index] = work(index)
         except Exception as exc:  # an attack's call that fails is part of what it measures
@@ -331,7 +341,11 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=1, help="TG_WORKERS (2 or more: the front)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each attack, a row each")
+    parser.add_argument(
+        "--client-nice", type=int, default=0, help="the attack threads' nice value (0 to 19)"
+    )
     args = parser.parse_args()
+    CLIENT_NICE[0] = args.client_nice
     env = {"TG_WORKERS": str(args.workers)}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -385,7 +399,9 @@ def main() -> None:
                 if args.workers == 1
                 else f"{args.workers} workers behind the supervisor and its gRPC front"
             )
-            + f": body budget {budget / MIB:.0f} MiB. Peak: VmHWM of each process, added up, "
+            + f": body budget {budget / MIB:.0f} MiB"
+            + (f"; the attack's threads at nice {args.client_nice}" if args.client_nice else "")
+            + ". Peak: VmHWM of each process, added up, "
             f"reset before each attack; held {args.hold:g} s where the attack holds anything; "
             "after: 2 s after it ended. Normal client: a digits request over REST every 50 ms "
             "throughout. Numbers in parentheses: the finding of #28.",
