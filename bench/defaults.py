@@ -20,9 +20,9 @@ more, in process with the runtime as the server makes it (two sessions: every CP
 spinning while a run lasts, for a batch alone; ``bench.batching.in_process_alike``), which
 tells what serving costs from what the server's runtime settings give. Last, W1 at 16
 connections once more against the three, in rounds of ``--tail-seconds`` (the issue's 12 s),
-for its p99/p50: wrk opens its 16 connections at once, and the first second and a half after
-such a burst is where that workload's slow requests are (docs/performance.md, "W1's tail is
-its start"), so a 4 s round weighs it three times as much as a 12 s one. Writes
+for its p99/p50: wrk opens its 16 connections at once, and the second and a half after such a
+burst holds many of that workload's slow requests (docs/performance.md, "W1's tail"), which a
+4 s round weighs three times as much as a 12 s one. Writes
 bench/results/defaults.md.
 """
 
