@@ -12,8 +12,9 @@ process of it), its peak during (each process's VmHWM, reset before each attack 
 throughout (a digits request over REST every 50 ms: median, max, and how many failed). Each
 attack is held ``--hold`` seconds where it holds anything; ``--repeat`` runs each attack that many
 times in a row on the same server, a row each (the normal client's worst varies from run to run
-more than between revisions: one run tells little). ``--client-nice N`` runs the attack's
-threads at that nice value (the normal client and the server stay at 0): on a machine where
+more than between revisions: one run tells little). ``--client-nice N`` runs the threads of
+the attacks that make concurrent calls (the uploads, the PNGs, the gRPC messages and streams)
+at that nice value (the normal client and the server stay at 0): on a machine where
 the attacking client shares the server's few CPUs, it tells the server's own delays from the
 CPU time the client's threads take beside it (an attacker elsewhere takes none of it).
 Writes bench/results/attacks.md.
