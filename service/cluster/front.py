@@ -18,13 +18,19 @@ one worker's gRPC server on a unix socket in the supervisor's private folder.
   control then holds in grpcio, as it did without a front).
 - **What it lets the workers hold**: grpcio takes in every message whole before a handler
   sees it, so the front counts what each connection's client sent that its worker has not
-  answered (:class:`service.cluster.held.Held`). While that is more than ``max_held_bytes``
-  over all connections (``TG_MAX_INFLIGHT_BYTES`` × the workers), it stops reading each
-  connection that holds :data:`LIGHT` or more, but the one with the oldest message arriving
+  answered (:class:`service.cluster.held.Held`). While a worker's connections hold more than
+  ``max_held_bytes`` (its ``TG_MAX_INFLIGHT_BYTES`` over
+  :data:`~service.cluster.held.MESSAGE_COPIES`, as a message whole in the worker counts that
+  many times its size in its budget), the front stops reading each of them that holds
+  :data:`LIGHT` or more, but the one with the oldest message arriving
   (:attr:`GrpcFront.finishing`), until answers let enough go: a client stalled short of its
   messages' ends holds the budget, not the memory, small calls on other connections go on,
-  and one large message can always arrive whole. The sweep (:meth:`GrpcFront._sweep`) closes
-  the clients that stall a message or take no answers past their timeouts.
+  one large message can always arrive whole in each worker, and a worker is sent no more
+  whole messages than its budget takes. (Bounded over all connections by the workers'
+  budgets together, a worker was sent twice what its budget takes and refused the rest once
+  they had arrived: 2 of 32 calls of 60 MiB in ``bench.attacks``, copied on its loop for
+  nothing.) The sweep (:meth:`GrpcFront._sweep`) closes the clients that stall a message or
+  take no answers past their timeouts.
 - **Connections**: at most ``max_connections`` forwarded, and ``max_connections_per_client``
   from one client address (grpcio has no per-address cap, so a single process has only the
   global one; here one client's 4,096 idle channels would lock every other client out). One
@@ -47,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-from service.cluster.held import Held
+from service.cluster.held import MESSAGE_COPIES, Held
 
 log = logging.getLogger("tensorgate.workers")
 
@@ -182,7 +188,7 @@ class _Link:
             held.stop()
         more = held.total - before
         if more < 0:
-            self.front.letting_go(-more)
+            self.front.letting_go(self.worker, -more)
         elif side is self.client:
             self.front.holding(self, more)
 
@@ -193,10 +199,11 @@ class _Link:
         self.closed = True
         self.front._links.discard(self)
         self.front.throttled.discard(self)
-        if self.front.finishing is self:
-            self.front.finishing = None
-        self.front.letting_go(self.held.stop())
+        freed = self.held.stop()  # nothing is counted before a worker is linked
         if self.worker >= 0:
+            if self.front.finishing[self.worker] is self:
+                self.front.finishing[self.worker] = None
+            self.front.letting_go(self.worker, freed)
             self.front.open[self.worker] -= 1
         if self.address is not None:
             counts = self.front.per_client
@@ -235,12 +242,14 @@ class GrpcFront:
         self.per_client: dict[str, int] = {}
         """Connections open per client address."""
         self.max_held_bytes = max_held_bytes
-        self.held = 0
-        """Client bytes forwarded over all connections and not yet answered."""
+        """The most each worker's connections may hold before those holding much are held
+        back (None: no bound)."""
+        self.held = [0] * count
+        """Client bytes forwarded to each worker and not yet answered."""
         self.throttled: set[_Link] = set()
-        self.finishing: _Link | None = None
-        """The connection with the oldest message arriving, read on while others are held
-        back, so that one message at least can always arrive whole and be answered."""
+        self.finishing: list[_Link | None] = [None] * count
+        """Each worker's connection with the oldest message arriving, read on while others
+        are held back, so that one message at least can always arrive whole and be answered."""
         self.body_timeout_s = body_timeout_s
         self.write_timeout_s = write_timeout_s
         self._logged = -THROTTLE_LOG_S
@@ -276,16 +285,18 @@ class GrpcFront:
             self.loop.close()
 
     def holding(self, link: _Link, more: int) -> None:
-        """``link``'s client sent ``more`` bytes its worker has not answered; past the bound,
-        ``link`` is read no more until answers let enough go, unless it holds little."""
-        self.held += more
+        """``link``'s client sent ``more`` bytes its worker has not answered; past the
+        worker's bound, ``link`` is read no more until answers let enough go, unless it holds
+        little."""
+        worker = link.worker
+        self.held[worker] += more
         if (
             self.max_held_bytes is None
-            or self.held < self.max_held_bytes
+            or self.held[worker] < self.max_held_bytes
             or link.held.total < LIGHT
             or link.throttled
             or link.gone
-            or link is self.finishing
+            or link is self.finishing[worker]
         ):
             return
         link.throttled = True
@@ -295,22 +306,28 @@ class GrpcFront:
         if now - self._logged >= THROTTLE_LOG_S:
             self._logged = now
             log.warning(
-                "gRPC front: %d MiB of messages not yet answered (TG_MAX_INFLIGHT_BYTES %d MiB): "
-                "%d connection(s) holding the most are not read until their answers come",
-                self.held >> 20,
+                "gRPC front: %d MiB of messages not yet answered by worker %d (%d MiB at most: "
+                "its TG_MAX_INFLIGHT_BYTES over %d): %d connection(s) holding the most are not "
+                "read until their answers come",
+                self.held[worker] >> 20,
+                worker,
                 self.max_held_bytes >> 20,
+                MESSAGE_COPIES,
                 len(self.throttled),
             )
 
-    def letting_go(self, freed: int) -> None:
-        """``freed`` bytes were answered (or their connection closed): under the bound again,
-        every connection held back is read again."""
-        self.held -= freed
-        if not freed or not self.throttled:
+    def letting_go(self, worker: int, freed: int) -> None:
+        """``freed`` bytes ``worker`` was sent were answered (or their connection closed):
+        under its bound again, every connection to it held back is read again."""
+        if not freed:
             return
-        if self.max_held_bytes is not None and self.held >= self.max_held_bytes:
+        self.held[worker] -= freed
+        if not self.throttled:
             return
-        links, self.throttled = self.throttled, set()
+        if self.max_held_bytes is not None and self.held[worker] >= self.max_held_bytes:
+            return
+        links = [link for link in self.throttled if link.worker == worker]
+        self.throttled.difference_update(links)
         now = time.monotonic()
         for link in links:
             link.throttled = False
@@ -327,10 +344,10 @@ class GrpcFront:
           last let read again) is closed: its client stalled it. A ModelInfer's worker ends
           such a call too; a stream's message has no other limit. One held back is not
           closed for it: the front, not its client, holds it back.
-        - While connections are held back: the one with the oldest message arriving is read
-          on (:attr:`finishing`), and each whose client has closed (its TCP state is no
-          longer established) is read to its end, so that the close is seen and what it held
-          let go.
+        - While a worker's connections are held back: the one with the oldest message
+          arriving is read on (:attr:`finishing`), and each whose client has closed (its TCP
+          state is no longer established) is read to its end, so that the close is seen and
+          what it held let go.
         """
         try:
             self._sweep_once()
@@ -339,7 +356,7 @@ class GrpcFront:
 
     def _sweep_once(self) -> None:
         now = time.monotonic()
-        oldest: tuple[float, _Link] | None = None
+        oldest: dict[int, tuple[float, _Link]] = {}
         for link in list(self._links):
             full = link.client.full_since
             if full is not None and now - full > self.write_timeout_s:
@@ -361,12 +378,16 @@ class GrpcFront:
                     f"{self.body_timeout_s:g} s (TG_BODY_TIMEOUT_S)",
                 )
                 continue
-            if oldest is None or since < oldest[0]:
-                oldest = (since, link)
-        self.finishing = oldest[1] if oldest is not None and self.throttled else None
+            if link.worker >= 0 and (link.worker not in oldest or since < oldest[link.worker][0]):
+                oldest[link.worker] = (since, link)
+        held_back = {link.worker for link in self.throttled}
+        for worker in range(self.count):
+            first = oldest.get(worker)
+            self.finishing[worker] = first[1] if first is not None and worker in held_back else None
         for link in list(self.throttled):
-            if link is self.finishing or not _established(link.client.transport):
-                link.gone = link is not self.finishing
+            finishing = link is self.finishing[link.worker]
+            if finishing or not _established(link.client.transport):
+                link.gone = not finishing
                 self.throttled.discard(link)
                 link.throttled = False
                 link.read_since = now

@@ -32,6 +32,15 @@ _HEADER = struct.Struct(">BHBBI")
 """A frame header: the length's high byte and low two bytes, type, flags, stream id."""
 
 
+MESSAGE_COPIES = 2
+"""How many times an inference message's size a worker holds for it at most, and takes from
+its budget (:mod:`service.grpc.servicer`); the front lets a worker be sent at most its budget
+over this. Its bytes, once, where its raw contents are read as views of them
+(:func:`service.protocol.grpc.parse_infer`); twice where upb reads them (a message under
+``SCAN_FROM_BYTES`` or of more than ``MAX_SCANNED_FIELDS`` fields): its bytes and the parsed
+message while it is parsed, then the parsed message and the raw contents read out of it."""
+
+
 def _split(fields: tuple[int, ...]) -> tuple[int, int, int, int]:
     """The header fields as :meth:`_Frames._header` takes them."""
     high, low, kind, flags, stream = fields

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from service.cluster.front import GrpcFront
+from service.cluster.held import MESSAGE_COPIES
 from service.limits.balance import create_balance_file
 from service.resources import create_cpu_use_file
 
@@ -173,7 +174,7 @@ class Supervisor:
                 self._takes_calls,
                 self.settings.max_connections,
                 self.settings.max_connections_per_client,
-                self.settings.max_inflight_bytes * self.count,  # each worker's budget
+                self.settings.max_inflight_bytes // MESSAGE_COPIES,  # each worker's
                 self.settings.body_timeout_s,
                 self.settings.write_timeout_s,
             )

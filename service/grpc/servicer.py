@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from service.cluster.held import MESSAGE_COPIES
 from service.cluster.view import Cluster
 from service.core.dataplane import answer_bytes
 from service.errors import (
@@ -62,12 +63,6 @@ SHARED_MEMORY = (
     "(the server may run on another machine than its clients)"
 )
 ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (TG_ADMIN_TOKEN)"
-MESSAGE_COPIES = 2
-"""How many times an inference message's size the server holds for it at most, and takes from
-the budget. Its bytes, once, where its raw contents are read as views of them
-(:func:`codec.parse_infer`); twice where upb reads them (a message under ``SCAN_FROM_BYTES``
-or of more than ``MAX_SCANNED_FIELDS`` fields): its bytes and the parsed message while it is
-parsed, then the parsed message and the raw contents read out of it."""
 ARRIVING_S = 0.02
 """How long a ModelInfer message may take to arrive whole before it holds TG_MAX_BODY_BYTES of
 the budget (:meth:`InferenceServicer._receive`): a message within grpc's stream window (64 KiB)

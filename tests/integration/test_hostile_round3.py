@@ -548,7 +548,8 @@ def small_budget(
     tmp_path: Path, workers: int = 2, **env: str
 ) -> Iterator[tuple[Server, list[grpc.Channel]]]:
     """Digits served by ``workers`` (two: behind the supervisor's gRPC front), a 32 MiB budget
-    each (the front's bound: 64 MiB for two), 16 MiB messages at most; the channels a test
+    each (the front's bound: 16 MiB a worker, as a whole message counts twice its size in its
+    worker's budget), 16 MiB messages at most; the channels a test
     opens in the list are closed after it."""
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
@@ -614,9 +615,9 @@ def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: P
     """#28 finding 2: grpcio takes in each message whole before any handler (and so the
     budget) sees it: 16 connections each stalled short of the end of a 12 MiB message made
     the workers hold all 192 MiB, for as long as the clients liked. The supervisor's front
-    now counts what each connection sent that its worker has not answered, and past
-    TG_MAX_INFLIGHT_BYTES for each worker (32 MiB here, 64 MiB for the two) reads no more of
-    the connections holding the most, but the one with the oldest message arriving: the
+    now counts what each connection sent that its worker has not answered, and past half
+    of a worker's TG_MAX_INFLIGHT_BYTES (16 MiB of 32 here) reads no more of that worker's
+    connections holding the most, but the one with the oldest message arriving: the
     workers hold about the bound and that message, a small call on another connection is
     answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
     size, count = 12 * MIB, 16
@@ -668,9 +669,9 @@ def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_pa
 
 def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path: Path) -> None:
     """The front's bound must not lock out the calls it bounds: 16 calls of 6 MiB arriving
-    together at 3 MB/s each (96 MiB, past the front's 64 MiB: two workers' 32 MiB budgets)
-    are all held back part-way once the bound is reached, none whole. The connection with the
-    oldest message arriving is read on until it is whole and answered, which lets the others
+    together at 3 MB/s each (96 MiB, past the front's 16 MiB a worker) are all held back
+    part-way once the bound is reached, none whole. Each worker's connection with the oldest
+    message arriving is read on until it is whole and answered, which lets the others
     go on: every call is answered (or refused by its worker's budget at once), none waits for
     TG_BODY_TIMEOUT_S (the test's 40 s; without it, 3 waited and ended DEADLINE_EXCEEDED)."""
     with small_budget(tmp_path, TG_BODY_TIMEOUT_S="40") as (server, channels):

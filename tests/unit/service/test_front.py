@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from service.cluster.front import GrpcFront
+from service.cluster.held import DATA, HEADERS, PREFACE
 
 pytestmark = pytest.mark.unit
 
@@ -59,13 +60,29 @@ class Echo:
             sock.close()
 
 
+class Sink(Echo):
+    """A worker that takes in everything and answers nothing: what reached it is counted."""
+
+    def __init__(self, path: Path) -> None:
+        self.received = 0
+        super().__init__(path)
+
+    def _echo(self, conn: socket.socket) -> None:  # type: ignore[override]  # a method here
+        with conn:
+            try:
+                while data := conn.recv(1 << 16):
+                    self.received += len(data)
+            except OSError:
+                pass
+
+
 Front = tuple[GrpcFront, list[Echo], set[int]]
 """The front, its two workers, and the indexes it must take for down."""
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, **caps: int) -> Iterator[Front]:
-    workers = [Echo(tmp_path / f"grpc-{i}.sock") for i in range(2)]
+def serving(tmp_path: Path, worker: type[Echo] = Echo, **caps: int) -> Iterator[Front]:
+    workers = [worker(tmp_path / f"grpc-{i}.sock") for i in range(2)]
     down: set[int] = set()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -87,6 +104,21 @@ def serving(tmp_path: Path, **caps: int) -> Iterator[Front]:
 def front(tmp_path: Path) -> Iterator[Front]:
     with serving(tmp_path, max_connections=6) as served:
         yield served
+
+
+def frame(kind: int, payload: bytes, stream: int = 1, flags: int = 0) -> bytes:
+    """An HTTP/2 frame (RFC 9113 4.1)."""
+    return (
+        len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def message_start(size: int, sent: int) -> bytes:
+    """A gRPC client's first bytes: the preface, a stream's HEADERS (the front reads no HPACK),
+    and the first ``sent`` bytes of a ``size`` byte message in DATA frames of 16 KiB."""
+    body = b"\0" + size.to_bytes(4, "big") + bytes(sent)
+    data = b"".join(frame(DATA, body[i : i + (16 << 10)]) for i in range(0, len(body), 16 << 10))
+    return PREFACE + frame(HEADERS, b"\x82", flags=0x4) + data
 
 
 def connect(front: GrpcFront, source: str = "127.0.0.1") -> socket.socket:
@@ -230,3 +262,25 @@ def test_a_client_that_takes_nothing_written_to_it_is_closed_after_the_write_tim
         while sum(served.open) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sum(served.open) == 0
+
+
+def test_a_workers_bound_holds_back_its_own_clients_not_anothers(tmp_path: Path) -> None:
+    """What the front lets the workers hold is bounded worker by worker: each is sent no more
+    whole messages than its own budget takes. Bounded over all connections together, a client
+    stalled half-way through a large message to one worker held back every large call to the
+    other (the oldest message arriving, the only one read on, was the stalled one)."""
+    mib = 1 << 20
+    with serving(tmp_path, Sink, max_connections=6, max_held_bytes=mib) as (served, sinks, _):
+        stalled = connect(served)  # worker 0: 2 MiB of a 4 MiB message, then nothing
+        stalled.sendall(message_start(4 * mib, 2 * mib))
+        deadline = time.monotonic() + 10
+        while served.held[0] < mib and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.held[0] >= mib  # past worker 0's bound
+        whole = message_start(3 * mib, 3 * mib)
+        with connect(served) as other:  # worker 1: a whole message of 3 MiB
+            other.sendall(whole)
+            while sinks[1].received < len(whole) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            assert sinks[1].received == len(whole)  # type: ignore[attr-defined]
+        stalled.close()
