@@ -25,12 +25,13 @@ one worker's gRPC server on a unix socket in the supervisor's private folder.
   :data:`LIGHT` or more, but the one with the oldest message arriving
   (:attr:`GrpcFront.finishing`), until answers let enough go: a client stalled short of its
   messages' ends holds the budget, not the memory, small calls on other connections go on,
-  one large message can always arrive whole in each worker, and a worker is sent no more
-  whole messages than its budget takes. (Bounded over all connections by the workers'
-  budgets together, a worker was sent twice what its budget takes and refused the rest once
-  they had arrived: 2 of 32 calls of 60 MiB in ``bench.attacks``, copied on its loop for
-  nothing.) The sweep (:meth:`GrpcFront._sweep`) closes the clients that stall a message or
-  take no answers past their timeouts.
+  one large message can always arrive whole in each worker, and a client stalled on one
+  worker holds back no other worker's calls (bounded over all connections together, the one
+  read on was the stalled one, and every large call to the other worker waited). A client's
+  calls on one connection interleave frame by frame, so the connection read on is read until
+  all of them are whole, not only its oldest: that is past the bound (docs/deploy.md,
+  "Limits and timeouts"). The sweep (:meth:`GrpcFront._sweep`) closes the clients that stall a
+  message or take no answers past their timeouts.
 - **Connections**: at most ``max_connections`` forwarded, and ``max_connections_per_client``
   from one client address (grpcio has no per-address cap, so a single process has only the
   global one; here one client's 4,096 idle channels would lock every other client out). One
