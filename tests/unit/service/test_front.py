@@ -39,10 +39,9 @@ class Echo:
             except OSError:
                 return
             self.connections.append(conn)
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    @staticmethod
-    def _echo(conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
                 while data := conn.recv(1 << 16):
@@ -65,15 +64,23 @@ class Sink(Echo):
 
     def __init__(self, path: Path) -> None:
         self.received = 0
+        self._grew = threading.Condition()
         super().__init__(path)
 
-    def _echo(self, conn: socket.socket) -> None:  # type: ignore[override]  # a method here
+    def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
                 while data := conn.recv(1 << 16):
-                    self.received += len(data)
+                    with self._grew:
+                        self.received += len(data)
+                        self._grew.notify_all()
             except OSError:
                 pass
+
+    def reached(self, count: int, timeout: float = 10) -> bool:
+        """Whether ``count`` bytes reached this worker within ``timeout`` seconds."""
+        with self._grew:
+            return self._grew.wait_for(lambda: self.received >= count, timeout)
 
 
 Front = tuple[GrpcFront, list[Echo], set[int]]
@@ -81,8 +88,8 @@ Front = tuple[GrpcFront, list[Echo], set[int]]
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, worker: type[Echo] = Echo, **caps: int) -> Iterator[Front]:
-    workers = [worker(tmp_path / f"grpc-{i}.sock") for i in range(2)]
+def serving(tmp_path: Path, kind: type[Echo] = Echo, **caps: int) -> Iterator[Front]:
+    workers = [kind(tmp_path / f"grpc-{i}.sock") for i in range(2)]
     down: set[int] = set()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -265,22 +272,22 @@ def test_a_client_that_takes_nothing_written_to_it_is_closed_after_the_write_tim
 
 
 def test_a_workers_bound_holds_back_its_own_clients_not_anothers(tmp_path: Path) -> None:
-    """What the front lets the workers hold is bounded worker by worker: each is sent no more
-    whole messages than its own budget takes. Bounded over all connections together, a client
-    stalled half-way through a large message to one worker held back every large call to the
-    other (the oldest message arriving, the only one read on, was the stalled one)."""
+    """What the front lets the workers hold is bounded worker by worker. Bounded over all
+    connections together, a client stalled half-way through a large message to one worker held
+    back every large call to the other (the oldest message arriving, the only one read on, was
+    the stalled one)."""
     mib = 1 << 20
     with serving(tmp_path, Sink, max_connections=6, max_held_bytes=mib) as (served, sinks, _):
+        first, second = sinks
+        assert isinstance(first, Sink) and isinstance(second, Sink)
         stalled = connect(served)  # worker 0: 2 MiB of a 4 MiB message, then nothing
-        stalled.sendall(message_start(4 * mib, 2 * mib))
-        deadline = time.monotonic() + 10
-        while served.held[0] < mib and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert served.held[0] >= mib  # past worker 0's bound
+        start = message_start(4 * mib, 2 * mib)
+        stalled.sendall(start)
+        assert first.reached(len(start))  # its worker's oldest message arriving: read on
+        assert served.held[0] >= mib  # past worker 0's bound, and held there
         whole = message_start(3 * mib, 3 * mib)
         with connect(served) as other:  # worker 1: a whole message of 3 MiB
             other.sendall(whole)
-            while sinks[1].received < len(whole) and time.monotonic() < deadline:  # type: ignore[attr-defined]
-                time.sleep(0.01)
-            assert sinks[1].received == len(whole)  # type: ignore[attr-defined]
+            assert second.reached(len(whole))
+            assert second.received == len(whole)
         stalled.close()
