@@ -223,19 +223,25 @@ class DataPlane:
             )
             check_made(batch, model.signature, model.config, model.name)
             return _fitted(model, batch, contexts)
-        if len(items) == 1 and alone:
+        # A model with dynamic dims takes a size only within its range, and at a warmed size
+        # (its buckets): what the pipeline made is fitted before it may join a batch, as sent
+        # tensors are, so its batch is made here, never on the instance.
+        dynamic = bool(model.shapes.axes)
+        if len(items) == 1 and alone and not dynamic:
             return Prepared(make, contexts)
         if len(items) == 1 or overrides(pipeline, "preprocess_batch"):
-            return Prepared(await loop.run_in_executor(self.pool, make), contexts)
-        rows = await asyncio.gather(
-            *(
-                loop.run_in_executor(self.pool, _preprocess_one, pipeline, i, c, model.name)
-                for i, c in zip(items, contexts, strict=True)
+            batch = await loop.run_in_executor(self.pool, make)
+        else:
+            rows = await asyncio.gather(
+                *(
+                    loop.run_in_executor(self.pool, _preprocess_one, pipeline, i, c, model.name)
+                    for i, c in zip(items, contexts, strict=True)
+                )
             )
-        )
-        # Stacked in the pool: 1,024 rows of efficientnet's input are 616 MB, whose copy (on
-        # fresh pages) held the event loop 2.2 s, every other request and model waiting
-        return Prepared(await loop.run_in_executor(self.pool, _stacked, model, rows), contexts)
+            # Stacked in the pool: 1,024 rows of efficientnet's input are 616 MB, whose copy (on
+            # fresh pages) held the event loop 2.2 s, every other request and model waiting
+            batch = await loop.run_in_executor(self.pool, _stacked, model, rows)
+        return _fitted(model, batch, contexts) if dynamic else Prepared(batch, contexts)
 
     def _tensors(self, model: LoadedVersion, request: InferenceRequest) -> Prepared:
         """Tensors (or v1 rows) sent for the model itself, checked and fitted to its buckets."""

