@@ -26,6 +26,7 @@ from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.export.exporter import DEFAULT_OPSET, FORMATS, ExportError, export_model
 from service.model_config import TensorConfig, describe_validation_error
+from service.repository.models import NAME_PATTERN
 
 log = logging.getLogger("tensorgate.export")
 GOLDEN_ROWS = 4
@@ -43,6 +44,14 @@ SPEC = pydantic.TypeAdapter(PreprocessingSpec)
 
 def run_export(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not NAME_PATTERN.match(args.name):
+        log.error(
+            "export failed: --name %r is not a model name the server serves (it must match %s: "
+            "a folder of the repository, no path)",
+            args.name,
+            NAME_PATTERN.pattern,
+        )
+        return 2
     module = load_module(args.factory)
     inputs = [parse_tensor(text) for text in args.input]
     outputs = [parse_tensor(text) for text in args.output]

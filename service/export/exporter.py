@@ -44,7 +44,7 @@ from service.errors import ModelLoadError
 from service.export import shapes as export_shapes
 from service.model_config import TensorConfig
 from service.pipelines.code import load_pipeline
-from service.runtimes.base import RuntimeOptions, Signature
+from service.runtimes.base import RuntimeOptions, Signature, shape_fits
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
 
 log = logging.getLogger("tensorgate.export")
@@ -240,6 +240,8 @@ def export_model(
     probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
     eager_run = partial(_run_module, module, inputs, outputs)
     eager = [eager_run(p) for p in probes]
+    for answered in eager:
+        _check_output_shapes(answered, outputs, max_batch_size > 0)
     dynamic = _dynamic_shapes(inputs, max_batch_size, buckets)
     program, not_exported = _exported_program(module, _tensors(probes[-1], inputs), dynamic)
     if program is None and _recurrent(module) and dynamic_inputs:
@@ -779,8 +781,17 @@ def _as_outputs(result: object, outputs: Sequence[TensorConfig]) -> dict[str, np
         result = (result,)
     if isinstance(result, dict):
         result = tuple(result[t.name] for t in outputs)
-    if not isinstance(result, (tuple, list)) or len(result) != len(outputs):
-        raise ExportError(f"forward() must return {len(outputs)} tensor(s), got {type(result)}")
+    if not isinstance(result, (tuple, list)):
+        raise ExportError(
+            f"forward() must return {len(outputs)} tensor(s) (--output), got a "
+            f"{type(result).__name__}"
+        )
+    if len(result) != len(outputs):
+        raise ExportError(
+            f"forward() returns {len(result)} value{'' if len(result) == 1 else 's'}; "
+            f"{len(outputs)} output(s) are declared "
+            f"({', '.join(t.name for t in outputs)})"
+        )
     arrays = {}
     for spec, tensor in zip(outputs, result, strict=True):
         array = tensor.detach().cpu().numpy()
@@ -791,6 +802,22 @@ def _as_outputs(result: object, outputs: Sequence[TensorConfig]) -> dict[str, np
             )
         arrays[spec.name] = array
     return arrays
+
+
+def _check_output_shapes(
+    made: Mapping[str, np.ndarray], outputs: Sequence[TensorConfig], batched: bool
+) -> None:
+    """Each output the module returned has the shape it is declared with (a -1 dim takes any
+    size): a config that declares another shape would be refused by the server at load."""
+    for spec in outputs:
+        got = made[spec.name].shape
+        row = got[1:] if batched else got
+        if not shape_fits(((-1,) if batched else ()) + spec.shape, got):
+            raise ExportError(
+                f"output '{spec.name}' is declared {spec.datatype} {list(spec.shape)}"
+                f"{' a row' if batched else ''}; the module returns {list(row)}"
+                f"{' a row' if batched else ''} (fix --output, or the module)"
+            )
 
 
 def _compare(

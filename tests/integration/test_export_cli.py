@@ -117,3 +117,13 @@ def test_export_finds_the_users_module_in_the_current_folder_and_says_what_is_wr
         assert done.returncode != 0
         assert said in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+    for name in ("../evil", "a/b", ".hidden", ""):  # a model is a folder of the repository
+        command = [str(script), "export", "notamodel:make", "--name", name]
+        command += ["--repository", "models", "--input", "x:FP32:4", "--output", "y:FP32:4"]
+        done = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2
+        assert f"--name {name!r} is not a model name the server serves" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "evil").exists() and not (tmp_path / "models").exists()

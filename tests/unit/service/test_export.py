@@ -1,5 +1,6 @@
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -119,15 +120,49 @@ def test_a_failed_export_takes_back_what_it_wrote_and_keeps_what_was_there(
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:
     wrong = TensorConfig(name="y", datatype="FP64", shape=(10,))
     with pytest.raises(ExportError, match="declared FP64, the module returns float32"):
-        export_model(
-            Mlp().eval(),
-            tmp_path,
-            name="mlp",
-            inputs=[X],
-            outputs=[wrong],
-            golden_inputs=golden(),
-            max_batch_size=16,
-        )
+        export_mlp(tmp_path, [wrong])
+
+
+def export_mlp(folder: Path, outputs: list[TensorConfig], max_batch_size: int = 16) -> None:
+    export_model(
+        Mlp().eval(),
+        folder,
+        name="mlp",
+        inputs=[X],
+        outputs=outputs,
+        golden_inputs=golden(),
+        max_batch_size=max_batch_size,
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "max_batch_size", "words"),
+    [
+        ((7,), 16, "output 'y' is declared FP32 [7] a row; the module returns [10] a row"),
+        ((2, -1), 16, "output 'y' is declared FP32 [2, -1] a row; the module returns [10] a row"),
+        ((-1,), 0, "output 'y' is declared FP32 [-1]; the module returns [3, 10]"),
+    ],
+)
+def test_declared_output_shape_must_match(
+    tmp_path: Path, shape: tuple[int, ...], max_batch_size: int, words: str
+) -> None:
+    """A shape the module does not return is refused at export: the server would refuse the
+    config it wrote at load (declared [7], the graph has [10])."""
+    wrong = TensorConfig(name="y", datatype="FP32", shape=shape)
+    with pytest.raises(ExportError, match=re.escape(words)):
+        export_mlp(tmp_path, [wrong], max_batch_size)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_module_returning_another_count_of_outputs_says_how_many(tmp_path: Path) -> None:
+    two = [
+        TensorConfig(name="y", datatype="FP32", shape=(10,)),
+        TensorConfig(name="z", datatype="FP32", shape=(10,)),
+    ]
+    with pytest.raises(
+        ExportError, match=re.escape("forward() returns 1 value; 2 output(s) are declared (y, z)")
+    ):
+        export_mlp(tmp_path, two)
 
 
 class Branchy(torch.nn.Module):
