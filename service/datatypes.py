@@ -77,6 +77,140 @@ def from_values(values: Any, datatype: str) -> np.ndarray:
     return np.asarray(values, dtype=TO_NUMPY[datatype])
 
 
+INTEGER_RANGES: dict[str, tuple[int, int]] = {
+    name: (int(info.min), int(info.max))
+    for name, info in (
+        ("UINT8", np.iinfo(np.uint8)),
+        ("UINT16", np.iinfo(np.uint16)),
+        ("UINT32", np.iinfo(np.uint32)),
+        ("UINT64", np.iinfo(np.uint64)),
+        ("INT8", np.iinfo(np.int8)),
+        ("INT16", np.iinfo(np.int16)),
+        ("INT32", np.iinfo(np.int32)),
+        ("INT64", np.iinfo(np.int64)),
+    )
+}
+LARGEST: dict[str, float] = {
+    "FP16": float(np.finfo(np.float16).max),
+    "FP32": float(np.finfo(np.float32).max),
+    "FP64": float(np.finfo(np.float64).max),
+    "BF16": 3.3895313892515355e38,  # (2 − 2⁻⁷) × 2¹²⁷
+}
+"""The largest finite value of each float datatype."""
+
+
+def json_numbers(values: Any, datatype: str) -> np.ndarray:
+    """JSON's values for a tensor (a nested list, or one value) → an array as tensorgate holds
+    ``datatype``, each value of the type it names: ValueError saying which one is not (a
+    fraction, a string or true/false for an integer type, or a value past its range; a
+    string other than :data:`NON_FINITE_JSON`'s, or true/false, for a float type, or a number
+    past its range; anything but true/false for BOOL). numpy alone would make 1.9 the id 1,
+    "7" the id 7, true the value 1, 300 the INT8 44 and 1e300 the FP32 inf, each silently.
+    (true beside numbers in one list reads as 1 still: only a scan of every value would tell.)
+    """
+    try:
+        given = np.asarray(values)
+    except ValueError:  # numpy's words: "inhomogeneous shape after 1 dimensions"
+        raise ValueError("its nested lists are not all of one length") from None
+    kind = given.dtype.kind
+    target = TO_NUMPY[datatype]
+    if given.size == 0:
+        return given.astype(target)
+    if datatype == "BOOL":
+        if kind != "b":
+            raise ValueError(f"{_first(given)} is not true or false")
+        return given
+    if kind == "b":
+        raise ValueError(f"true and false are not {datatype} values")
+    if target.kind in "iu" and datatype != "BF16":
+        if kind in "US":
+            raise ValueError(f"{_first_of(values, str)} is not an integer ({datatype})")
+        return _integers(given, datatype, target)
+    if kind in "USO":  # strings (only the names of the non-finite floats), null, huge ints
+        try:
+            given = np.asarray(list(_non_finite(values)), dtype=np.float64).reshape(given.shape)
+        except OverflowError:
+            raise ValueError(f"an integer is past {datatype}'s range") from None
+    largest = LARGEST[datatype]
+    # narrowed, a value past the type's range would become ±inf (the test is also false when
+    # any is NaN or ±inf: they are looked at then)
+    if datatype != "FP64" and not np.abs(given).max() <= largest:
+        past = np.isfinite(given) & ((given > largest) | (given < -largest))
+        if past.any():
+            value = given[past][0].item()
+            raise ValueError(f"{value!r} is past {datatype}'s range (±{largest:g})")
+    if datatype == "BF16":
+        return bf16_bits(given.astype(np.float64))
+    return given.astype(target, copy=False)
+
+
+def _integers(given: np.ndarray, datatype: str, target: np.dtype[np.generic]) -> np.ndarray:
+    """Integers (or floats of integral value: 1.0 is the id 1, 1.5 is no id) of ``datatype``'s
+    range as its array."""
+    low_end, high_end = INTEGER_RANGES[datatype]
+    kind = given.dtype.kind
+    if kind == "O":  # integers past uint64, or values of no number type (null)
+        for value in given.flat:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{_first(np.asarray([value]))} is not an integer ({datatype})")
+    elif kind == "f":
+        fractions = given[np.floor(given) != given]  # NaN and ±inf among them
+        if fractions.size:
+            raise ValueError(f"{fractions[0].item()!r} is not an integer ({datatype})")
+    low, high = given.min(), given.max()
+    # as floats, compared with the exact powers of two past each end (int64's largest is no
+    # float: it rounds up to 2**63, which int64 cannot hold)
+    past = high >= float(high_end + 1) if kind == "f" else high > high_end
+    if low < low_end or past:
+        raise ValueError(
+            f"values must lie within {datatype}'s [{low_end}, {high_end}]; got values from "
+            f"{low:.0f} to {high:.0f}"
+        )
+    return given.astype(target, copy=False)
+
+
+def _non_finite(values: Any) -> Any:
+    """Each of ``values`` (nested lists), a number, or NON_FINITE_JSON's float for its name."""
+    for value in values if isinstance(values, list) else [values]:
+        if isinstance(value, list):
+            yield from _non_finite(value)
+        elif isinstance(value, str):
+            if value not in NON_FINITE_JSON:
+                raise ValueError(
+                    f"{value!r} is not a number (a string stands only for "
+                    f"{', '.join(NON_FINITE_JSON)})"
+                )
+            yield NON_FINITE_JSON[value]
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{'null' if value is None else repr(value)} is not a number")
+        else:
+            yield value
+
+
+def _first_of(values: Any, kind: type) -> str:
+    """The first value of type ``kind`` among ``values`` (nested lists), as JSON writes it; ""
+    when there is none."""
+    for value in values if isinstance(values, list) else [values]:
+        if isinstance(value, list):
+            if found := _first_of(value, kind):
+                return found
+        elif isinstance(value, kind):
+            return f'"{value}"' if isinstance(value, str) else repr(value)
+    return ""
+
+
+def _first(given: np.ndarray) -> str:
+    """The first value of ``given`` as JSON would write it."""
+    value = given.flat[0]
+    if value is None:
+        return "null"
+    if isinstance(value, np.bool_ | bool):
+        return "true" if value else "false"
+    if isinstance(value, np.str_ | str):
+        return f'"{value}"'
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
 def as_values(array: np.ndarray, datatype: str) -> np.ndarray:
     """An array as tensorgate holds ``datatype`` → its values as numpy numbers (BF16: float32)."""
     return bf16_floats(array) if datatype == "BF16" else array

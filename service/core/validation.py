@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from service.datatypes import TO_NUMPY, as_values, cast, from_values
+from service.datatypes import TO_NUMPY, as_values, cast, json_numbers
 from service.errors import InvalidInput, ModelExecutionError, PayloadTooLarge
 from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
@@ -101,7 +101,7 @@ def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> l
     tensors = []
     for spec in specs:
         try:
-            array = from_values(columns[spec.name], spec.datatype)
+            array = json_numbers(columns[spec.name], spec.datatype)
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidInput(
                 f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "

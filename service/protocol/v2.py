@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.datatypes import TO_NUMPY, as_values, from_values, json_values
+from service.datatypes import TO_NUMPY, as_values, json_numbers, json_values
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 
@@ -251,7 +251,7 @@ def _from_json(data: Any, datatype: str, name: str) -> np.ndarray:
             array[i] = item.encode()
         return array
     try:
-        array = from_values(data, datatype)
+        array = json_numbers(data, datatype)
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidInput(
             f"input '{name}': 'data' is not a (nested) list of {datatype} values: {exc}"

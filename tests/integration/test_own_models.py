@@ -319,6 +319,17 @@ def test_out_of_range_dims_and_values_are_400_naming_the_input(server: Server) -
         assert "input 'item_id': values must lie within [0, 999]" in response.json()["error"]
     response = infer(client, "tagger", ids=np.array([[3, 50]]))
     assert response.status_code == 400 and "within [0, 49]" in response.text
+    for value, words in ((1.9, "1.9 is not an integer (INT64)"), ("7", '"7" is not an integer')):
+        tensors = [
+            {"name": "item_id", "datatype": "INT64", "shape": [1, 1], "data": [value]},
+            {"name": "dense", "datatype": "FP32", "shape": [1, 8], "data": [0.0] * 8},
+        ]
+        response = client.post("/v2/models/ctr/infer", json={"inputs": tensors})
+        assert response.status_code == 400, response.text  # not the id 1, nor 7
+        assert (
+            f"input 'item_id': 'data' is not a (nested) list of INT64 values: {words}"
+            in (response.json()["error"])
+        )
     assert output(infer(client, "ctr", item_id=np.array([[999]]), dense=dense)).shape == (1, 1)
 
 

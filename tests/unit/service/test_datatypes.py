@@ -3,6 +3,7 @@ arithmetic, and the conversions every protocol goes through."""
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import ml_dtypes
@@ -11,7 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.datatypes import as_values, bf16_bits, bf16_floats, cast, from_values
+from service.datatypes import (
+    TO_NUMPY,
+    as_values,
+    bf16_bits,
+    bf16_floats,
+    cast,
+    from_values,
+    json_numbers,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -83,3 +92,64 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
     np.testing.assert_array_equal(cast(np.float32([0.1, -0.0]), "FP32", "BF16"), [0x3DCD, 0x8000])
     np.testing.assert_array_equal(cast(np.int32([3, 257]), "INT32", "BF16"), [0x4040, 0x4380])
     assert from_values([1, 2], "INT8").dtype == np.int8
+
+
+@pytest.mark.parametrize(
+    ("values", "datatype", "words"),
+    [
+        ([1.9], "INT64", "1.9 is not an integer (INT64)"),
+        ([[0], [0.5]], "INT32", "0.5 is not an integer (INT32)"),
+        ([5, "7"], "INT64", '"7" is not an integer (INT64)'),
+        ([True, False], "INT64", "true and false are not INT64 values"),
+        ([None], "INT64", "null is not an integer (INT64)"),
+        ([300], "INT8", "values must lie within INT8's [-128, 127]; got values from 300 to 300"),
+        ([-1], "UINT8", "values must lie within UINT8's [0, 255]"),
+        ([10**20], "INT64", "values must lie within INT64's"),
+        ([-1, 2**63], "INT64", "values must lie within INT64's"),  # numpy holds both as floats
+        ([1e300], "FP32", "1e+300 is past FP32's range (±3.40282e+38)"),
+        ([100000], "FP16", "100000 is past FP16's range (±65504)"),
+        ([1, 10**300], "FP32", "1e+300 is past FP32's range"),
+        ([1e300], "BF16", "1e+300 is past BF16's range"),
+        (["7"], "FP32", "'7' is not a number (a string stands only for NaN, Infinity, -Infinity)"),
+        ([1, None], "FP32", "null is not a number"),
+        ([True], "FP32", "true and false are not FP32 values"),
+        ([1, 0], "BOOL", "1 is not true or false"),
+        ([[1, 2], [3]], "FP32", "its nested lists are not all of one length"),
+    ],
+)
+def test_json_values_of_another_type_are_refused_not_converted(
+    values: object, datatype: str, words: str
+) -> None:
+    """numpy alone makes 1.9 the id 1, "7" the id 7, true the value 1, 300 the INT8 44 and 1e300
+    the FP32 inf, each silently: a request's values are each of the type its tensor says."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        json_numbers(values, datatype)
+
+
+@pytest.mark.parametrize(
+    ("values", "datatype", "want"),
+    [
+        ([1.0, 2], "INT64", [1, 2]),  # an integral float is that integer
+        ([-128.0, 255], "INT16", [-128, 255]),
+        ([2**63], "UINT64", [2**63]),
+        ([1, "NaN", "Infinity", "-Infinity"], "FP32", [1.0, np.nan, np.inf, -np.inf]),
+        ([[True], [False]], "BOOL", [[True], [False]]),
+        ([1.5, 2], "FP16", [1.5, 2.0]),
+        ([], "INT8", []),
+        (7, "INT32", 7),
+    ],
+)
+def test_json_values_of_the_tensors_type_convert_exactly(
+    values: object, datatype: str, want: object
+) -> None:
+    got = json_numbers(values, datatype)
+    assert got.dtype == TO_NUMPY[datatype]
+    np.testing.assert_array_equal(got, np.asarray(want, dtype=TO_NUMPY[datatype]))
+
+
+@given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=8))
+def test_json_floats_convert_as_numpy_converts_them(values: list[float]) -> None:
+    """The checks change no value that fits: the same float32s as numpy's own conversion."""
+    np.testing.assert_array_equal(
+        json_numbers(values, "FP32"), np.asarray(values, dtype=np.float32)
+    )
