@@ -172,8 +172,12 @@ class ShapePolicy:
         if not axis.min <= n <= axis.max:
             where = f"input '{name}': dim {index} is {n}"
             if self.buckets and n > axis.max == max(self.buckets):
-                where += f", above model '{model}''s largest bucket {axis.max}"
-            raise InvalidInput(f"{where}; model '{model}' takes {axis.min} to {axis.max} there")
+                where += f", above the largest bucket ({axis.max}) of model '{model}'"
+            if self.buckets and not self.pad:  # exact buckets: no size between them is taken
+                takes = f"only {list(self.buckets)}"
+            else:
+                takes = f"{axis.min} to {axis.max}"
+            raise InvalidInput(f"{where}; model '{model}' takes {takes} there")
         if not self.buckets:
             return n
         if not self.pad:

@@ -358,7 +358,7 @@ def test_images_for_a_dynamic_model_are_fitted_to_its_buckets_or_refused(server:
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-4, rtol=1e-3)
     assert unwarmed(server, "heatmap") == before  # every size ran at a bucket
     for width, height, words in (
-        (1500, 1500, "dim 2 is 1500, above model 'heatmap''s largest bucket 96"),
+        (1500, 1500, "dim 2 is 1500, above the largest bucket (96) of model 'heatmap'"),
         (2, 40, "dim 3 is 2"),
     ):
         response = client.post(
