@@ -141,7 +141,7 @@ class DataPlane:
             return True, ""
         if not self.settings.strict_readiness and repository.any_ready():
             return True, ""
-        return False, f"models not ready: {repository.problems()}"
+        return False, f"models not ready: {repository.describe_problems()}"
 
     def model_ready(self, name: str, version: str | None) -> bool:
         return self.repository.version(name, version).state is ModelState.READY

@@ -38,6 +38,7 @@ from service.protocol import grpc as codec
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.repository import metadata
+from service.repository.models import check_load_parameters
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -493,6 +494,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> pb.RepositoryModelLoadResponse:
         async def load() -> pb.RepositoryModelLoadResponse:
+            check_load_parameters(request.parameters)
             await self.cluster.load_model(request.model_name)
             return pb.RepositoryModelLoadResponse()
 

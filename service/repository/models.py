@@ -13,6 +13,7 @@ import enum
 import logging
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ from preprocessing.pipeline import Models
 from preprocessing.spec import PythonSpec
 from service.batching.scheduler import BatchBudget
 from service.errors import (
+    InvalidInput,
     ModelLoadError,
     ModelLoadRefused,
     ModelNotFound,
@@ -72,6 +74,33 @@ class ModelEntry:
     """Unloaded on request: not served, and not counted against readiness."""
     last_load_error: str = ""
     """Why the last reload of this model was refused, while these versions serve on."""
+    refused: bool = False
+    """Its load, asked for while the server ran (nothing of it serving), failed: shown
+    UNAVAILABLE with why (metadata, the index, inference's 503), and not counted against
+    readiness: a failed load leaves the server serving what it served."""
+
+    def why_not(self) -> str:
+        """Why it has nothing to serve: its error, or each version's reason."""
+        if self.error:
+            return self.error
+        return "; ".join(
+            f"version {number}: {version.reason or version.state.value}"
+            for number, version in sorted(self.versions.items())
+        )
+
+
+def check_load_parameters(names: Iterable[str]) -> None:
+    """A load request's parameters: none is taken. Triton's ``config`` (a config to load
+    instead of the folder's) and ``file:`` contents (a model sent in the request) have no
+    meaning here: a model is its folder in the repository, its gates checked there; 400 rather
+    than a load that silently ignored what was asked."""
+    given = sorted(names)
+    if given:
+        raise InvalidInput(
+            f"the load request's parameters {given} are not taken: a model loads from its "
+            "folder in the repository (edit its config.yaml, or export a new version, then "
+            "load it)"
+        )
 
 
 class ModelRepository:
@@ -217,13 +246,16 @@ class ModelRepository:
             self._load_entry(fresh)
             old = self.models.get(name)
             if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
-                reasons = fresh.error or {v.version: v.reason for v in fresh.versions.values()}
+                reasons = fresh.why_not()
                 for version in fresh.versions.values():
                     if version.served is not None:
                         version.served.close()
-                if old is not None:
-                    old.last_load_error = str(reasons)
-                raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
+                if old is None or old.unloaded or old.refused:  # nothing of it serves
+                    fresh.refused = True
+                    self.models[name] = fresh  # its metadata says why, as at startup
+                else:
+                    old.last_load_error = reasons
+                raise ModelLoadRefused(f"failed to load '{name}': {self.relative(reasons)}")
             self.models[name] = fresh  # one assignment: requests see the old or the new entry
             log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
         if old is not None:
@@ -338,7 +370,7 @@ class ModelRepository:
         """Each model meant to load that is not READY, with why."""
         problems: dict[str, Any] = {}
         for name, entry in self.models.items():
-            if entry.unloaded:
+            if entry.unloaded or entry.refused:
                 continue
             if entry.error or not entry.versions:
                 problems[name] = entry.error or "no versions"
@@ -349,6 +381,20 @@ class ModelRepository:
             }:
                 problems[name] = bad
         return problems
+
+    def relative(self, text: str) -> str:
+        """``text`` with the repository's own path left out: what a caller reads (the
+        readiness probe's answer goes to anyone) names a model's files from its folder."""
+        return text.replace(f"{self.root.resolve()}/", "").replace(f"{self.root}/", "")
+
+    def describe_problems(self) -> str:
+        """:meth:`problems` as one line: each model, and why it is not ready."""
+        parts = []
+        for name, problem in sorted(self.problems().items()):
+            if isinstance(problem, dict):
+                problem = "; ".join(f"version {v}: {why}" for v, why in sorted(problem.items()))
+            parts.append(f"{name} ({self.relative(str(problem))})")
+        return ", ".join(parts)
 
     def index(self) -> list[dict[str, Any]]:
         """One row per model version (or per model without versions), as the OIP index shows."""

@@ -125,3 +125,69 @@ def test_a_version_folder_with_a_non_ascii_name_does_not_stop_polling(
         assert server.client.get("/v2/models/digits").json()["versions"] == ["1", "2"]
     finally:
         shutil.rmtree(root / "digits" / "²")
+
+
+def test_a_failed_load_of_a_new_model_is_shown_and_leaves_the_server_ready(
+    hostile: tuple[Server, Path],
+) -> None:
+    """A model whose first load fails is UNAVAILABLE with why, as at startup (it was 404
+    "unknown model" after the load's 400), names its files from its own folder (the
+    repository's path is nobody's business), and leaves the server ready with what it served."""
+    server, root = hostile
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    folder = root / "broken"
+    folder.mkdir()
+    try:
+        (folder / "config.yaml").write_text("backend: onnx\nmax_batch_size: 4\nno_such_key: 1\n")
+        answer = server.client.post("/v2/repository/models/broken/load", headers=admin)
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert error.startswith("failed to load 'broken': broken/config.yaml: "), error
+        assert "no_such_key" in error and str(root) not in error and "{" not in error
+        metadata = server.client.get("/v2/models/broken").json()
+        assert metadata["state"] == "UNAVAILABLE"
+        assert metadata["reason"].startswith("broken/config.yaml: ") and str(root) not in str(
+            metadata
+        )
+        inference = server.client.post("/v2/models/broken/infer", json=DIGIT)
+        assert inference.status_code == 503 and "broken/config.yaml" in inference.text
+        assert server.client.get("/v2/health/ready").status_code == 200
+        rows = server.client.post("/v2/repository/index", headers=admin).json()
+        assert {"name": "broken", "state": "UNAVAILABLE"}.items() <= next(
+            row for row in rows if row["name"] == "broken"
+        ).items()
+        ready = server.client.post("/v2/repository/index", headers=admin, json={"ready": True})
+        assert {row["name"] for row in ready.json()} == {"digits"}  # its versions
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("models/digits/load", b"{bad", "the load request is not valid JSON"),
+        ("models/digits/load", b"[1]", "the load request must be a JSON object"),
+        (
+            "models/digits/load",
+            b'{"parameters": {"config": "{\\"max_batch_size\\": 2}"}}',
+            "the load request's parameters ['config'] are not taken: a model loads from its "
+            "folder in the repository",
+        ),
+        ("models/digits/unload", b'{"parameters": {"x": 1}}', "takes only the parameter"),
+        ("index", b'{"ready": "yes"}', "the index request's 'ready' must be true or false"),
+    ],
+)
+def test_repository_requests_say_what_they_do_not_take(
+    hostile: tuple[Server, Path], path: str, body: bytes, words: str
+) -> None:
+    """Triton's config override and a malformed body were answered 200 and ignored: a user
+    who asked for a config of their own was told it loaded."""
+    server, _ = hostile
+    answer = server.client.post(
+        f"/v2/repository/{path}",
+        content=body,
+        headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+    )
+    assert answer.status_code == 400, answer.text
+    assert words in answer.json()["error"]
+    assert server.client.get("/v2/models/digits/ready").status_code == 200
