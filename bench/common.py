@@ -54,8 +54,10 @@ def wrk(
     connections: int,
     seconds: int,
     header_length: int | None = None,
+    nice: int = 0,
 ) -> WrkResult:
-    """POST ``body`` to ``url`` from ``connections`` keep-alive connections for ``seconds``."""
+    """POST ``body`` to ``url`` from ``connections`` keep-alive connections for ``seconds``;
+    wrk at ``nice`` (below 0 only as root)."""
     with tempfile.TemporaryDirectory() as tmp:
         body_path = Path(tmp) / "body"
         body_path.write_bytes(body)
@@ -68,6 +70,7 @@ def wrk(
             "PATH": "/usr/bin:/bin",
         }
         command = [
+            *(["nice", "-n", str(nice)] if nice else []),
             require_wrk(),
             "-t1",
             f"-c{connections}",
