@@ -185,6 +185,12 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     settings = _settings(**overrides)
     if settings is None:
         return 2
+    if not settings.model_repository.is_dir():  # one line, not every worker's traceback
+        sys.stderr.write(
+            f"tensorgate: invalid setting: TG_MODEL_REPOSITORY: {settings.model_repository} is "
+            "not a directory (the folder of model folders; `make models` builds the bundled one)\n"
+        )
+        return 2
     worker = Worker.from_environment()
     logs.configure(settings.log_level, None if worker is None else worker.index)
     if worker is None:

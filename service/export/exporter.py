@@ -239,7 +239,16 @@ def export_model(
     golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
     probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
     eager_run = partial(_run_module, module, inputs, outputs)
-    eager = [eager_run(p) for p in probes]
+    try:
+        eager = [eager_run(p) for p in probes]
+    except ExportError:
+        raise
+    except Exception as exc:  # the module's own error, of any type: the inputs do not fit it
+        given = ", ".join(f"{n} {a.dtype} {list(a.shape)}" for n, a in probes[0].items())
+        raise ExportError(
+            f"the module fails on inputs of the declared shapes and datatypes ({given}): "
+            f"{type(exc).__name__}: {_first_line(exc)} (check --input)"
+        ) from exc
     for answered in eager:
         _check_output_shapes(answered, outputs, max_batch_size > 0)
     dynamic = _dynamic_shapes(inputs, max_batch_size, buckets)

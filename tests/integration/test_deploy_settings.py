@@ -83,6 +83,11 @@ def test_the_health_command_fails_when_nothing_listens(tmp_path: Path) -> None:
             {"TG_PORT": "eighty"},
             "tensorgate: invalid setting: TG_PORT: Input should be a valid integer",
         ),
+        (  # was each worker's lifespan traceback
+            {"TG_MODEL_REPOSITORY": "/nonexistent/models"},
+            "tensorgate: invalid setting: TG_MODEL_REPOSITORY: /nonexistent/models is not a "
+            "directory",
+        ),
     ],
 )
 def test_a_bad_setting_is_one_line_not_a_traceback(env: dict[str, str], message: str) -> None:

@@ -154,6 +154,21 @@ def test_declared_output_shape_must_match(
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_inputs_the_module_does_not_take_are_an_export_error_naming_them(tmp_path: Path) -> None:
+    """A declared input of the wrong size was torch's traceback; it is one line."""
+    wide = TensorConfig(name="x", datatype="FP32", shape=(65,))
+    with pytest.raises(ExportError, match=re.escape("fails on inputs of the declared shapes")):
+        export_model(
+            Mlp().eval(),
+            tmp_path,
+            name="mlp",
+            inputs=[wide],
+            outputs=[TensorConfig(name="y", datatype="FP32", shape=(10,))],
+            golden_inputs={"x": np.zeros((2, 65), np.float32)},
+            max_batch_size=16,
+        )
+
+
 def test_a_module_returning_another_count_of_outputs_says_how_many(tmp_path: Path) -> None:
     two = [
         TensorConfig(name="y", datatype="FP32", shape=(10,)),
