@@ -366,11 +366,18 @@ def test_a_long_load_blocks_no_other_model_and_ends_on_unload_or_its_timeout(
         assert answers[0].status_code == 400, answers[0].text[:300]
         assert "took longer than TG_LOAD_TIMEOUT_S (10 s)" in answers[0].json()["error"]
 
-        # An unload stops a load under way (the model's first load, here)
-        slow, answers = load_in_background("slow")
+        # The refused model is shown, with why, until it loads or is unloaded
+        refused = server.client.get("/v2/models/slow").json()
+        assert refused["state"] == "UNAVAILABLE", refused
+        assert "took longer than TG_LOAD_TIMEOUT_S" in refused["reason"]
+
+        # An unload stops a load under way (a model's first load: its unload is 404 until the
+        # load has begun)
+        write_slow_model(root / "slower")
+        slow, answers = load_in_background("slower")
         unloaded = None
         for _ in range(200):
-            unloaded = httpx.post(f"{repository}/slow/unload", headers=admin, timeout=300)
+            unloaded = httpx.post(f"{repository}/slower/unload", headers=admin, timeout=300)
             if unloaded.status_code == 200 or not slow.is_alive():
                 break
             threading.Event().wait(0.05)
@@ -378,7 +385,7 @@ def test_a_long_load_blocks_no_other_model_and_ends_on_unload_or_its_timeout(
         slow.join(timeout=60)
         assert not slow.is_alive()
         assert answers[0].status_code == 400, answers[0].text[:300]
-        assert "model 'slow' was unloaded meanwhile" in answers[0].json()["error"]
+        assert "model 'slower' was unloaded meanwhile" in answers[0].json()["error"]
         assert server.client.post("/v2/models/digits/infer", json=digit).status_code == 200
     finally:
         server.stop()
