@@ -524,7 +524,8 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
     rows) for the model itself."""
     pipeline = model.pipeline
     if pipeline is None:
-        if request.raw is not None:
+        # JSON texts come as rows too: read against the model's inputs, a 400 names them
+        if request.raw is not None and request.rows is None:
             raise UnsupportedMediaType(
                 f"model '{model.name}' has no preprocessing; send tensors to "
                 f'/v2/models/{model.name}/infer or {{"instances": [...]}} rows'

@@ -371,6 +371,22 @@ def test_images_for_a_dynamic_model_are_fitted_to_its_buckets_or_refused(server:
         assert "takes 5 to 96 there" in response.json()["error"]
 
 
+def test_texts_for_a_model_without_preprocessing_are_400_naming_its_input(
+    server: Server,
+) -> None:
+    """A JSON body whose instances are texts, for a model that takes tensors: the instances do
+    not fit its input (a 400 naming it), not a media type it does not take (it was 415)."""
+    answer = server.client.post("/v1/models/shifted:predict", json={"instances": ["hello"]})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert "instances for input 'item_id'" in error and '"hello" is not an integer' in error
+    answer = server.client.post(
+        "/v1/models/shifted:predict", content=b"\x89PNG", headers={"Content-Type": "image/png"}
+    )
+    assert answer.status_code == 415  # an image body: a media type it does not take
+    assert "model 'shifted' has no preprocessing" in answer.json()["error"]
+
+
 def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:
     pooled = user_models.PooledClassifier()
     response = infer(server.client, "pooled", image=np.zeros((1, 3, 40, 40), np.float32))
