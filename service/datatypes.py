@@ -152,7 +152,7 @@ def _integers(given: np.ndarray, datatype: str, target: np.dtype[np.generic]) ->
     if kind == "O":  # integers past uint64, or values of no number type (null)
         for value in given.flat:
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{_first(np.asarray([value]))} is not an integer ({datatype})")
+                raise ValueError(f"{_json(value)} is not an integer ({datatype})")
     elif kind == "f":
         fractions = given[np.floor(given) != given]  # NaN and ±inf among them
         if fractions.size:
@@ -182,7 +182,7 @@ def _non_finite(values: Any) -> Any:
                 )
             yield NON_FINITE_JSON[value]
         elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{'null' if value is None else repr(value)} is not a number")
+            raise ValueError(f"{_json(value)} is not a number")
         else:
             yield value
 
@@ -195,13 +195,17 @@ def _first_of(values: Any, kind: type) -> str:
             if found := _first_of(value, kind):
                 return found
         elif isinstance(value, kind):
-            return f'"{value}"' if isinstance(value, str) else repr(value)
+            return _json(value)
     return ""
 
 
 def _first(given: np.ndarray) -> str:
     """The first value of ``given`` as JSON would write it."""
-    value = given.flat[0]
+    return _json(given.flat[0])
+
+
+def _json(value: Any) -> str:
+    """One value (Python's or numpy's) as JSON would write it."""
     if value is None:
         return "null"
     if isinstance(value, np.bool_ | bool):

@@ -141,7 +141,10 @@ class DataPlane:
             return True, ""
         if not self.settings.strict_readiness and repository.any_ready():
             return True, ""
-        return False, f"models not ready: {repository.describe_problems()}"
+        problems = repository.problems()
+        return False, "models not ready: " + ", ".join(
+            f"{name} ({why})" for name, why in sorted(problems.items())
+        )
 
     def model_ready(self, name: str, version: str | None) -> bool:
         return self.repository.version(name, version).state is ModelState.READY

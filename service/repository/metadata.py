@@ -50,9 +50,9 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
     if entry.last_load_error:  # a reload was refused: say what serves instead, and why
         serving = f"version {found.version} serves" if found else "nothing serves"
         reason = f"{serving}; the last reload was refused: {entry.last_load_error}"
-        metadata["last_load_error"] = repository.relative(entry.last_load_error)
+        metadata["last_load_error"] = entry.last_load_error
     if reason:
-        metadata["reason"] = repository.relative(reason)
+        metadata["reason"] = reason
     if loaded is not None:
         metadata["verified"] = loaded.verified
         metadata["device"] = loaded.device

@@ -79,13 +79,15 @@ class ModelEntry:
     UNAVAILABLE with why (metadata, the index, inference's 503), and not counted against
     readiness: a failed load leaves the server serving what it served."""
 
-    def why_not(self) -> str:
-        """Why it has nothing to serve: its error, or each version's reason."""
-        if self.error:
-            return self.error
+    def why_not(self, ready_too: bool = True) -> str:
+        """Why it has nothing to serve: its error, or each version's reason (``ready_too``
+        False: only those not READY)."""
+        if self.error or not self.versions:
+            return self.error or "no versions"
         return "; ".join(
             f"version {number}: {version.reason or version.state.value}"
             for number, version in sorted(self.versions.items())
+            if ready_too or version.state is not ModelState.READY
         )
 
 
@@ -131,7 +133,7 @@ class ModelRepository:
         if not self.root.is_dir():
             raise ModelLoadError(f"model repository {self.root} is not a directory")
         for name, folder in self.on_disk(chosen_only=True).items():
-            self.models[name] = _scan_model(name, folder)
+            self.models[name] = self._scan_model(name, folder)
             self._fingerprints[name] = fingerprint(folder)
         if self.settings.model_name is None:
             for folder in _configless(self.root):
@@ -165,6 +167,11 @@ class ModelRepository:
                 f"holds {[p.name for p in folders]}"
             )
         return folders[0]
+
+    def _scan_model(self, name: str, folder: Path) -> ModelEntry:
+        entry = _scan_model(name, folder)
+        entry.error = self.relative(entry.error)
+        return entry
 
     @staticmethod
     def _broken(version: ModelVersion, reason: str) -> None:
@@ -210,13 +217,15 @@ class ModelRepository:
                 version.name, version.path, config, self.settings, self.steps, bound
             )
         except ModelLoadError as exc:
-            version.state, version.reason = ModelState.UNAVAILABLE, str(exc)
+            version.state, version.reason = ModelState.UNAVAILABLE, self.relative(str(exc))
             version.waits_for_step = isinstance(exc, StepNotReady)
             log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
             return
         except Exception as exc:
             version.state = ModelState.UNAVAILABLE
-            version.reason = f"unexpected error while loading: {type(exc).__name__}: {exc}"
+            version.reason = self.relative(
+                f"unexpected error while loading: {type(exc).__name__}: {exc}"
+            )
             log.exception("model %s version %d failed to load", version.name, version.version)
             return
         finally:
@@ -242,7 +251,7 @@ class ModelRepository:
         with self._change(name):
             # Recorded first: a model that fails is retried by --poll only when it changes.
             self._fingerprints[name] = fingerprint(folder)
-            fresh = _scan_model(name, folder)
+            fresh = self._scan_model(name, folder)
             self._load_entry(fresh)
             old = self.models.get(name)
             if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
@@ -255,7 +264,7 @@ class ModelRepository:
                     self.models[name] = fresh  # its metadata says why, as at startup
                 else:
                     old.last_load_error = reasons
-                raise ModelLoadRefused(f"failed to load '{name}': {self.relative(reasons)}")
+                raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
             self.models[name] = fresh  # one assignment: requests see the old or the new entry
             log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
         if old is not None:
@@ -366,35 +375,23 @@ class ModelRepository:
     def any_ready(self) -> bool:
         return bool(self.served_versions())
 
-    def problems(self) -> dict[str, Any]:
+    def problems(self) -> dict[str, str]:
         """Each model meant to load that is not READY, with why."""
-        problems: dict[str, Any] = {}
-        for name, entry in self.models.items():
-            if entry.unloaded or entry.refused:
-                continue
-            if entry.error or not entry.versions:
-                problems[name] = entry.error or "no versions"
-            elif bad := {
-                v.version: v.reason or v.state.value
-                for v in entry.versions.values()
-                if v.state is not ModelState.READY
-            }:
-                problems[name] = bad
-        return problems
+        return {
+            name: entry.why_not(ready_too=False)
+            for name, entry in self.models.items()
+            if not (entry.unloaded or entry.refused)
+            and (
+                entry.error
+                or not entry.versions
+                or any(v.state is not ModelState.READY for v in entry.versions.values())
+            )
+        }
 
     def relative(self, text: str) -> str:
         """``text`` with the repository's own path left out: what a caller reads (the
         readiness probe's answer goes to anyone) names a model's files from its folder."""
         return text.replace(f"{self.root.resolve()}/", "").replace(f"{self.root}/", "")
-
-    def describe_problems(self) -> str:
-        """:meth:`problems` as one line: each model, and why it is not ready."""
-        parts = []
-        for name, problem in sorted(self.problems().items()):
-            if isinstance(problem, dict):
-                problem = "; ".join(f"version {v}: {why}" for v, why in sorted(problem.items()))
-            parts.append(f"{name} ({self.relative(str(problem))})")
-        return ", ".join(parts)
 
     def index(self) -> list[dict[str, Any]]:
         """One row per model version (or per model without versions), as the OIP index shows."""
