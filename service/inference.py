@@ -48,6 +48,9 @@ class InferenceRequest:
     inputs: list[InputTensor] = field(default_factory=list)
     raw: list[bytes] | None = None
     rows: list[Any] | None = None
+    raw_in_json: bool = False
+    """``raw`` came inside a JSON body (v1 ``{"b64": ...}`` instances), not as the body itself:
+    for a model with no pipeline, JSON that does not fit it (400), not a media type (415)."""
     outputs: list[RequestedOutput] | None = None
     """The outputs asked for, in order; None: every output the model offers."""
     parameters: dict[str, Any] = field(default_factory=dict)

@@ -67,6 +67,10 @@ class TensorConfig(_Strict):
         data: dict[str, Any] = handler(self)
         if self.range is None:
             data.pop("range", None)
+        elif self.datatype.startswith(("INT", "UINT")) and all(
+            float(b).is_integer() for b in self.range
+        ):
+            data["range"] = [int(b) for b in self.range]  # ids as written: [0, 99], not [0.0, 99.0]
         return data
 
     @model_validator(mode="after")

@@ -528,6 +528,12 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
     pipeline = model.pipeline
     if pipeline is None:
         # JSON texts come as rows too: read against the model's inputs, a 400 names them
+        if request.raw is not None and request.raw_in_json:
+            raise InvalidInput(
+                f"model '{model.name}' has no preprocessing to decode b64 instances; send "
+                f'its inputs as {{"instances": [...]}} rows of numbers, or tensors to '
+                f"/v2/models/{model.name}/infer"
+            )
         if request.raw is not None and request.rows is None:
             raise UnsupportedMediaType(
                 f"model '{model.name}' has no preprocessing; send tensors to "

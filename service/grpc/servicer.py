@@ -25,7 +25,6 @@ from service.core.dataplane import answer_bytes
 from service.errors import (
     InvalidInput,
     MessageTimeout,
-    ModelNotFound,
     ServerBusy,
     TensorgateError,
 )
@@ -38,7 +37,7 @@ from service.protocol import grpc as codec
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.repository import metadata
-from service.repository.models import check_load_parameters
+from service.repository.models import check_load_parameters, check_unload_parameters
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -229,11 +228,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelReadyRequest, context: Any
     ) -> pb.ModelReadyResponse:
         async def ready() -> pb.ModelReadyResponse:
+            # Not ready, not an error: REST answers 404 or 503 for these, which tritonclient's
+            # HTTP is_model_ready reads as False, and Triton's gRPC answers ready=false for a
+            # model it does not know, so that its gRPC client says False too (not an exception).
             try:
                 ok = await self.cluster.model_ready(request.name, request.version or None)
-            except TensorgateError as exc:  # REST answers 503 for these: not ready, not an error
-                if isinstance(exc, ModelNotFound):
-                    raise
+            except TensorgateError:
                 ok = False
             return pb.ModelReadyResponse(ready=ok)
 
@@ -504,6 +504,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelUnloadRequest, context: Any
     ) -> pb.RepositoryModelUnloadResponse:
         async def unload() -> pb.RepositoryModelUnloadResponse:
+            check_unload_parameters(
+                {
+                    name: getattr(value, value.WhichOneof("parameter_choice") or "bool_param")
+                    for name, value in request.parameters.items()
+                }
+            )
             await self.cluster.unload_model(request.model_name)
             return pb.RepositoryModelUnloadResponse()
 

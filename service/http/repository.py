@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from service.errors import InvalidInput
 from service.http.answer import cluster_of, dataplane_of, json_response, read_body
 from service.limits.auth import require_admin
-from service.repository.models import check_load_parameters
+from service.repository.models import check_load_parameters, check_unload_parameters
 
 router = APIRouter(tags=["repository"], dependencies=[Depends(require_admin)])
 
@@ -59,13 +59,6 @@ async def load(request: Request, name: str) -> Response:
 
 @router.post("/v2/repository/models/{name}/unload")
 async def unload(request: Request, name: str) -> Response:
-    parameters = _parameters(await _request(request, "unload"), "unload")
-    # tritonclient sends unload_dependents: no model here has dependents it would unload
-    dependents = parameters.get("unload_dependents", False)
-    if not isinstance(dependents, bool) or set(parameters) - {"unload_dependents"}:
-        raise InvalidInput(
-            "the unload request takes only the parameter 'unload_dependents' (true or false); "
-            f"got {sorted(parameters)}"
-        )
+    check_unload_parameters(_parameters(await _request(request, "unload"), "unload"))
     await cluster_of(request).unload_model(name)
     return json_response({})

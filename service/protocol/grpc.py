@@ -272,7 +272,9 @@ def _decode_input(
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(f"input '{name}' has both 'contents' and raw_input_contents")
-        data = v2.from_binary(memoryview(raw), datatype, count, name)
+        data = v2.from_binary(
+            memoryview(raw), datatype, count, name, source="its raw_input_contents entry's size"
+        )
     else:
         data = _from_contents(tensor, count)
     return InputTensor(name, datatype, shape, data.reshape(shape), parameters(tensor.parameters))

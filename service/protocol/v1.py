@@ -52,7 +52,7 @@ def decode_predict(
         return _request(model, timeout_s, raw=raw, rows=instances)
     if all(isinstance(item, dict) and "b64" in item for item in instances):
         raw = [_b64(item, index) for index, item in enumerate(instances)]
-        return _request(model, timeout_s, raw=raw)
+        return _request(model, timeout_s, raw=raw, raw_in_json=True)
     return _request(model, timeout_s, rows=instances)
 
 

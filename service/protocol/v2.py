@@ -195,8 +195,11 @@ def _parameters(raw: Any, what: str) -> dict[str, Any]:
     return raw
 
 
-def from_binary(chunk: memoryview, datatype: str, count: int, name: str) -> np.ndarray:
-    """``count`` elements of ``datatype`` from Triton's binary layout (also gRPC's raw contents)."""
+def from_binary(
+    chunk: memoryview, datatype: str, count: int, name: str, source: str = "binary_data_size"
+) -> np.ndarray:
+    """``count`` elements of ``datatype`` from Triton's binary layout (also gRPC's raw contents:
+    ``source`` names where the chunk's size came from, in the client's protocol's words)."""
     if datatype == "BYTES":
         return unpack_bytes(chunk, count, name)
     dtype = TO_NUMPY[datatype]
@@ -204,7 +207,7 @@ def from_binary(chunk: memoryview, datatype: str, count: int, name: str) -> np.n
     if len(chunk) != expected:
         raise InvalidInput(
             f"input '{name}': {count} {datatype} elements need {expected} bytes, "
-            f"binary_data_size is {len(chunk)}"
+            f"{source} is {len(chunk)}"
         )
     return np.frombuffer(chunk, dtype=dtype.newbyteorder("<"))
 

@@ -13,7 +13,7 @@ import enum
 import logging
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,6 +33,7 @@ from service.errors import (
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
 from service.repository.loader import LoadBound, load_version
 from service.repository.serving import ServedVersion
+from service.resources import ARTIFACTS
 from service.settings import Settings
 
 log = logging.getLogger("tensorgate.repository")
@@ -105,6 +106,17 @@ def check_load_parameters(names: Iterable[str]) -> None:
         )
 
 
+def check_unload_parameters(parameters: Mapping[str, object]) -> None:
+    """An unload request's parameters: only tritonclient's ``unload_dependents`` (true or
+    false), which changes nothing here, since no model has dependents it would unload."""
+    dependents = parameters.get("unload_dependents", False)
+    if not isinstance(dependents, bool) or set(parameters) - {"unload_dependents"}:
+        raise InvalidInput(
+            "the unload request takes only the parameter 'unload_dependents' (true or false); "
+            f"got {sorted(parameters)}"
+        )
+
+
 class ModelRepository:
     """Discovers and loads the models of one repository folder."""
 
@@ -136,11 +148,12 @@ class ModelRepository:
             self.models[name] = self._scan_model(name, folder)
             self._fingerprints[name] = fingerprint(folder)
         if self.settings.model_name is None:
-            for folder in _configless(self.root):
+            for folder, why in _configless(self.root):
                 log.warning(
-                    "%s has version folders but no config.yaml, so it is not served: a model's "
-                    "folder needs config.yaml naming its backend (e.g. backend: onnx)",
+                    "%s %s, so it is not served: a model's folder needs config.yaml naming its "
+                    "backend (e.g. backend: onnx) and a version folder (1/) holding the model",
                     folder,
+                    why,
                 )
         if self.settings.models and (missing := set(self.settings.models) - set(self.models)):
             raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
@@ -482,15 +495,26 @@ def _has_code(config: ModelConfig | None) -> bool:
     return config is not None and isinstance(config.preprocessing, PythonSpec)
 
 
-def _configless(root: Path) -> list[Path]:
-    """Folders of ``root`` that look like a model (a version folder: digits) but have no
-    config.yaml, so the repository skips them."""
+def _configless(root: Path) -> list[tuple[Path, str]]:
+    """Folders of ``root`` that look like a model (a version folder, or a model file where a
+    version folder should be) but have no config.yaml, so the repository skips them; each
+    with what it lacks."""
     found = []
     for folder in sorted(root.iterdir()):
         try:
-            configless = folder.is_dir() and not (folder / "config.yaml").is_file()
-            if configless and any(c.is_dir() and c.name.isdigit() for c in folder.iterdir()):
-                found.append(folder)
+            if not folder.is_dir() or (folder / "config.yaml").is_file():
+                continue
+            children = list(folder.iterdir())
         except OSError:  # unreadable, or gone meanwhile: not worth failing the scan for
             continue
+        if any(_is_number(c.name) and c.is_dir() for c in children):
+            found.append((folder, "has version folders but no config.yaml"))
+        elif loose := sorted(c.name for c in children if c.name in ARTIFACTS):
+            found.append(
+                (
+                    folder,
+                    f"holds {loose[0]} outside a version folder and has no config.yaml (move it "
+                    f"to {folder.name}/1/{loose[0]})",
+                )
+            )
     return found

@@ -99,6 +99,8 @@ def test_health_metadata_statistics_and_repository_rpcs(
 ) -> None:
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("digits") and client.is_model_ready("digits", "1")
+    # as Triton answers: False for a model or version it does not have, not an error
+    assert not client.is_model_ready("nope") and not client.is_model_ready("digits", "7")
     assert "binary_tensor_data" in client.get_server_metadata(as_json=True)["extensions"]
     ours = client.get_model_metadata("digits", as_json=True)
     rest = grpc_server.client.get("/v2/models/digits").json()
@@ -117,7 +119,16 @@ def test_health_metadata_statistics_and_repository_rpcs(
     with pytest.raises(InferenceServerException, match="admin token") as refused:
         client.get_model_repository_index()
     assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
-    client.unload_model("identity", headers=admin)
+    with grpc.insecure_channel(grpc_server.grpc_url) as channel:  # as REST: 400, nothing done
+        stub = service_grpc.GRPCInferenceServiceStub(channel)
+        unload = service_pb2.RepositoryModelUnloadRequest(model_name="identity")
+        unload.parameters["force"].bool_param = True
+        with pytest.raises(grpc.RpcError) as refused_unload:
+            stub.RepositoryModelUnload(unload, metadata=list(admin.items()))
+    assert refused_unload.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "takes only the parameter 'unload_dependents'" in str(refused_unload.value.details())
+    assert client.is_model_ready("identity")
+    client.unload_model("identity", headers=admin, unload_dependents=True)
     assert not client.is_model_ready("identity")
     client.load_model("identity", headers=admin)
     assert client.is_model_ready("identity")

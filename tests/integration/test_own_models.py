@@ -371,7 +371,7 @@ def test_images_for_a_dynamic_model_are_fitted_to_its_buckets_or_refused(server:
         assert "takes 5 to 96 there" in response.json()["error"]
 
 
-def test_texts_for_a_model_without_preprocessing_are_400_naming_its_input(
+def test_json_for_a_model_without_preprocessing_is_400_naming_what_it_takes(
     server: Server,
 ) -> None:
     """A JSON body whose instances are texts, for a model that takes tensors: the instances do
@@ -385,6 +385,11 @@ def test_texts_for_a_model_without_preprocessing_are_400_naming_its_input(
     )
     assert answer.status_code == 415  # an image body: a media type it does not take
     assert "model 'shifted' has no preprocessing" in answer.json()["error"]
+    answer = server.client.post(  # an image inside JSON: JSON that does not fit the model
+        "/v1/models/shifted:predict", json={"instances": [{"b64": "iVBORw=="}]}
+    )
+    assert answer.status_code == 400, answer.text
+    assert "model 'shifted' has no preprocessing to decode b64 instances" in answer.text
 
 
 def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:

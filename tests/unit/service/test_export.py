@@ -282,6 +282,8 @@ def test_export_measures_whether_padding_changes_a_taggers_answer(
     else:
         assert shapes.follows["tags"][1] == Follow(input="ids", dim=1)
     assert manifest.inputs[0].range == (0, 49)  # it indexes nn.Embedding(50, 16)
+    written = json.loads((tmp_path / "manifest.json").read_text())["inputs"][0]
+    assert written["range"] == [0, 49]  # as a user writes ids in config.yaml, not 0.0 and 49.0
 
 
 def test_dynamic_dims_without_buckets_are_refused_saying_what_to_pass(tmp_path: Path) -> None:

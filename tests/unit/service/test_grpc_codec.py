@@ -60,6 +60,16 @@ def test_raw_contents_must_cover_every_input() -> None:
         codec.decode_request(message, None)
 
 
+def test_a_short_raw_entry_is_named_in_grpc_words() -> None:
+    message = request_with("FP32", [2])
+    message.raw_input_contents.append(b"\0\0\0\0")
+    with pytest.raises(InvalidInput) as short:
+        codec.decode_request(message, None)
+    assert "input 'x': 2 FP32 elements need 8 bytes" in short.value.message
+    assert "raw_input_contents entry's size is 4" in short.value.message
+    assert "binary_data_size" not in short.value.message  # REST's word, not sent over gRPC
+
+
 def answer(result: InferenceResult, raw: bool) -> pb.ModelInferResponse:
     """The ``ModelInferResponse`` a client reads for ``result``."""
     return pb.ModelInferResponse.FromString(codec.serialized(codec.encode_result(result, raw)))

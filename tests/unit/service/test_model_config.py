@@ -109,9 +109,13 @@ def test_a_model_folder_without_config_is_named_in_the_log_not_skipped_silently(
     write_identity_model(tmp_path / "plain", datatypes=("FP32",))
     (tmp_path / "plain" / "config.yaml").unlink()
     (tmp_path / "notes").mkdir()  # not a model either, and nothing like one
+    (tmp_path / "loose").mkdir()  # a model file where its version folder should be
+    (tmp_path / "plain" / "1" / "model.onnx").rename(tmp_path / "loose" / "model.onnx")
     repository = ModelRepository(Settings(model_repository=tmp_path))
     with caplog.at_level("WARNING", logger="tensorgate.repository"):
         repository.scan()
     assert set(repository.models) == {"served"}
-    (warning,) = [r.getMessage() for r in caplog.records]
-    assert str(tmp_path / "plain") in warning and "no config.yaml" in warning
+    loose, plain = [r.getMessage() for r in caplog.records]
+    assert str(tmp_path / "plain") in plain and "has version folders but no config.yaml" in plain
+    assert str(tmp_path / "loose") in loose
+    assert "holds model.onnx outside a version folder" in loose and "loose/1/model.onnx" in loose
