@@ -105,8 +105,8 @@ def json_numbers(values: Any, datatype: str) -> np.ndarray:
     fraction, a string or true/false for an integer type, or a value past its range; a
     string other than :data:`NON_FINITE_JSON`'s, or true/false, for a float type, or a number
     past its range; anything but true/false for BOOL). numpy alone would make 1.9 the id 1,
-    "7" the id 7, true the value 1, 300 the INT8 44 and 1e300 the FP32 inf, each silently.
-    (true beside numbers in one list reads as 1 still: only a scan of every value would tell.)
+    "7" the id 7, true the value 1 (alone, or beside numbers), 300 the INT8 44 and 1e300 the
+    FP32 inf, each silently.
     """
     try:
         given = np.asarray(values)
@@ -120,7 +120,7 @@ def json_numbers(values: Any, datatype: str) -> np.ndarray:
         if kind != "b":
             raise ValueError(f"{_first(given)} is not true or false")
         return given
-    if kind == "b":
+    if kind == "b" or (kind in "iuf" and _bools_among(values, given)):
         raise ValueError(f"true and false are not {datatype} values")
     if target.kind in "iu" and datatype != "BF16":
         if kind in "US":
@@ -142,6 +142,23 @@ def json_numbers(values: Any, datatype: str) -> np.ndarray:
     if datatype == "BF16":
         return bf16_bits(given.astype(np.float64))
     return given.astype(target, copy=False)
+
+
+def _bools_among(values: Any, given: np.ndarray) -> bool:
+    """Whether JSON's true or false is among ``values``, which numpy read as numbers
+    (``given``): only where a value is 0 or 1 is each value looked at (about as long again as
+    numpy took to read them, 1 µs for a row of 64)."""
+    if not ((given == 0) | (given == 1)).any():
+        return False
+    return _has_bool(values)
+
+
+def _has_bool(values: Any) -> bool:
+    if type(values) is not list:
+        return type(values) is bool
+    if values and type(values[0]) is list:
+        return any(_has_bool(row) for row in values)
+    return bool in set(map(type, values))
 
 
 def _integers(given: np.ndarray, datatype: str, target: np.dtype[np.generic]) -> np.ndarray:

@@ -113,6 +113,9 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
         (["7"], "FP32", "'7' is not a number (a string stands only for NaN, Infinity, -Infinity)"),
         ([1, None], "FP32", "null is not a number"),
         ([True], "FP32", "true and false are not FP32 values"),
+        ([5, True, 7], "INT64", "true and false are not INT64 values"),  # numpy: [5, 1, 7]
+        ([[0.5, 2.5], [False, 1.5]], "FP32", "true and false are not FP32 values"),
+        ([2, "NaN", True], "FP64", "true is not a number"),
         ([1, 0], "BOOL", "1 is not true or false"),
         ([[1, 2], [3]], "FP32", "its nested lists are not all of one length"),
     ],
@@ -130,6 +133,7 @@ def test_json_values_of_another_type_are_refused_not_converted(
     ("values", "datatype", "want"),
     [
         ([1.0, 2], "INT64", [1, 2]),  # an integral float is that integer
+        ([[0, 1], [1, 0]], "INT64", [[0, 1], [1, 0]]),  # 0 and 1 are looked at, and are ids
         ([-128.0, 255], "INT16", [-128, 255]),
         ([2**63], "UINT64", [2**63]),
         ([1, "NaN", "Infinity", "-Infinity"], "FP32", [1.0, np.nan, np.inf, -np.inf]),
