@@ -158,6 +158,12 @@ def answer_one(
 def stack(rows: Sequence[Arrays]) -> Arrays:
     """Rows (one dict per item) → a batch: each name's arrays stacked on a new first dim; items
     whose rows differ in shape are a :class:`BadInput`."""
+    for row in rows:
+        if not isinstance(row, Mapping):
+            raise TypeError(
+                f"preprocess() returned {type(row).__name__}, not a dict of numpy arrays by "
+                "input name"
+            )
     first = rows[0]
     if len(rows) == 1:
         return {name: array[None] for name, array in first.items()}  # a view, no copy

@@ -21,7 +21,7 @@ import contextvars
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import TracebackType
@@ -45,6 +45,7 @@ from service.datatypes import TO_NUMPY
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
+    ModelExecutionError,
     PayloadTooLarge,
     UnsupportedMediaType,
 )
@@ -442,7 +443,7 @@ class Call:
         if prepared.contexts is not None:
             pipeline = loaded.pipeline
             assert pipeline is not None
-            parameters.update(pipeline.parameters(prepared.contexts))
+            parameters.update(_guarded(pipeline.parameters, loaded.name, prepared.contexts))
             if overrides(pipeline, "postprocess"):
                 started = time.perf_counter_ns()
                 until = self.dataplane.deadline(request.timeout_s, request.parameters)
@@ -586,22 +587,41 @@ async def _within(
 
 def _guarded(fn: Callable[..., T], model: str, *args: Any) -> T:
     """``fn(*args)`` with the pipeline's :class:`BadInput` as the client's 400, naming the model;
-    anything else it raises is a bug of the pipeline's, answered 500 and logged."""
+    anything else it raises is a bug of the pipeline's, answered 500 and logged. That includes
+    ``SystemExit`` and ``KeyboardInterrupt`` (a helper's ``sys.exit()``): raised through a
+    future into the event loop they stopped the server, every model with it."""
     try:
         return fn(*args)
     except BadInput as exc:
         raise InvalidInput(f"model '{model}': {exc}") from None
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise RuntimeError(f"model '{model}': its code raised {type(exc).__name__}") from exc
+
+
+def _made(made: Any, model: str, method: str) -> Arrays:
+    """What the pipeline's ``method`` returned, if it is what it must be: input name → array."""
+    if not isinstance(made, Mapping) or not all(isinstance(a, np.ndarray) for a in made.values()):
+        what = type(made).__name__
+        if isinstance(made, Mapping):
+            what = "a dict of " + ", ".join(sorted({type(a).__name__ for a in made.values()}))
+        raise ModelExecutionError(
+            f"model '{model}': its pipeline's {method}() returned {what}, not a dict of numpy "
+            "arrays by input name"
+        )
+    return dict(made)
 
 
 def _preprocess_one(pipeline: Pipeline, item: Item, context: dict[str, Any], model: str) -> Arrays:
-    return _guarded(pipeline.preprocess, model, item, context)
+    return _made(_guarded(pipeline.preprocess, model, item, context), model, "preprocess")
 
 
 def _preprocess(
     pipeline: Pipeline, items: list[Item], contexts: list[dict[str, Any]], model: LoadedVersion
 ) -> dict[str, np.ndarray]:
     """Items → the model's batch, in the calling thread (the pool's or the instance's)."""
-    return _as_batch(model, _guarded(pipeline.preprocess_batch, model.name, items, contexts))
+    method = "preprocess_batch" if overrides(pipeline, "preprocess_batch") else "preprocess"
+    made = _guarded(pipeline.preprocess_batch, model.name, items, contexts)
+    return _as_batch(model, _made(made, model.name, method))
 
 
 def _stacked(model: LoadedVersion, rows: list[Arrays]) -> dict[str, np.ndarray]:

@@ -52,11 +52,11 @@ def load_pipeline(spec: PythonSpec, folder: Path, model: str) -> Pipeline:
             model,
             "".join(traceback.format_exception(exc)),
         )
-        where = _last_frame(exc)
+        where = last_frame(exc)
         said = " ".join(str(exc).split())  # one line in the metadata, whatever the code raised
         raise ModelLoadError(
             f"preprocessing code {spec.module}.{spec.cls} failed to load: "
-            f"{type(exc).__name__}: {said}{where} (traceback in the server log)"
+            f"{type(exc).__name__}: {said}{where} (traceback logged)"
         ) from None
     return pipeline
 
@@ -113,8 +113,9 @@ class _SourceOnly(importlib.machinery.SourceFileLoader):
         return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
 
 
-def _last_frame(exc: BaseException) -> str:
-    """`` at pipeline.py:12`` for the innermost frame of the model's own code, if any."""
+def last_frame(exc: BaseException) -> str:
+    """`` at pipeline.py:12`` for the innermost frame of the model's own code (or of whatever
+    raised, in a module not of importlib), if any."""
     frames = traceback.extract_tb(exc.__traceback__)
     own = [f for f in frames if f.filename.endswith(".py") and "importlib" not in f.filename]
     if not own:

@@ -31,6 +31,7 @@ from service.errors import (
     StepNotReady,
 )
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
+from service.pipelines.code import last_frame
 from service.repository.loader import LoadBound, load_version
 from service.repository.serving import ServedVersion
 from service.resources import ARTIFACTS
@@ -234,10 +235,11 @@ class ModelRepository:
             version.waits_for_step = isinstance(exc, StepNotReady)
             log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
             return
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the last two: a model's code
             version.state = ModelState.UNAVAILABLE
+            said = " ".join(str(exc).split())
             version.reason = self.relative(
-                f"unexpected error while loading: {type(exc).__name__}: {exc}"
+                f"unexpected error while loading: {type(exc).__name__}: {said}{last_frame(exc)}"
             )
             log.exception("model %s version %d failed to load", version.name, version.version)
             return

@@ -59,6 +59,12 @@ class Scorer(Pipeline):
             Path(record["done"]).write_text("woke")  # the hung step ended
         if "bug" in record:
             raise KeyError("a bug in the code")
+        if "exit" in record:  # a helper's sys.exit(), reached by one request's input
+            raise SystemExit(3)
+        if "interrupt" in record:
+            raise KeyboardInterrupt
+        if "listed" in record:
+            return [1.0, 2.0]  # not a dict of arrays
         x = record.get("x")
         if not isinstance(x, list) or len(x) != 4:
             raise BadInput(f"'x' must be a list of 4 numbers, got {x!r}")
@@ -437,6 +443,36 @@ def test_a_bug_in_the_code_is_a_500_with_the_traceback_in_the_log_only(server: S
     assert response.status_code == 500
     assert "a bug in the code" not in response.text and "code-bug" in response.text
     server.wait_for(lambda: "KeyError: 'a bug in the code'" in server.log(), timeout=10)
+    assert predict(server, "scorer", [{"x": [0, 0, 0, 1]}]).status_code == 200
+
+
+def test_code_that_exits_or_returns_no_arrays_fails_only_its_request(server: Server) -> None:
+    """A ``sys.exit()`` in a model's code (SystemExit, or KeyboardInterrupt) went through the
+    pool's future into the event loop and ended the server, every model with it; over REST
+    the client got a plain-text 500 without its request id."""
+    import tritonclient.grpc as tgrpc
+
+    for n, record in enumerate(({"exit": 1}, {"interrupt": 1}, {"listed": 1})):
+        request_id = f"code-exit-{n}"
+        response = predict(server, "scorer", [record], headers={"X-Request-ID": request_id})
+        assert response.status_code == 500, response.text
+        assert response.json()["request_id"] == request_id
+    for logged in (
+        "its code raised SystemExit",
+        "its code raised KeyboardInterrupt",
+        "preprocess() returned list, not a dict of numpy arrays",
+    ):
+        server.wait_for(lambda logged=logged: logged in server.log(), timeout=10)
+    client = tgrpc.InferenceServerClient(server.grpc_url)
+    try:
+        item = tgrpc.InferInput("record", [1], "BYTES")
+        item.set_data_from_numpy(np.array([json.dumps({"exit": 1}).encode()], dtype=object))
+        with pytest.raises(tgrpc.InferenceServerException) as failed:
+            client.infer("scorer", [item])
+        assert failed.value.status() == "StatusCode.INTERNAL"
+    finally:
+        client.close()
+    assert server.process.poll() is None  # still serving, every model
     assert predict(server, "scorer", [{"x": [0, 0, 0, 1]}]).status_code == 200
 
 
