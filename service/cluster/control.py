@@ -148,7 +148,10 @@ class Siblings:
                 try:
                     question = {"op": op, "args": args, "key": self.key}
                     writer.write(orjson.dumps(question) + b"\n")
-                    answer = orjson.loads(await reader.readline())
+                    # to its end, not a line: asyncio's lines stop at 64 KiB, and a worker's
+                    # metrics text passed that after a few hundred requests to 9 models (every
+                    # /metrics then answered 500)
+                    answer = orjson.loads(await reader.read())
                 finally:
                     writer.close()
         except (OSError, TimeoutError, orjson.JSONDecodeError) as exc:

@@ -3,6 +3,7 @@ makes of the others' statistics and metrics (the processes themselves: tests/int
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -185,6 +186,38 @@ def test_metrics_add_up_and_gauges_merge_by_meaning() -> None:
     assert found[("process_start_time_seconds", ())] == 40  # when it started
     assert found[("tensorgate_model_state", (("state", "READY"),))] == 1
     assert "# TYPE tg_requests_total counter" in text
+
+
+async def test_a_sibling_s_metrics_of_any_size_reach_the_worker_asking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's answer was read as one asyncio line, which stops at 64 KiB: with a few models
+    served for a while, the other worker's metrics text passed it and /metrics was 500."""
+    from service.cluster import supervisor
+    from service.cluster.control import ControlServer, Siblings
+
+    read, write = os.pipe()
+    os.write(write, b"control-key-for-the-test")
+    os.close(write)
+    monkeypatch.setenv(supervisor.KEY_FD_ENV, str(read))
+    supervisor.control_key.cache_clear()
+    registry = CollectorRegistry()
+    counter = Counter("tg_requests", "r", ["model"], registry=registry)
+    for n in range(4000):  # about 190 KiB of text
+        counter.labels(f"model-{n:05d}").inc(n)
+    dataplane = SimpleNamespace(
+        settings=SimpleNamespace(admin_token=None),
+        observer=SimpleNamespace(metrics=SimpleNamespace(registry=registry)),
+    )
+    answering = ControlServer(dataplane, Worker(1, 2, os.getpid(), tmp_path))  # type: ignore[arg-type]  # what _metrics reads
+    await answering.start()
+    try:
+        (text,) = await Siblings(Worker(0, 2, os.getpid(), tmp_path)).ask("metrics")
+    finally:
+        await answering.close()
+        supervisor.control_key.cache_clear()
+    assert isinstance(text, str) and len(text) > 128 << 10
+    assert text == generate_latest(registry).decode()
 
 
 async def test_a_probe_names_the_worker_that_is_not_ready() -> None:
