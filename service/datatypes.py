@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import orjson
 
 TO_NUMPY: dict[str, np.dtype[np.generic]] = {
     "BOOL": np.dtype(np.bool_),
@@ -256,6 +257,39 @@ def json_values(values: np.ndarray) -> np.ndarray | list[Any]:
     held[values == -np.inf] = "-Infinity"
     listed: list[Any] = held.tolist()
     return listed
+
+
+def json_answer(answer: Any) -> bytes:
+    """An answer made by code (a pipeline's, or v1's predictions) as JSON: numpy values of any
+    type as numbers (orjson alone refuses some, such as the ``longlong`` integers onnxruntime
+    returns: a 500 for a v1 class id), NaN and ±inf as :data:`NON_FINITE_JSON`'s strings, as
+    in tensors (orjson writes ``null``, which reads back as no value). Answers are looked
+    through for those only when the first writing has a ``null``."""
+    written = orjson.dumps(answer, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
+    if b"null" not in written:
+        return written
+    return orjson.dumps(_finite(answer), default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with each NaN and ±inf as its NON_FINITE_JSON string (containers rebuilt)."""
+    if isinstance(value, float | np.floating):
+        if np.isfinite(value):
+            return value
+        return "NaN" if np.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, np.ndarray):
+        return json_values(value) if value.dtype.kind == "f" else value
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def cast(array: np.ndarray, given: str, wanted: str) -> np.ndarray:

@@ -28,7 +28,6 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
-import orjson
 
 from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, overrides, stack
 from service.artifacts.shapes import apply_crop
@@ -41,7 +40,7 @@ from service.core.validation import (
     encoded_items,
     instance_tensors,
 )
-from service.datatypes import TO_NUMPY
+from service.datatypes import TO_NUMPY, json_answer
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -327,7 +326,7 @@ def _answer_tensor(model: LoadedVersion, answers: list[Any] | None) -> np.ndarra
             "this request sent tensors"
         )
     array = np.empty(len(answers), dtype=object)
-    array[:] = [orjson.dumps(a, option=orjson.OPT_SERIALIZE_NUMPY) for a in answers]
+    array[:] = [json_answer(a) for a in answers]
     return array
 
 

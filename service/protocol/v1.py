@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.datatypes import json_values
+from service.datatypes import json_answer, json_values
 from service.errors import InvalidInput, UnsupportedMediaType
 from service.inference import InferenceRequest, InferenceResult
 
@@ -97,7 +97,7 @@ def _dumps(predictions: list[Any], parameters: dict[str, Any]) -> bytes:
     answer: dict[str, Any] = {"predictions": predictions}
     if parameters:  # what preprocessing reports, e.g. which texts were truncated
         answer["parameters"] = parameters
-    return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    return json_answer(answer)
 
 
 def _b64(item: dict[str, Any], index: int) -> bytes:

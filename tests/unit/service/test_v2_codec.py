@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.http._utils import _get_inference_request
 
-from service.datatypes import TO_NUMPY, bf16_bits
+from service.datatypes import TO_NUMPY, bf16_bits, json_answer
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
 from service.protocol import v1
@@ -393,6 +393,44 @@ def test_v1_predictions_carry_nan_and_infinities_as_strings() -> None:
         "y": ["Infinity", "-Infinity"],
         "z": ["Infinity"],
     }
+
+
+def test_v1_predictions_of_one_value_a_row_are_numbers_of_any_numpy_type() -> None:
+    """onnxruntime's INT64 outputs are numpy ``longlong``, which orjson refuses: a model
+    answering one class id a row was a 500 on v1 (v2 and gRPC carry whole arrays)."""
+    ids = np.array([3, 7], np.longlong)
+    flags = np.array([True, False])
+    scores = np.array([np.nan, 0.5], np.float32)
+    one = InferenceResult("m", "1", None, [], {"cls": ids}, {}, None, True)
+    assert orjson.loads(v1.encode_predictions(one))["predictions"] == [3, 7]
+    three = InferenceResult(
+        "m", "1", None, [], {"cls": ids, "pos": flags, "s": scores}, {}, None, True
+    )
+    assert orjson.loads(v1.encode_predictions(three))["predictions"] == [
+        {"cls": 3, "pos": True, "s": "NaN"},
+        {"cls": 7, "pos": False, "s": 0.5},
+    ]
+
+
+def test_code_answers_carry_numpy_values_nan_and_infinities_as_tensors_do() -> None:
+    """A pipeline's answer with NaN was written null, which reads back as no value."""
+    answer = {
+        "x": float("nan"),
+        "y": np.float32("inf"),
+        "id": np.array([5], np.longlong)[0],
+        "rows": [(1.0, -np.inf)],
+        "kept": None,
+        "v": np.array([np.nan, 2.0]),
+    }
+    assert orjson.loads(json_answer(answer)) == {
+        "x": "NaN",
+        "y": "Infinity",
+        "id": 5,
+        "rows": [[1.0, "-Infinity"]],
+        "kept": None,
+        "v": ["NaN", 2.0],
+    }
+    assert json_answer({"label": "cat", "p": np.float32(0.5)}) == b'{"label":"cat","p":0.5}'
 
 
 def test_a_binary_answer_is_held_once_beside_its_outputs() -> None:
