@@ -252,10 +252,22 @@ def parse_tensor(text: str) -> TensorConfig:
 
 
 def golden_input(spec: TensorConfig, rows: int, seed: int, length: int = 8) -> np.ndarray:
-    """Fixed pseudo-random inputs for parity checks (dynamic dims take ``length``)."""
+    """Fixed pseudo-random inputs for parity checks (dynamic dims take ``length``), within the
+    input's declared range, both of its ends among them (ids 20..69 of a table indexed by
+    ``ids - 20``: ids from 0 failed the module, and parity was checked on inputs the server
+    would refuse)."""
     rng = np.random.default_rng(seed)
     shape = ((rows,) if rows else ()) + tuple(length if d == -1 else d for d in spec.shape)
     dtype = TO_NUMPY[spec.datatype]
+    if spec.range is not None and dtype.kind in "iuf":
+        low, high = spec.range
+        if dtype.kind == "f":
+            values = rng.uniform(low, high, shape)
+        else:
+            values = rng.integers(int(low), int(high), shape, endpoint=True)
+        if values.size >= 2:
+            values.flat[0], values.flat[-1] = low, high
+        return values.astype(dtype)
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     if dtype.kind == "b":

@@ -10,6 +10,7 @@ import torch
 from preprocessing.spec import ImageSpec, spec_hash
 from service.artifacts.manifest import Tolerance
 from service.artifacts.shapes import Follow
+from service.export.cli import golden_input, parse_tensor
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
 from tests.models import Mlp, TrainModeNet
@@ -322,3 +323,36 @@ def test_padding_is_measured_from_each_dims_own_size(tmp_path: Path) -> None:
     )
     assert manifest.shapes is not None
     assert manifest.shapes.pad, manifest.shapes.reason
+
+
+class Offset(torch.nn.Module):
+    """Ids 20..69 index a table of 50 as ``ids - 20``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.table = torch.nn.Embedding(50, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids - 20).sum(1)
+
+
+def test_the_command_line_s_golden_inputs_lie_within_a_declared_range(tmp_path: Path) -> None:
+    """They were ids 0 to 9 whatever the range: export of this module failed ("check
+    --input"), and parity was checked on inputs the server would refuse."""
+    ids = parse_tensor("ids:INT64:4:20..69")
+    golden = golden_input(ids, 4, seed=0)
+    assert (golden.min(), golden.max()) == (20, 69)  # both ends, and nothing outside
+    floats = golden_input(parse_tensor("x:FP32:3:-1..1"), 4, seed=1)
+    assert (floats.min(), floats.max()) == (-1, 1)
+    manifest = export_model(
+        Offset(),
+        tmp_path,
+        name="offset",
+        inputs=[ids],
+        outputs=[TensorConfig(name="out", datatype="FP32", shape=(2,))],
+        golden_inputs={"ids": golden},
+        max_batch_size=4,
+        formats=("onnx",),
+    )
+    assert manifest.inputs[0].range == (20, 69) and "onnx" in manifest.artifacts
