@@ -261,6 +261,7 @@ def golden_input(spec: TensorConfig, rows: int, seed: int, length: int = 8) -> n
     dtype = TO_NUMPY[spec.datatype]
     if spec.range is not None and dtype.kind in "iuf":
         low, high = spec.range
+        values: np.ndarray
         if dtype.kind == "f":
             values = rng.uniform(low, high, shape)
         else:
