@@ -771,16 +771,22 @@ class _PreparationFailed(Exception):
 
 _ORT_NODE = re.compile(r"^.*Status Message:\s*", re.S)  # onnxruntime: the failed node, named
 _ORT_STATUS = re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*")
+_BACKTRACE = re.compile(r"^(?:frame #\d+:|Exception raised from )")  # c10::Error's C++ frames
+_AOTI_RUN = re.compile(r"\brun_func_\(.*API call failed")
 _PATH = re.compile(r"(?:/[\w.+-]+)+/?")  # absolute paths of the runtime's or the model's files
 
 
 def runtime_message(exc: BaseException) -> str:
     """What a runtime's error says about the input, without its internals: onnxruntime's node
-    names and status codes, TorchScript's source excerpts, file paths. One line, bounded."""
+    names and status codes, TorchScript's source excerpts, C++ backtraces (an AOTInductor
+    kernel's said only which frame was last), file paths. One line, bounded."""
     text = str(exc)
     text = _ORT_STATUS.sub("", _ORT_NODE.sub("", text))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not _BACKTRACE.match(line)]
     text = lines[-1] if lines else type(exc).__name__
+    if _AOTI_RUN.search(text):  # its own words name only a C++ call and a source line
+        text = "the compiled model.pt2 kernel failed on it (its error is in the server log)"
     text = _PATH.sub("…", text)
     return text if len(text) <= 240 else text[:239] + "…"
 

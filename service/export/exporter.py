@@ -264,6 +264,8 @@ def export_model(
         program, eager_run, probes, eager, inputs, outputs, batched, buckets, tolerance
     )
     inputs = _with_ranges(module, program, probes[0], inputs)
+    if program is not None:
+        _warn_of_unbounded_indexes(program, inputs)
     job = _Job(
         module,
         out_dir,
@@ -388,6 +390,24 @@ def _code(spec: PythonSpec, folder: Path, name: str, items: Sequence[Path]) -> _
         raise ExportError(str(exc)) from None
     pipeline.warm()
     return _Code(facts, pipeline, [(Path(i), mimetypes.guess_type(str(i))[0]) for i in items])
+
+
+def _warn_of_unbounded_indexes(program: ExportedProgram, inputs: Sequence[TensorConfig]) -> None:
+    """Say which inputs reach an index no range bounds: served without one, onnxruntime reads
+    a negative id as counting from the end (another row, where PyTorch refuses it) and fails a
+    request whose id is past the table."""
+    declared = {t.name for t in inputs if t.range is not None}
+    for name, how in export_shapes.unproven_indexes(program, inputs).items():
+        if name not in declared:
+            log.warning(
+                "input '%s' reaches an index (%s) whose bounds export cannot prove: declare the "
+                "values it may take (--input %s:DTYPE:DIMS:LOW..HIGH), or the server takes any "
+                "(from model.onnx a negative one reads a row counted from the end, where "
+                "PyTorch refuses it; one past the table fails its request)",
+                name,
+                how,
+                name,
+            )
 
 
 def _pt2_step(job: _Job) -> Artifact:

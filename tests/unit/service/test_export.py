@@ -14,7 +14,7 @@ from service.export.cli import golden_input, parse_tensor
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
 from tests.models import Mlp, TrainModeNet
-from tests.user_models import Heatmap, Tagger
+from tests.user_models import Heatmap, ShiftedLookup, Tagger
 
 X = TensorConfig(name="x", datatype="FP32", shape=(64,))
 Y = TensorConfig(name="y", datatype="FP32", shape=(10,))
@@ -356,3 +356,24 @@ def test_the_command_line_s_golden_inputs_lie_within_a_declared_range(tmp_path: 
         formats=("onnx",),
     )
     assert manifest.inputs[0].range == (20, 69) and "onnx" in manifest.artifacts
+
+
+def test_an_input_reaching_an_index_no_range_bounds_is_named_at_export(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From model.onnx a negative id reads a row counted from the end, where PyTorch refuses
+    it: export says which input to declare, for every format, not only when it leaves pt2 out."""
+    ids = TensorConfig(name="item_id", datatype="INT64", shape=(1,))
+    with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
+        export_model(
+            ShiftedLookup(),
+            tmp_path,
+            name="shifted",
+            inputs=[ids],
+            outputs=[TensorConfig(name="vector", datatype="FP32", shape=(4,))],
+            golden_inputs={"item_id": np.arange(4, dtype=np.int64)[:, None]},
+            max_batch_size=4,
+            formats=("onnx",),
+        )
+    (warning,) = [r.getMessage() for r in caplog.records if "reaches an index" in r.getMessage()]
+    assert "input 'item_id'" in warning and "--input item_id:DTYPE:DIMS:LOW..HIGH" in warning

@@ -141,3 +141,15 @@ def test_runtime_messages_lose_node_names_status_codes_and_paths() -> None:
         "RuntimeError: index 9 is out of bounds for /tmp/model.pt"
     )
     assert runtime_message(torchscript) == "RuntimeError: index 9 is out of bounds for …"
+    aoti = RuntimeError(  # c10::Error from an AOTInductor package, its C++ backtrace after
+        "run_func_( container_handle_, input_handles.data(), input_handles.size(), "
+        "output_handles.data(), output_handles.size(), reinterpret_cast<AOTInductorStreamHandle>"
+        "(stream_handle), proxy_executor_handle_) API call failed at /pytorch/torch/csrc/"
+        "inductor/aoti_runner/model_container_runner.cpp, line 147\n"
+        "Exception raised from run at /pytorch/torch/csrc/runner.cpp:147 (most recent call "
+        "first):\nframe #0: c10::Error::Error(c10::SourceLocation) + 0x98 (0x7f in /x/libc10.so)\n"
+        "frame #31: <unknown function> + 0x1098ec (0x7fb66b3278ec in /lib/libc.so.6)"
+    )
+    assert runtime_message(aoti) == (
+        "the compiled model.pt2 kernel failed on it (its error is in the server log)"
+    )
