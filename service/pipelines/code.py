@@ -78,9 +78,17 @@ def _import(spec: PythonSpec, folder: Path, model: str) -> ModuleType:
     path = folder / f"{spec.module.replace('.', '/')}.py"
     if not path.is_file():
         raise ModelLoadError(f"preprocessing.module '{spec.module}': {path} does not exist")
-    package = f"{ROOT_PACKAGE}.{re.sub(r'[^0-9A-Za-z_]', '_', model)}"
+    package = f"{ROOT_PACKAGE}.{package_name(model)}"
     _fresh_package(package, folder)
     return importlib.import_module(f"{package}.{spec.module}")
+
+
+def package_name(model: str) -> str:
+    """The package a model's folder is imported as: its name, with each character that is not
+    a letter or digit written as ``_`` and its code point, so that no two model names share
+    one (``lz-x`` and ``lz_x`` were both ``lz_x``, and one model's lazy imports ran the other's
+    modules)."""
+    return re.sub(r"[^0-9A-Za-z]", lambda m: f"_{ord(m.group()):x}", model)
 
 
 def _fresh_package(name: str, folder: Path) -> None:

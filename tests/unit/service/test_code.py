@@ -67,6 +67,26 @@ def test_a_pipeline_loads_from_its_folder_and_relative_imports_work(tmp_path: Pa
     assert again.preprocess(Item(value=3), {})["x"].tolist() == [60.0]  # sources, never stale .pyc
 
 
+def test_models_whose_names_differ_only_in_punctuation_run_their_own_code(tmp_path: Path) -> None:
+    """``lz-x`` and ``lz_x`` were both imported as the package ``lz_x``: a lazy import of one
+    model's module ran the other's."""
+    for name, factor in (("lz-x", 2), ("lz_x", 3), ("lz.x", 4)):
+        write_code(tmp_path / name)
+        (tmp_path / name / "main.py").write_text(
+            "import numpy as np\nfrom preprocessing.pipeline import Pipeline\n\n"
+            "class Doubler(Pipeline):\n"
+            "    def preprocess(self, item, context):\n"
+            "        from .util import twice  # at the first request, as code may\n\n"
+            "        return {'x': np.asarray([twice(item.json())], dtype=np.float32)}\n"
+        )
+        (tmp_path / name / "util.py").write_text(f"def twice(v):\n    return {factor} * v\n")
+    pipelines = {
+        name: load_pipeline(SPEC, tmp_path / name, name) for name in ("lz-x", "lz_x", "lz.x")
+    }
+    answers = {n: p.preprocess(Item(value=1), {})["x"].tolist() for n, p in pipelines.items()}
+    assert answers == {"lz-x": [2.0], "lz_x": [3.0], "lz.x": [4.0]}
+
+
 def test_a_class_that_is_not_a_pipeline_or_fails_to_build_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "main.py").write_text("class Doubler:\n    pass\n")
     with pytest.raises(ModelLoadError, match="not a subclass of preprocessing.pipeline.Pipeline"):
