@@ -4,6 +4,7 @@ the ``config.yaml`` that serves it as export checked it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -21,7 +22,7 @@ import yaml
 from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec
 from preprocessing.text import TextPipeline
 from service.artifacts.code import code_facts
-from service.artifacts.manifest import Manifest
+from service.artifacts.manifest import Manifest, read_manifest
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.export.exporter import DEFAULT_OPSET, FORMATS, ExportError, export_model
@@ -61,10 +62,31 @@ def run_export(args: argparse.Namespace) -> int:
     if args.backend is not None and args.backend not in formats:
         log.error("--backend %s is not among --formats %s", args.backend, ",".join(formats))
         return 2
+    written = Overwrites()  # what export_model writes, it takes back itself on failure
     try:
-        preprocessing = read_spec(args.preprocessing, out_dir) if args.preprocessing else None
+        return _export(args, module, inputs, outputs, model_dir, out_dir, formats, written)
+    except BaseException:
+        written.undo()  # nothing of a failed export is left, and nothing it replaced is lost
+        raise
+
+
+def _export(
+    args: argparse.Namespace,
+    module: torch.nn.Module,
+    inputs: list[TensorConfig],
+    outputs: list[TensorConfig],
+    model_dir: Path,
+    out_dir: Path,
+    formats: list[str],
+    written: Overwrites,
+) -> int:
+    try:
+        preprocessing = (
+            read_spec(args.preprocessing, out_dir, written) if args.preprocessing else None
+        )
     except ValueError as exc:
         log.error("export failed: %s", exc)
+        written.undo()
         return 2
     buckets = [int(b) for b in args.buckets.split(",") if b.strip()]
     rows = min(GOLDEN_ROWS, args.max_batch_size) if args.max_batch_size > 0 else 0
@@ -98,15 +120,80 @@ def run_export(args: argparse.Namespace) -> int:
         )
     except ExportError as exc:
         log.error("export failed: %s", exc)
+        written.undo()
         return 1
     backend = args.backend or next(f for f in FORMATS if f in manifest.artifacts)
     config = model_dir / "config.yaml"
-    written = write_config(config, manifest, backend, preprocessing)
-    log.info("%s", summary(manifest, out_dir, config, backend, written))
+    kept = write_config(config, manifest, backend, preprocessing)
+    _warn_of_versions_with_other_code(model_dir, out_dir, manifest)
+    log.info("%s", summary(manifest, out_dir, config, backend, kept))
     return 0
 
 
-def read_spec(path: Path, out_dir: Path) -> PreprocessingSpec:
+def _warn_of_versions_with_other_code(model_dir: Path, out_dir: Path, manifest: Manifest) -> None:
+    """A model's code lives in its folder, shared by its versions: say which of the others
+    were exported with other code, which the server now refuses to load."""
+    if manifest.code is None:
+        return
+    files = manifest.code.get("files", {})
+    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        try:
+            other = read_manifest(version) if version != out_dir else None
+        except ModelLoadError:  # not this export's to judge: the server says why at load
+            continue
+        if other is None or other.code is None:
+            continue
+        changed = sorted(
+            name
+            for name in {*files, *other.code.get("files", {})}
+            if files.get(name) != other.code.get("files", {}).get(name)
+        )
+        if changed:
+            log.warning(
+                "version %s of %s was exported with other code (%s): the code in the model's "
+                "folder is its versions' alike, so the server now refuses to load version %s "
+                "(export it again, or serve its code from another model folder)",
+                version.name,
+                model_dir.name,
+                ", ".join(changed),
+                version.name,
+            )
+
+
+class Overwrites:
+    """Files an export writes beside others' (the model's code, shared by its versions), each
+    with what was there before, so that an export that fails leaves the folder as it was: it
+    had replaced the code version 1 was exported with, and version 1 was refused at its next
+    load."""
+
+    def __init__(self) -> None:
+        self.before: dict[Path, bytes | None] = {}
+        self.made: list[Path] = []
+
+    def copy(self, source: Path, target: Path) -> None:
+        if target not in self.before:
+            self.before[target] = target.read_bytes() if target.is_file() else None
+        self.folder(target.parent)
+        shutil.copyfile(source, target)
+
+    def folder(self, path: Path) -> None:
+        """``path`` and its parents made, each remembered if this export made it."""
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        self.made.extend(reversed(missing))
+
+    def undo(self) -> None:
+        for target, content in self.before.items():
+            if content is None:
+                target.unlink(missing_ok=True)
+            else:
+                target.write_bytes(content)
+        for folder in reversed(self.made):  # the deepest first, each only if left empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def read_spec(path: Path, out_dir: Path, written: Overwrites | None = None) -> PreprocessingSpec:
     """The image, text or python spec in ``path``. A text spec's tokenizer is copied from
     beside it into the version folder, where the server reads it (its sha256 checked first); a
     python spec's module and the local modules it imports, from beside it into the model's
@@ -126,8 +213,8 @@ def read_spec(path: Path, out_dir: Path) -> PreprocessingSpec:
             raise ValueError(
                 f"{path}: {source} has sha256 {digest}, the spec says {spec.tokenizer_sha256}"
             )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, out_dir / spec.tokenizer)
+        written = written or Overwrites()
+        written.copy(source, out_dir / spec.tokenizer)
     if isinstance(spec, PythonSpec) and spec.package is None:
         model_dir = out_dir.parent
         try:
@@ -135,9 +222,9 @@ def read_spec(path: Path, out_dir: Path) -> PreprocessingSpec:
         except ModelLoadError as exc:
             raise ValueError(f"{path}: {exc}") from None
         if path.parent.resolve() != model_dir.resolve():
+            written = written or Overwrites()
             for name in files:
-                (model_dir / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path.parent / name, model_dir / name)
+                written.copy(path.parent / name, model_dir / name)
     return spec
 
 

@@ -377,3 +377,58 @@ def test_an_input_reaching_an_index_no_range_bounds_is_named_at_export(
         )
     (warning,) = [r.getMessage() for r in caplog.records if "reaches an index" in r.getMessage()]
     assert "input 'item_id'" in warning and "--input item_id:DTYPE:DIMS:LOW..HIGH" in warning
+
+
+RECORDS = """
+import numpy as np
+from preprocessing.pipeline import Pipeline
+
+
+class Records(Pipeline):
+    def preprocess(self, item, context):
+        {fails}
+        return {{"x": np.asarray(item.json()["x"], dtype=np.float32) * {scale}}}
+"""
+
+
+def test_a_failed_export_leaves_the_model_folder_as_it_was_and_says_which_versions_it_orphans(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Export copies a model's code into its folder, which its versions share: a version 2 whose
+    export failed had replaced the code version 1 was exported with, and version 1 was refused
+    at its next load."""
+    from service.cli import main
+
+    item = tmp_path / "item.json"
+    item.write_text('{"x": [1, 2, 3, 4]}')
+
+    def export(version: int, fails: str, scale: float) -> int:
+        source = tmp_path / f"src{version}-{scale}"
+        source.mkdir()
+        (source / "records.py").write_text(RECORDS.format(fails=fails, scale=scale))
+        (source / "spec.yaml").write_text("kind: python\nmodule: records\nclass: Records\n")
+        return main(
+            [
+                "export",
+                "tests.user_models:make_linear",
+                *("--name", "tab", "--version", str(version)),
+                *("--repository", str(tmp_path / "models")),
+                *("--input", "x:FP32:4", "--output", "y:FP32:2", "--max-batch-size", "4"),
+                *("--formats", "onnx", "--preprocessing", str(source / "spec.yaml")),
+                *("--answer-items", str(item)),
+            ]
+        )
+
+    folder = tmp_path / "models" / "tab"
+    assert export(1, "pass", 1.0) == 0
+    code = (folder / "records.py").read_text()
+    with pytest.raises(RuntimeError, match="oops"):
+        export(2, "raise RuntimeError('oops')", 2.0)
+    assert (folder / "records.py").read_text() == code  # version 1's code, as exported
+    assert sorted(p.name for p in folder.iterdir()) == ["1", "config.yaml", "records.py"]
+    with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
+        assert export(2, "pass", 3.0) == 0  # other code, exported: version 1 is orphaned
+    assert any(
+        "version 1 of tab was exported with other code (records.py)" in r.getMessage()
+        for r in caplog.records
+    )
