@@ -76,10 +76,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         required=True,
         metavar="NAME:DTYPE:D1,D2,...[:LOW..HIGH]",
-        help="an input without the batch dim, e.g. input:FP32:3,224,224 (-1 = dynamic); "
-        "ids:INT64:1:0..999 declares the values it may take (a 400 outside)",
+        help="an input without the batch dim, e.g. input:FP32:3,224,224 (-1 = dynamic; "
+        "x:FP32 is one value a row); ids:INT64:1:0..999 declares the values it may take "
+        "(a 400 outside)",
     )
-    export.add_argument("--output", action="append", required=True, metavar="NAME:DTYPE:D1,...")
+    export.add_argument(
+        "--output",
+        action="append",
+        required=True,
+        metavar="NAME:DTYPE:D1,...",
+        help="an output without the batch dim, e.g. logits:FP32:1000 (cls:INT64 is one value "
+        "a row)",
+    )
     export.add_argument("--max-batch-size", type=int, default=32)
     export.add_argument(
         "--formats",

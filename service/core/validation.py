@@ -90,7 +90,16 @@ def check_rows(rows: int, config: ModelConfig, name: str) -> None:
 def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
     """v1 rows → one tensor per input: plain rows feed the only input, objects name their inputs."""
     if all(isinstance(item, dict) for item in instances):
-        columns = {t.name: [item.get(t.name) for item in instances] for t in specs}
+        for index, item in enumerate(instances):
+            missing = [t.name for t in specs if t.name not in item]
+            unknown = sorted(set(item) - {t.name for t in specs})
+            if missing or unknown:
+                raise InvalidInput(
+                    f"instances[{index}] "
+                    + (f"lacks input(s) {missing}" if missing else f"names no input {unknown}")
+                    + f"; the model takes {[t.name for t in specs]}"
+                )
+        columns = {t.name: [item[t.name] for item in instances] for t in specs}
     elif len(specs) == 1:
         columns = {specs[0].name: instances}
     else:

@@ -56,6 +56,7 @@ def run_export(args: argparse.Namespace) -> int:
     module = load_module(args.factory)
     inputs = [parse_tensor(text) for text in args.input]
     outputs = [parse_tensor(text) for text in args.output]
+    check_tensors(inputs, outputs, args.buckets)
     model_dir = args.repository / args.name
     out_dir = model_dir / str(args.model_version)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -321,10 +322,12 @@ def load_module(spec: str) -> torch.nn.Module:
 
 
 def parse_tensor(text: str) -> TensorConfig:
-    """``name:DTYPE:d1,d2`` → TensorConfig (shape without batch dim); ``name:DTYPE:d1:LOW..HIGH``
-    adds the values it may take (inclusive), refused outside with a 400."""
+    """``name:DTYPE:d1,d2`` → TensorConfig (shape without batch dim); ``name:DTYPE`` (or
+    ``name:DTYPE:``) is one value a row; ``name:DTYPE:d1:LOW..HIGH`` adds the values it may take
+    (inclusive), refused outside with a 400."""
     try:
-        name, datatype, dims, *bounds = text.split(":")
+        name, datatype, *rest = text.split(":")
+        dims, *bounds = rest or [""]
         shape = tuple(int(d) for d in dims.split(",") if d)
         spec: dict[str, Any] = {"name": name, "datatype": datatype, "shape": shape}
         if bounds:
@@ -332,10 +335,25 @@ def parse_tensor(text: str) -> TensorConfig:
             low, high = span.split("..")
             spec["range"] = (float(low), float(high))
         return TensorConfig.model_validate(spec)
+    except pydantic.ValidationError as exc:
+        raise SystemExit(f"tensor {text!r}: {describe_validation_error(exc)}") from None
     except ValueError as exc:
         raise SystemExit(
             f"tensor must be NAME:DTYPE:D1,D2,...[:LOW..HIGH] (got {text!r}): {exc}"
         ) from None
+
+
+def check_tensors(inputs: list[TensorConfig], outputs: list[TensorConfig], buckets: str) -> None:
+    """What the command line's tensors must be together: each name once, and buckets only for
+    dynamic dims (SystemExit saying what is wrong)."""
+    names = [t.name for t in (*inputs, *outputs)]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise SystemExit(f"tensor names must differ: {twice} named more than once")
+    if buckets.strip() and not any(-1 in t.shape for t in inputs):
+        raise SystemExit(
+            f"--buckets {buckets}: no input has a dynamic (-1) dim for them to size (e.g. "
+            "--input ids:INT64:-1)"
+        )
 
 
 def golden_input(spec: TensorConfig, rows: int, seed: int, length: int = 8) -> np.ndarray:

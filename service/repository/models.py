@@ -259,8 +259,10 @@ class ModelRepository:
     def load_model(self, name: str) -> ModelEntry:
         """(Re)load one model from its folder; swap its versions in once they are ready.
 
-        Blocking: call it off the event loop. Raises ModelLoadRefused when nothing could be
-        loaded (the versions already serving go on).
+        Blocking: call it off the event loop. Raises ModelLoadRefused when any version the
+        folder asks for could not be loaded: none is swapped in, and the versions already
+        serving go on (a load that left one of them UNAVAILABLE made the server unready, for
+        an operator's request).
         """
         folder = self._folder(name)
         with self._change(name):
@@ -269,7 +271,12 @@ class ModelRepository:
             fresh = self._scan_model(name, folder)
             self._load_entry(fresh)
             old = self.models.get(name)
-            if fresh.error or not any(v.state is ModelState.READY for v in fresh.versions.values()):
+            versions = fresh.versions.values()
+            if (
+                fresh.error
+                or not versions
+                or any(v.state is not ModelState.READY for v in versions)
+            ):
                 reasons = fresh.why_not()
                 for version in fresh.versions.values():
                     if version.served is not None:

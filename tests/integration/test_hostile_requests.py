@@ -162,6 +162,34 @@ def test_a_failed_load_of_a_new_model_is_shown_and_leaves_the_server_ready(
         shutil.rmtree(folder)
 
 
+def test_a_load_that_refuses_one_version_is_400_and_leaves_the_server_as_it_was(
+    hostile: tuple[Server, Path],
+) -> None:
+    """A reload where one version of several fails: it answered 200, swapped in the broken
+    version UNAVAILABLE beside the good one, and made the whole server unready."""
+    server, root = hostile
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    staged, folder = root.parent / "pair-staged", root / "pair"
+    copy_model("digits", staged)
+    config = staged / "config.yaml"
+    config.write_text(config.read_text().replace("{latest: 1}", "{all: true}"))
+    staged.rename(folder)  # whole at once: --poll may load it first, as the request would
+    try:
+        assert server.client.post("/v2/repository/models/pair/load", headers=admin).is_success
+        shutil.copytree(folder / "1", folder / "2.tmp")
+        (folder / "2.tmp" / "model.pt").write_bytes(b"not a TorchScript model")
+        (folder / "2.tmp").rename(folder / "2")
+        answer = server.client.post("/v2/repository/models/pair/load", headers=admin)
+        assert answer.status_code == 400, answer.text
+        assert "failed to load 'pair': version 1: READY; version 2: " in answer.json()["error"]
+        assert server.client.get("/v2/models/pair/versions/1/ready").status_code == 200
+        assert server.client.get("/v2/models/pair/versions/2/ready").status_code == 404
+        assert server.client.post("/v2/models/pair/infer", json=DIGIT).status_code == 200
+        assert server.client.get("/v2/health/ready").status_code == 200
+    finally:
+        shutil.rmtree(folder)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "words"),
     [

@@ -109,6 +109,23 @@ def test_rows_are_read_against_the_model_inputs(core: InProcess) -> None:
         infer(core, InferenceRequest("identity", rows=[[1.0, 2.0, 3.0]]))
 
 
+def test_row_objects_name_every_input_and_no_other(core: InProcess) -> None:
+    """An object lacking an input read as null ("null is not a number"), and a misspelt name
+    was dropped without a word."""
+    served = next(
+        s.loaded.signature.inputs
+        for v, s in core.dataplane.repository.served_versions()
+        if v.name == "identity"
+    )
+    row = {t.name: [0] * t.shape[0] for t in served}
+    first = served[0].name
+    lacking = {k: v for k, v in row.items() if k != first}
+    with pytest.raises(InvalidInput, match=rf"instances\[1\] lacks input\(s\) \['{first}'\]"):
+        infer(core, InferenceRequest("identity", rows=[row, lacking]))
+    with pytest.raises(InvalidInput, match=r"instances\[0\] names no input \['typo'\]"):
+        infer(core, InferenceRequest("identity", rows=[{**row, "typo": [1]}]))
+
+
 def test_raw_items_need_a_pipeline(core: InProcess) -> None:
     with pytest.raises(UnsupportedMediaType, match="'identity' has no preprocessing"):
         infer(core, InferenceRequest("identity", raw=[b"\x89PNG"]))

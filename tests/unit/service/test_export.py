@@ -10,7 +10,7 @@ import torch
 from preprocessing.spec import ImageSpec, spec_hash
 from service.artifacts.manifest import Tolerance
 from service.artifacts.shapes import Follow
-from service.export.cli import golden_input, parse_tensor
+from service.export.cli import check_tensors, golden_input, parse_tensor
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
 from tests.models import Mlp, TrainModeNet
@@ -432,3 +432,15 @@ def test_a_failed_export_leaves_the_model_folder_as_it_was_and_says_which_versio
         "version 1 of tab was exported with other code (records.py)" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_the_command_line_s_tensors_say_what_is_wrong_with_them() -> None:
+    assert parse_tensor("cls:INT64").shape == () == parse_tensor("cls:INT64:").shape
+    with pytest.raises(SystemExit, match=r"tensor 'x:FLOAT:6': datatype: Input should be 'BOOL'"):
+        parse_tensor("x:FLOAT:6")  # pydantic's words, without its link
+    x, other_x = parse_tensor("x:FP32:4"), parse_tensor("x:FP32:2")
+    with pytest.raises(SystemExit, match=r"tensor names must differ: \['x'\] named more than once"):
+        check_tensors([x, other_x], [parse_tensor("y:FP32:2")], "")
+    with pytest.raises(SystemExit, match=r"--buckets 8,16: no input has a dynamic \(-1\) dim"):
+        check_tensors([x], [parse_tensor("y:FP32:2")], "8,16")
+    check_tensors([parse_tensor("ids:INT64:-1")], [parse_tensor("y:FP32:-1,2")], "8,16")
