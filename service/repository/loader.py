@@ -231,6 +231,7 @@ def _gate_and_warm(
     loaded_at = time.perf_counter()
     golden, tolerance = _check_artifact(path, config, manifest, runtimes, warnings)
     shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
+    warnings.extend(_unwarmed_dims(config, signature, shapes))
     _check_code(config, path, manifest, warnings)
     pipeline = pipeline_for(config, signature, path, name)
     if pipeline is not None and models is not None and isinstance(config.preprocessing, PythonSpec):
@@ -410,6 +411,27 @@ def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | Non
     if manifest is not None:
         return Signature(manifest.inputs, manifest.outputs)
     return None
+
+
+def _unwarmed_dims(config: ModelConfig, signature: Signature, shapes: ShapePolicy) -> list[str]:
+    """What a version with dynamic dims and no buckets will run cold: its warmup cannot know
+    the sizes requests bring (a bring-your-own ONNX model's dynamic leading dim, served with
+    ``max_batch_size`` 0, is such a dim, not a batch)."""
+    if not shapes.axes or shapes.buckets:
+        return []
+    dynamic = sorted({f"'{name}' dim {index}" for axis in shapes.axes for name, index in axis.dims})
+    said = (
+        f"dynamic dims without buckets ({', '.join(dynamic)}): requests run at sizes warmup "
+        "never ran (counted in tensorgate_unwarmed_shape_requests_total) and unbounded; set "
+        "buckets in config.yaml"
+    )
+    leading = [t.name for t in signature.inputs if t.shape and t.shape[0] == -1]
+    if config.max_batch_size == 0 and leading:
+        said += (
+            f", or max_batch_size if the first dim of {leading} is a batch (it is served as "
+            "one request's dim, never batched)"
+        )
+    return [said]
 
 
 def _warm_up(

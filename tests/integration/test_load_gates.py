@@ -84,6 +84,10 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     byo.mkdir(parents=True)
     shutil.copy(root / "digits" / "1" / "model.onnx", byo / "model.onnx")
     (byo.parent / "config.yaml").write_text("backend: onnx\nmax_batch_size: 8\n")
+    unbatched = root / "unbatched" / "1"  # the same file, its config naming only the backend
+    unbatched.mkdir(parents=True)
+    shutil.copy(root / "digits" / "1" / "model.onnx", unbatched / "model.onnx")
+    (unbatched.parent / "config.yaml").write_text("backend: onnx\n")
 
     _torchscript_model(root, "train_mode", TrainModeNet().train(), width=8, out=4)
     _torchscript_model(root, "drops_a_row", DropsARow(), width=4, out=4)
@@ -142,6 +146,17 @@ def test_the_intact_model_serves_while_others_are_refused(gated: Server) -> None
     # Started all the same: a startupProbe passes, so Kubernetes keeps a NotReady pod that says
     # why instead of restarting it every few minutes.
     assert gated.client.get("/v2/health/startup").json() == {"started": True}
+
+
+def test_a_bare_model_s_dims_that_no_warmup_can_cover_are_named_with_what_to_set(
+    gated: Server,
+) -> None:
+    """Served with max_batch_size 0, the graph's dynamic leading dim is one request's own:
+    every size ran cold (the unwarmed counter went up), and nothing said so."""
+    warnings = gated.client.get("/v2/models/unbatched").json()["warnings"]
+    (said,) = [w for w in warnings if "dynamic dims without buckets" in w]
+    assert "('image' dim 0)" in said and "set buckets in config.yaml" in said
+    assert "or max_batch_size if the first dim of ['image'] is a batch" in said
 
 
 def test_a_bare_onnx_file_loads_unverified_with_its_signature_from_the_graph(
