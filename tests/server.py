@@ -57,6 +57,7 @@ class Server:
         log_path: Path | None = None,
         port: int | None = None,
     ) -> None:
+        self.repository = repository
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.grpc_port = free_port()

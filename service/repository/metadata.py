@@ -47,6 +47,8 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
     if found is not None:
         metadata["version"] = str(found.version)
     reason = found.reason if found and found.reason else entry.error
+    if entry.unloaded:
+        metadata["state"], reason = ModelState.UNLOADED.value, "unloaded"
     if entry.last_load_error:  # a reload was refused: say what serves instead, and why
         serving = f"version {found.version} serves" if found else "nothing serves"
         reason = f"{serving}; the last reload was refused: {entry.last_load_error}"

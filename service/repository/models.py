@@ -436,6 +436,10 @@ class ModelRepository:
                         "reason": version.reason,
                     }
                 )
+        for name in sorted(set(self.on_disk(chosen_only=True)) - set(self.models)):
+            # as Triton's index: every model of the repository, also one never loaded
+            reason = "not loaded: its folder appeared after the server started (load it)"
+            rows.append({"name": name, "state": ModelState.UNLOADED.value, "reason": reason})
         return rows
 
     def close(self) -> None:

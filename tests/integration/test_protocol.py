@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -187,6 +188,16 @@ def test_repository_index_unload_and_load_with_the_admin_token(protocol_server: 
     client.unload_model("identity_cast", headers=ADMIN)
     assert not client.is_model_ready("identity_cast")
     assert protocol_server.client.get("/v2/health/ready").status_code == 200  # unloaded ≠ broken
+    metadata = protocol_server.client.get("/v2/models/identity_cast").json()
+    assert (metadata["state"], metadata["reason"]) == ("UNLOADED", "unloaded")
+    # a folder that arrived after startup is in the index before anyone loads it, as in Triton's
+    write_identity_model(protocol_server.repository / "late")
+    try:
+        index = client.get_model_repository_index(headers=ADMIN)
+        (late,) = [row for row in index if row["name"] == "late"]
+        assert late["state"] == "UNLOADED" and "load it" in late["reason"]
+    finally:
+        shutil.rmtree(protocol_server.repository / "late")
     refused = protocol_server.client.post("/v2/models/identity_cast/infer", json={"inputs": []})
     assert refused.status_code == 503 and "unloaded" in refused.json()["error"]
     client.load_model("identity_cast", headers=ADMIN)
