@@ -8,6 +8,7 @@ Each refusal is a :class:`~service.errors.ModelLoadError` whose message names th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,9 +248,18 @@ def check_preprocessing(config: ModelConfig, manifest: Manifest) -> None:
         raise ModelLoadError(
             "preprocessing in config.yaml differs from the one this artifact was exported with "
             f"(served {served}, manifest {manifest.preprocessing_hash}); the model would see "
-            "inputs unlike its training data. Export again, or restore the spec: "
-            f"{manifest.preprocessing}"
+            "inputs unlike its training data. Export again, or restore the spec "
+            f"(preprocessing: {_as_written(manifest.preprocessing)})"
         )
+
+
+def _as_written(spec: Mapping[str, Any] | None) -> str:
+    """A recorded spec as config.yaml takes it (JSON is YAML): ``class``, not the field name
+    ``cls``, and no null values (``package: None`` pasted back was refused)."""
+    if spec is None:
+        return "none"
+    shown = {("class" if key == "cls" else key): v for key, v in spec.items() if v is not None}
+    return json.dumps(shown)
 
 
 @dataclass(frozen=True)

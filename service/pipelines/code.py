@@ -56,7 +56,7 @@ def load_pipeline(spec: PythonSpec, folder: Path, model: str) -> Pipeline:
         said = " ".join(str(exc).split())  # one line in the metadata, whatever the code raised
         raise ModelLoadError(
             f"preprocessing code {spec.module}.{spec.cls} failed to load: "
-            f"{type(exc).__name__}: {said}{where} (traceback logged)"
+            f"{type(exc).__name__}: {said}{where}{_relative_hint(exc, folder)} (traceback logged)"
         ) from None
     return pipeline
 
@@ -119,6 +119,17 @@ class _SourceOnly(importlib.machinery.SourceFileLoader):
 
     def get_code(self, fullname: str) -> CodeType:
         return compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
+
+
+def _relative_hint(exc: BaseException, folder: Path) -> str:
+    """For ``import feats`` of a module beside the code: how to import it (the model's folder
+    is a package of its own, never on ``sys.path``)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    local = folder / exc.name.replace(".", "/")
+    if not (local.with_suffix(".py").is_file() or (local / "__init__.py").is_file()):
+        return ""
+    return f"; {exc.name} is the model's own: import it relatively (from .{exc.name} import ...)"
 
 
 def last_frame(exc: BaseException) -> str:

@@ -97,6 +97,10 @@ def test_a_class_that_is_not_a_pipeline_or_fails_to_build_is_one_line(tmp_path: 
     )
     with pytest.raises(ModelLoadError, match=r"ValueError: no stats at main.py:4"):
         load_pipeline(SPEC, tmp_path, "m")
+    (tmp_path / "feats.py").write_text("SCALE = 2\n")
+    (tmp_path / "main.py").write_text("from feats import SCALE\n")  # as if it were on sys.path
+    with pytest.raises(ModelLoadError, match=r"import it relatively \(from \.feats import"):
+        load_pipeline(SPEC, tmp_path, "m")
 
 
 def test_the_spec_hash_covers_the_params() -> None:

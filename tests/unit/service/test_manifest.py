@@ -2,8 +2,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from preprocessing.spec import ImageSpec, spec_hash
+from preprocessing.spec import ImageSpec, PythonSpec, spec_hash
 from service.artifacts.manifest import (
     Manifest,
     Tolerance,
@@ -75,6 +76,18 @@ def test_an_edited_preprocessing_spec_is_refused() -> None:
         check_preprocessing(edited, manifest())
     with pytest.raises(ModelLoadError, match="served None"):
         check_preprocessing(ModelConfig(backend="onnx"), manifest())
+
+
+def test_the_spec_to_restore_is_said_as_config_yaml_takes_it() -> None:
+    """It was the recorded dict's repr: ``'cls'`` and ``'package': None``, which config.yaml
+    refuses when pasted back."""
+    code = PythonSpec.model_validate({"kind": "python", "module": "rec", "class": "Records"})
+    recorded = manifest(preprocessing=code.model_dump(mode="json"), preprocessing_hash="x")
+    with pytest.raises(ModelLoadError) as refused:
+        check_preprocessing(ModelConfig(backend="onnx", preprocessing=code), recorded)
+    said = refused.value.args[0].split("(preprocessing: ", 1)[1].removesuffix(")")
+    assert PythonSpec.model_validate(yaml.safe_load(said)) == code
+    assert "None" not in said and '"class": "Records"' in said
 
 
 def test_golden_replay_within_and_beyond_tolerance(tmp_path: Path) -> None:
