@@ -98,6 +98,11 @@ class DataPlane:
         """The server's budget for what clients make it hold (set by the app: the one its
         bodies and messages are held in); raw items hold what they decode into in it."""
 
+    def code_pool(self, model: LoadedVersion) -> ThreadPoolExecutor:
+        """Where ``model``'s own code runs: a pool of its own, as many threads as the shared
+        one (``TG_PREPROCESS_THREADS``)."""
+        return model.code_pool(self.settings.preprocess_threads)
+
     async def offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, in the thread pool when ``size`` (the bytes it works on) is large, and
         one at a time with the others of :data:`BULK_BYTES` or more."""
@@ -218,7 +223,7 @@ class DataPlane:
         if not isinstance(pipeline, BUILT_IN):
             runner, gone = _code_context(deadline)
             batch = await _within(
-                loop.run_in_executor(self.pool, runner, make),
+                loop.run_in_executor(self.code_pool(model), runner, make),
                 deadline,
                 model.name,
                 "preprocessing",
@@ -449,7 +454,9 @@ class Call:
                 done = partial(_postprocess, pipeline, outputs, prepared.contexts, loaded)
                 runner, gone = _code_context(until)
                 answers = await _within(
-                    asyncio.get_running_loop().run_in_executor(self.dataplane.pool, runner, done),
+                    asyncio.get_running_loop().run_in_executor(
+                        self.dataplane.code_pool(loaded), runner, done
+                    ),
                     until,
                     loaded.name,
                     "postprocessing",

@@ -17,7 +17,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,17 @@ class LoadedVersion:
     """The exported golden pairs, replayed after a request fails alone to tell whose fault it
     was (None without a manifest)."""
     tolerance: Tolerance
+    _code_pool: list[ThreadPoolExecutor] = field(default_factory=list, repr=False)
+
+    def code_pool(self, threads: int) -> ThreadPoolExecutor:
+        """The threads this version's own code (its pre- and postprocessing) runs on, made at
+        its first request: its own, so that code that hangs or crawls holds only its own
+        model's requests. In the pool every model shares, three requests to code sleeping 15 s
+        (each answered 504 at its deadline) held a plain model's preprocessing for 13 s."""
+        if not self._code_pool:
+            name = f"{self.name}-code"
+            self._code_pool.append(ThreadPoolExecutor(threads, thread_name_prefix=name))
+        return self._code_pool[0]
 
     def replay_golden(self, runtime_run: Runner) -> str | None:
         """None when ``runtime_run`` still answers the golden inputs as exported, else why not
@@ -153,6 +165,8 @@ class LoadedVersion:
     def close(self) -> None:
         for runtime in self.runtimes:
             runtime.close()
+        for pool in self._code_pool:  # its threads end with their work (a hung one: never)
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class LoadBound:

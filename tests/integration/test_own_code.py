@@ -479,15 +479,25 @@ def test_code_that_exits_or_returns_no_arrays_fails_only_its_request(server: Ser
 def test_a_hanging_step_is_a_504_at_the_deadline_and_the_server_serves_on(
     server: Server, tmp_path: Path
 ) -> None:
-    woke = tmp_path / "woke"
-    hung = {"hang": 3, "x": [0, 0, 0, 0], "done": str(woke)}
-    response = predict(server, "scorer", [hung], headers={"X-Request-Timeout": "0.5"})
-    assert response.status_code == 504
-    assert "model 'scorer': its preprocessing code did not finish" in response.json()["error"]
-    assert not woke.exists()  # answered at the deadline, while the step still hung
-    assert predict(server, "scorer", [{"x": [0, 1, 0, 0]}]).status_code == 200
+    """Two steps that hang hold both of the scorer's code threads (TG_PREPROCESS_THREADS=2):
+    another model's code runs on threads of its own (in one shared pool, it waited)."""
+    woke = [tmp_path / "woke-1", tmp_path / "woke-2"]
+    hung = [{"hang": 6, "x": [0, 0, 0, 0], "done": str(path)} for path in woke]
+    with ThreadPoolExecutor(2) as clients:
+        responses = list(
+            clients.map(
+                lambda item: predict(server, "scorer", [item], {"X-Request-Timeout": "0.5"}), hung
+            )
+        )
+    for response in responses:
+        assert response.status_code == 504
+        assert "model 'scorer': its preprocessing code did not finish" in response.json()["error"]
+    assert not any(path.exists() for path in woke)  # answered at the deadline; still hung
     assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200
-    server.wait_for(woke.exists, timeout=30)  # its pool thread is free again
+    assert not any(path.exists() for path in woke)  # served while the scorer's threads hung
+    for path in woke:
+        server.wait_for(path.exists, timeout=30)  # its code threads are free again
+    assert predict(server, "scorer", [{"x": [0, 1, 0, 0]}]).status_code == 200
 
 
 def test_metadata_offers_the_raw_input_and_the_answer_output(server: Server) -> None:
