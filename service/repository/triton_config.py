@@ -84,6 +84,27 @@ def triton_config(
     own["version"] = str(version)
     if loaded is not None:
         own["verified"] = loaded.verified
+        # what a request is held to, as served: the values each input takes (declared, proven
+        # at export, or a tokenizer's vocabulary), and how its dynamic dims are fitted
+        ranges = {
+            t.name: t.model_dump(mode="json")["range"]
+            for t in loaded.signature.inputs
+            if t.range is not None
+        }
+        if ranges:
+            own["input_ranges"] = ranges
+        shapes = loaded.shapes
+        if shapes.axes:
+            own["dynamic_dims"] = {
+                "dims": [[f"{name}:{index}" for name, index in a.dims] for a in shapes.axes],
+                "buckets": list(shapes.buckets),
+                "sizes": (
+                    ("padded to a bucket" if shapes.pad else "exactly a bucket")
+                    if shapes.buckets
+                    else "any (no buckets: not warmed)"
+                ),
+                "largest": [a.max for a in shapes.axes],
+            }
     body["parameters"] = {
         f"tensorgate.{key}": {"string_value": orjson.dumps(value).decode()}
         for key, value in own.items()

@@ -533,3 +533,24 @@ def test_a_bare_pt2_with_an_unranged_integer_input_is_refused(tmp_path: Path) ->
         assert response.status_code == 400, response.text
     finally:
         assert server.stop() == 0
+
+
+def test_the_config_says_what_a_request_is_held_to(server: Server) -> None:
+    """A client learnt an input's values and its dims' buckets only from 400s."""
+
+    def own(model: str) -> dict[str, object]:
+        parameters = server.client.get(f"/v2/models/{model}/config").json()["parameters"]
+        return {
+            key.removeprefix("tensorgate."): json.loads(value["string_value"])
+            for key, value in parameters.items()
+        }
+
+    assert own("ctr")["input_ranges"] == {"item_id": [0, 999]}  # its nn.Embedding(1000, 16)
+    tagger = own("tagger")
+    assert tagger["dynamic_dims"] == {
+        "dims": [["ids:1"]],
+        "buckets": [8, 16, 32],
+        "sizes": "padded to a bucket",
+        "largest": [32],
+    }
+    assert "dynamic_dims" not in own("ctr")
