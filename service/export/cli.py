@@ -125,10 +125,33 @@ def _export(
         return 1
     backend = args.backend or next(f for f in FORMATS if f in manifest.artifacts)
     config = model_dir / "config.yaml"
-    kept = write_config(config, manifest, backend, preprocessing)
+    wrote = write_config(config, manifest, backend, preprocessing)
     _warn_of_versions_with_other_code(model_dir, out_dir, manifest)
-    log.info("%s", summary(manifest, out_dir, config, backend, kept))
+    if wrote:
+        _warn_of_versions_without(backend, model_dir, out_dir)
+    log.info("%s", summary(manifest, out_dir, config, backend, wrote))
     return 0
+
+
+def _warn_of_versions_without(backend: str, model_dir: Path, out_dir: Path) -> None:
+    """The config.yaml export wrote is the model's, its versions' alike: say which of the
+    others have no artifact for the backend it names (served beside this one, by
+    ``version_policy``, each would be refused)."""
+    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        try:
+            other = read_manifest(version) if version != out_dir else None
+        except ModelLoadError:
+            continue
+        if other is not None and backend not in other.artifacts:
+            log.warning(
+                "version %s of %s has no %s artifact (it has %s), and config.yaml now names "
+                "backend %s: served beside this one (version_policy), it would be refused",
+                version.name,
+                model_dir.name,
+                backend,
+                ", ".join(sorted(other.artifacts)),
+                backend,
+            )
 
 
 def _warn_of_versions_with_other_code(model_dir: Path, out_dir: Path, manifest: Manifest) -> None:

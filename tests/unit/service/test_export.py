@@ -402,7 +402,7 @@ def test_a_failed_export_leaves_the_model_folder_as_it_was_and_says_which_versio
     item = tmp_path / "item.json"
     item.write_text('{"x": [1, 2, 3, 4]}')
 
-    def export(version: int, fails: str, scale: float) -> int:
+    def export(version: int, fails: str, scale: float, formats: str = "onnx") -> int:
         source = tmp_path / f"src{version}-{scale}"
         source.mkdir()
         (source / "records.py").write_text(RECORDS.format(fails=fails, scale=scale))
@@ -414,7 +414,7 @@ def test_a_failed_export_leaves_the_model_folder_as_it_was_and_says_which_versio
                 *("--name", "tab", "--version", str(version)),
                 *("--repository", str(tmp_path / "models")),
                 *("--input", "x:FP32:4", "--output", "y:FP32:2", "--max-batch-size", "4"),
-                *("--formats", "onnx", "--preprocessing", str(source / "spec.yaml")),
+                *("--formats", formats, "--preprocessing", str(source / "spec.yaml")),
                 *("--answer-items", str(item)),
             ]
         )
@@ -432,6 +432,12 @@ def test_a_failed_export_leaves_the_model_folder_as_it_was_and_says_which_versio
         "version 1 of tab was exported with other code (records.py)" in r.getMessage()
         for r in caplog.records
     )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
+        assert export(3, "pass", 3.0, formats="torchscript") == 0  # config.yaml now torchscript
+    lacking = [r.getMessage() for r in caplog.records if "artifact" in r.getMessage()]
+    assert [m.split(" has no")[0] for m in lacking] == ["version 1 of tab", "version 2 of tab"]
+    assert "no torchscript artifact (it has onnx)" in lacking[0]
 
 
 def test_the_command_line_s_tensors_say_what_is_wrong_with_them() -> None:
