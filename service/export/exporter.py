@@ -43,7 +43,7 @@ from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.export import shapes as export_shapes
 from service.model_config import TensorConfig
-from service.pipelines.code import load_pipeline
+from service.pipelines.code import last_frame, load_pipeline
 from service.runtimes.base import RuntimeOptions, Signature, shape_fits
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
 
@@ -346,9 +346,15 @@ class _Code:
         as the golden inputs of the artifact's own parity gate."""
         items = [Item(path.read_bytes(), kind) for path, kind in self.items]
         try:
-            batch = self.pipeline.preprocess_batch(items, [{} for _ in items])
-        except BadInput:
-            batch = self.pipeline.preprocess_batch(items[:1], [{}])
+            try:
+                batch = self.pipeline.preprocess_batch(items, [{} for _ in items])
+            except BadInput:
+                batch = self.pipeline.preprocess_batch(items[:1], [{}])
+        except Exception as exc:  # the code's own: one line naming it, not a traceback
+            raise ExportError(
+                f"the pipeline's preprocessing failed on {self.items[0][0]}: "
+                f"{type(exc).__name__}: {exc}{last_frame(exc)}"
+            ) from exc
         return batch if batched else {name: array[0] for name, array in batch.items()}
 
     def answers(self, run: Runner, out_dir: Path, batched: bool) -> list[dict[str, Any]]:
@@ -365,7 +371,7 @@ class _Code:
                 answer = answer_one(self.pipeline, item, run, batched)
             except Exception as exc:
                 raise ExportError(
-                    f"the pipeline failed on {path}: {type(exc).__name__}: {exc}"
+                    f"the pipeline failed on {path}: {type(exc).__name__}: {exc}{last_frame(exc)}"
                 ) from exc
             pairs.append(
                 {
@@ -388,7 +394,12 @@ def _code(spec: PythonSpec, folder: Path, name: str, items: Sequence[Path]) -> _
         pipeline = load_pipeline(spec, folder, name)
     except ModelLoadError as exc:
         raise ExportError(str(exc)) from None
-    pipeline.warm()
+    try:
+        pipeline.warm()
+    except Exception as exc:
+        raise ExportError(
+            f"the pipeline's warm() failed: {type(exc).__name__}: {exc}{last_frame(exc)}"
+        ) from exc
     return _Code(facts, pipeline, [(Path(i), mimetypes.guess_type(str(i))[0]) for i in items])
 
 

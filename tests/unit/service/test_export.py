@@ -422,8 +422,11 @@ def test_a_failed_export_leaves_the_model_folder_as_it_was_and_says_which_versio
     folder = tmp_path / "models" / "tab"
     assert export(1, "pass", 1.0) == 0
     code = (folder / "records.py").read_text()
-    with pytest.raises(RuntimeError, match="oops"):
-        export(2, "raise RuntimeError('oops')", 2.0)
+    with caplog.at_level(logging.ERROR, logger="tensorgate.export"):
+        assert export(2, "raise RuntimeError('oops')", 2.0) == 1  # one line, no traceback
+    assert any("RuntimeError: oops at records.py:" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
     assert (folder / "records.py").read_text() == code  # version 1's code, as exported
     assert sorted(p.name for p in folder.iterdir()) == ["1", "config.yaml", "records.py"]
     with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
