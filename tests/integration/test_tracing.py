@@ -281,14 +281,19 @@ def test_access_log_lines_carry_the_trace_and_span_ids(
 def test_an_unusable_configuration_is_a_warning_and_tracing_stays_off(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for variable, value, says in (
-        ("OTEL_TRACES_EXPORTER", "zipkin", "tensorgate ships otlp, console, none"),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "http/protobuf"),
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318", "not an http(s) URL"),
+    ratio = "OTEL_TRACES_SAMPLER=parentbased_traceidratio"
+    for setting, says in (
+        ("OTEL_TRACES_EXPORTER=zipkin", "tensorgate ships otlp, console, none"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL=grpc", "http/protobuf"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT=collector:4318", "not an http(s) URL"),
+        # the SDK warned and sampled every request
+        (f"{ratio} OTEL_TRACES_SAMPLER_ARG=1%", "'1%' is no ratio from 0 to 1"),
+        (f"{ratio} OTEL_TRACES_SAMPLER_ARG=2", "'2' is no ratio from 0 to 1"),
     ):
         with monkeypatch.context() as patched:
             patched.setenv("OTEL_TRACES_EXPORTER", "otlp")
-            patched.setenv(variable, value)
+            for variable, value in (pair.split("=", 1) for pair in setting.split()):
+                patched.setenv(variable, value)
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="tensorgate.tracing"):
                 assert tracing.start(None, "test") is None

@@ -4,7 +4,7 @@ absence path runs for real."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -66,4 +66,7 @@ def test_without_nvml_there_is_nothing_to_report_and_nothing_breaks(
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     collector = _GpuCollector()
+    assert list(collector.collect()) == []
+    # torch half imported, as a scrape meets a model still loading: it was a 500
+    monkeypatch.setitem(sys.modules, "torch", ModuleType("torch"))
     assert list(collector.collect()) == []
