@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import generate_latest
 
 from service.cluster.supervisor import Worker, control_key
 from service.errors import TensorgateError
@@ -86,7 +85,7 @@ class ControlServer:
         return sorted(n for n, e in self.dataplane.repository.models.items() if e.unloaded)
 
     async def _metrics(self) -> str:
-        return generate_latest(self.dataplane.observer.metrics.registry).decode()
+        return self.dataplane.observer.metrics.exposition().decode()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import generate_latest
-
 from service.cluster.control import REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
 from service.cluster.merge import merge_metrics, merge_statistics
 from service.errors import TensorgateError
@@ -65,7 +63,7 @@ class Cluster:
 
     async def metrics(self) -> bytes:
         """``/metrics`` in the text format, summed over workers (see :func:`merge_metrics`)."""
-        local = generate_latest(self.dataplane.observer.metrics.registry)
+        local = self.dataplane.observer.metrics.exposition()
         if self.siblings is None:
             return local
         answers = await self.siblings.ask("metrics")

@@ -18,6 +18,7 @@ from prometheus_client import (
     Counter,
     ProcessCollector,
     disable_created_metrics,
+    generate_latest,
 )
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -74,6 +75,11 @@ OUTCOMES = {
 }
 
 
+PROTOCOLS = ("v1", "v2", "grpc")
+SERVER_FAILURES = ("error", "unavailable", "timeout")
+"""The outcomes the error-ratio alert counts (deploy/prometheus/rules.yaml)."""
+
+
 def outcome(status: int) -> str:
     return OUTCOMES.get(status, "error" if status >= 500 else "client_error")
 
@@ -107,9 +113,26 @@ class Metrics:
         self.preprocess = self._stage("preprocess", "Decoding, preprocessing and validation.")
         self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
         self._children: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
+        self._primed: set[tuple[str, str]] = set()
+        self.repository = repository
         ProcessCollector(registry=r)  # process_*: the names stock dashboards and alerts use
         r.register(_RepositoryCollector(repository, in_flight))
         r.register(_GpuCollector())
+
+    def exposition(self) -> bytes:
+        """The text format, every served version's server-side failure outcomes in it from 0
+        on. A series that appears with its first failure has no earlier value for ``rate()``
+        and ``increase()`` to count from, so the first burst of 504s or 503s on each model and
+        protocol after a start (a whole scrape interval of them) never reached the
+        error-ratio alert or the 5xx panels."""
+        for version, _ in self.repository.served_versions():
+            key = (version.name, str(version.version))
+            if key not in self._primed:
+                self._primed.add(key)
+                for protocol in PROTOCOLS:
+                    for failed in SERVER_FAILURES:
+                        self.requests.labels(*key, protocol, failed)
+        return generate_latest(self.registry)
 
     def record(
         self,
