@@ -26,6 +26,7 @@ from service.limits.admission import error_body
 from service.limits.auth import check_authorization
 from service.protocol import v1, v2
 from service.telemetry import tracing
+from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID
 
 log = logging.getLogger("tensorgate.app")
@@ -248,6 +249,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def receive_body(receive: Receive, declared: str | None, limit: int) -> bytes:
     """The body from ASGI ``receive``; 413 once it is known to exceed ``limit`` bytes."""
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        REFUSED["too_large"] += 1
         raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
     # Each chunk goes into one growing buffer as it comes and is let go; getvalue() hands the
     # buffer over without a copy, so the body is held once, not twice as a list of chunks and
@@ -262,6 +264,7 @@ async def receive_body(receive: Receive, declared: str | None, limit: int) -> by
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
+            REFUSED["too_large"] += 1
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         if joined is None and not first:
             first = chunk

@@ -8,6 +8,7 @@ import hmac
 from fastapi import Request
 
 from service.errors import Unauthorized
+from service.telemetry.counters import REFUSED
 
 
 def check_bearer(request: Request, token: str | None, realm: str) -> None:
@@ -22,6 +23,7 @@ def check_authorization(header: str, token: str | None, realm: str) -> None:
         return
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        REFUSED["unauthorized"] += 1  # no request metric sees it: no model was looked up
         raise Unauthorized(
             f"this route needs 'Authorization: Bearer <{realm} token>'",
             headers={"WWW-Authenticate": f'Bearer realm="{realm}"'},

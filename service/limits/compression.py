@@ -9,6 +9,7 @@ import zlib
 from collections.abc import Callable
 
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.telemetry.counters import REFUSED
 
 MIN_COMPRESS_BYTES = 1024
 """Smaller answers go as they are: their headers and framing outweigh what compression saves."""
@@ -59,6 +60,7 @@ def decompress(
                 part = inflater.decompress(pending, _CHUNK)
                 size += len(part)
                 if size > limit:
+                    REFUSED["too_large"] += 1
                     raise PayloadTooLarge(
                         f"the {encoding} request body inflates past the limit of {limit} bytes"
                     )

@@ -12,8 +12,10 @@ REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
 ``too_many_from_client``,
 ``header_too_large``, ``header_timeout``, ``body_timeout``, ``write_timeout``
-(:mod:`service.limits.connections`)
-and ``body_budget`` (:mod:`service.limits.admission`)."""
+(:mod:`service.limits.connections`), ``body_budget`` (:mod:`service.limits.admission`), and
+the refusals made before a request reaches a model, which the request metrics never see:
+``unauthorized`` (a missing or wrong token), ``too_large`` (a REST body past
+``TG_MAX_BODY_BYTES``, sent or inflated) and ``draining`` (the server shutting down)."""
 
 
 class HoldsBytes(Protocol):

@@ -14,6 +14,7 @@ from service.batching.stats import RequestTiming
 from service.errors import ServerBusy, TensorgateError
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
+from service.telemetry.counters import REFUSED
 from service.telemetry.metrics import Metrics
 from service.telemetry.tracing import CURRENT, RequestTrace
 
@@ -57,6 +58,7 @@ class Observer:
         """``with observer.observe(...) as observation:`` around one request: 503 while the
         server refuses new work; whatever happens inside is counted, timed and logged once."""
         if self.drain.refusing:
+            REFUSED["draining"] += 1  # before a model is looked up: no request metric sees it
             raise ServerBusy("the server is shutting down; send this request elsewhere")
         observation = Observation(version or "")
         trace = CURRENT.get()

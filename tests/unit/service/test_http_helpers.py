@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from service.errors import PayloadTooLarge
+from service.errors import PayloadTooLarge, Unauthorized
 from service.http.answer import receive_body, until_disconnect
+from service.limits.auth import check_authorization
+from service.telemetry.counters import REFUSED
 
 
 class Messages:
@@ -120,8 +122,22 @@ async def test_a_body_is_its_chunks_in_order(chunks: list[bytes]) -> None:
 
 
 async def test_a_body_past_the_limit_is_refused_as_its_chunks_come() -> None:
+    before = REFUSED["too_large"]
     with pytest.raises(PayloadTooLarge, match="exceeds the limit of 5 bytes"):
         await receive_body(body_messages([b"abc", b"def", b"never read"]), None, 5)
+    with pytest.raises(PayloadTooLarge, match="request body is 9 bytes; the limit is 5"):
+        await receive_body(body_messages([b"never read"]), "9", 5)
+    # counted where an operator looks (tensorgate_refused_total): no request metric sees them
+    assert REFUSED["too_large"] == before + 2
+
+
+def test_a_missing_or_wrong_token_is_counted_where_an_operator_looks() -> None:
+    before = REFUSED["unauthorized"]
+    for header in ("", "Bearer wrong", "Basic right"):
+        with pytest.raises(Unauthorized):
+            check_authorization(header, "right", "api")
+    check_authorization("Bearer right", "right", "api")
+    assert REFUSED["unauthorized"] == before + 3
 
 
 async def test_a_body_of_many_chunks_is_held_once_not_twice() -> None:
