@@ -52,7 +52,7 @@ class ControlServer:
             "model_ready": self._model_ready,
             "statistics": self._statistics,
             "metrics": self._metrics,
-            "unloaded": self._unloaded,
+            "models": self._models,
         }
         if dataplane.settings.admin_token is not None:
             self.ops["load"] = dataplane.load_model
@@ -81,8 +81,13 @@ class ControlServer:
     async def _statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         return metadata.statistics(self.dataplane.repository, name, version)
 
-    async def _unloaded(self) -> list[str]:
-        return sorted(n for n, e in self.dataplane.repository.models.items() if e.unloaded)
+    async def _models(self) -> dict[str, list[str]]:
+        """The models this worker was told to stop serving, and the others it holds."""
+        models = self.dataplane.repository.models
+        return {
+            "unloaded": sorted(n for n, e in models.items() if e.unloaded),
+            "held": sorted(n for n, e in models.items() if not e.unloaded),
+        }
 
     async def _metrics(self) -> str:
         return self.dataplane.observer.metrics.exposition().decode()
@@ -115,16 +120,31 @@ class ControlServer:
 
 
 async def follow_siblings(dataplane: DataPlane, siblings: Siblings) -> None:
-    """A replacement worker, once loaded: unload what every sibling that answers has unloaded,
-    so that a restart does not bring back a model the server was told to stop serving (the
-    replacement loads the whole repository, as every worker does at start)."""
-    answers = [a for a in await siblings.ask("unloaded") if isinstance(a, list)]
+    """A replacement worker, once loaded, takes the model set the other workers hold: the
+    replacement loads the repository's folders, as every worker does at start, but since then
+    the server may have been told to stop serving a model (unload), to serve one it did not
+    start with (a load of a model outside ``TG_MODELS``), or may have left a folder that
+    appeared since unloaded. Without this the workers served different models behind one
+    port (a third of the requests 404, the index and metadata alternating)."""
+    answers = [a for a in await siblings.ask("models") if isinstance(a, dict)]
     if not answers:
         return
-    unloaded = set.intersection(*(set(a) for a in answers))
-    for name in sorted(unloaded & set(dataplane.repository.models)):
+    unloaded = set.intersection(*(set(a["unloaded"]) for a in answers))
+    held = set.intersection(*(set(a["held"]) for a in answers))
+    anywhere = set.union(*(set(a["unloaded"]) | set(a["held"]) for a in answers))
+    here = set(dataplane.repository.models)
+    for name in sorted(unloaded & here):
         log.info("model %s is unloaded in the other workers: unloading it here too", name)
         await dataplane.unload_model(name)
+    for name in sorted(here - anywhere):
+        log.info("model %s was never loaded by the other workers: unloading it here too", name)
+        await dataplane.unload_model(name)
+    for name in sorted(held - here):
+        log.info("model %s was loaded in the other workers: loading it here too", name)
+        try:
+            await dataplane.load_model(name)
+        except TensorgateError as exc:
+            log.error("model %s, held by the other workers, did not load here: %s", name, exc)
 
 
 class Siblings:

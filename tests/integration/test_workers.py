@@ -267,6 +267,9 @@ def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_r
     admin = {"Authorization": f"Bearer {ADMIN}"}
     url = f"{two.url}/v2/repository/models/digits"
     assert fresh("POST", f"{url}/unload", headers=admin).status_code == 200
+    # a folder that appeared after the start, which nobody loaded: the replacement loaded it
+    # from the folder and served it alone (the index said UNLOADED; a third of requests 200)
+    copy_model("digits", two.repository / "late")
     try:
         victim = workers(two)[0]
         index = int(victim.environ()["TENSORGATE_WORKER"].split("/")[0])
@@ -287,12 +290,16 @@ def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_r
         )
         bound = next(i for i, m in enumerate(messages) if "gRPC listening" in m)
         assert ready < followed < bound
-        codes = [
-            fresh("POST", f"{two.url}/v2/models/digits/infer", json=DIGIT).status_code
-            for _ in range(20)
-        ]
-        assert 200 not in codes  # neither worker serves it
+        dropped = "model late was never loaded by the other workers: unloading it here too"
+        assert dropped in messages[:bound]
+        for model in ("digits", "late"):
+            codes = [
+                fresh("POST", f"{two.url}/v2/models/{model}/infer", json=DIGIT).status_code
+                for _ in range(20)
+            ]
+            assert 200 not in codes, model  # neither worker serves it
     finally:
+        shutil.rmtree(two.repository / "late")
         assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
     two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
 
