@@ -362,6 +362,8 @@ class _RepositoryCollector(Collector):
             for kind, name, text, value in VERSION_SERIES
         ]
         for name, entry in self.repository.models.items():
+            if entry.unloaded:  # on purpose: said, so that its series do not just vanish
+                state.add_metric([name, "", ModelState.UNLOADED.value], 1.0)
             for number, version in entry.versions.items():
                 labels = [name, str(number)]
                 for candidate in ModelState:
@@ -380,7 +382,8 @@ class _RepositoryCollector(Collector):
             "read them: too_many (connections), too_many_from_client (connections from one "
             "address), header_too_large, header_timeout, "
             "body_timeout, write_timeout (an answer the client did not take), body_budget "
-            "(TG_MAX_INFLIGHT_BYTES).",
+            "(TG_MAX_INFLIGHT_BYTES); and requests refused before a model was looked up: "
+            "unauthorized, too_large (a REST body past TG_MAX_BODY_BYTES), draining.",
             labels=["reason"],
         )
         for reason in (
@@ -391,6 +394,9 @@ class _RepositoryCollector(Collector):
             "body_timeout",
             "write_timeout",
             "body_budget",
+            "unauthorized",
+            "too_large",
+            "draining",
         ):
             refused.add_metric([reason], REFUSED[reason])
         yield refused

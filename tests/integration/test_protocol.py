@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -190,6 +191,13 @@ def test_repository_index_unload_and_load_with_the_admin_token(protocol_server: 
     assert protocol_server.client.get("/v2/health/ready").status_code == 200  # unloaded ≠ broken
     metadata = protocol_server.client.get("/v2/models/identity_cast").json()
     assert (metadata["state"], metadata["reason"]) == ("UNLOADED", "unloaded")
+    assert protocol_server.client.post("/v2/repository/index").status_code == 401
+    metrics = protocol_server.client.get("/metrics").text
+    assert 'tensorgate_model_state{model="identity_cast",state="UNLOADED",version=""} 1.0' in (
+        metrics
+    )
+    refused = re.search(r'tensorgate_refused_total\{reason="unauthorized"\} (\S+)', metrics)
+    assert refused is not None and float(refused.group(1)) >= 1
     # a folder that arrived after startup is in the index before anyone loads it, as in Triton's
     write_identity_model(protocol_server.repository / "late")
     try:
