@@ -23,7 +23,12 @@ log = logging.getLogger("tensorgate.workers")
 
 
 ASK_TIMEOUT_S = 5.0
-"""How long a worker waits for another's answer to a health or statistics question."""
+"""How long a worker waits for another's answer to a statistics or metrics question."""
+PROBE_ASK_S = 1.5
+"""How long for a health probe's: within the CLI probe's 2 s and the kubelet's and compose's
+3 s. With 5 s, one stuck worker (SIGSTOP) made every probe time out, and the kubelet would
+have restarted the pod, the healthy worker with it, before the supervisor replaced the stuck
+one (TG_STUCK_INSTANCE_S)."""
 REPOSITORY_TIMEOUT_S = 3600.0
 """How long it waits for another worker to load a model (gates and warmup included)."""
 

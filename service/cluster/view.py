@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from service.cluster.control import REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
+from service.cluster.control import PROBE_ASK_S, REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
 from service.cluster.merge import merge_metrics, merge_statistics
 from service.errors import TensorgateError
 from service.repository import metadata
@@ -36,7 +36,8 @@ class Cluster:
         siblings = self.siblings
         if siblings is None or not local[0]:
             return local
-        for index, answer in zip(siblings.worker.others, await siblings.ask(kind), strict=True):
+        answers = await siblings.ask(kind, timeout=PROBE_ASK_S)
+        for index, answer in zip(siblings.worker.others, answers, strict=True):
             if isinstance(answer, TensorgateError):
                 if kind != "live":
                     return False, answer.message

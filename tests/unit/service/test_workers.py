@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.cluster.control import PROBE_ASK_S
 from service.cluster.merge import merge_metrics, merge_statistics
 from service.cluster.supervisor import Worker
 from service.cluster.view import Cluster
@@ -207,7 +208,9 @@ async def test_a_sibling_s_metrics_of_any_size_reach_the_worker_asking(
         counter.labels(f"model-{n:05d}").inc(n)
     dataplane = SimpleNamespace(
         settings=SimpleNamespace(admin_token=None),
-        observer=SimpleNamespace(metrics=SimpleNamespace(registry=registry)),
+        observer=SimpleNamespace(
+            metrics=SimpleNamespace(exposition=lambda: generate_latest(registry))
+        ),
     )
     answering = ControlServer(dataplane, Worker(1, 2, os.getpid(), tmp_path))  # type: ignore[arg-type]  # what _metrics reads
     await answering.start()
@@ -224,13 +227,19 @@ async def test_a_probe_names_the_worker_that_is_not_ready() -> None:
     """Asked of one worker, readiness is the whole server's: a sibling that is still loading
     (a replacement, say) makes it false, and the reason says which worker."""
 
-    async def ask(kind: str) -> list[Any]:
+    waited: list[float] = []
+
+    async def ask(kind: str, timeout: float) -> list[Any]:
+        waited.append(timeout)
         return [(True, ""), (False, "models are loading")]
 
     siblings = SimpleNamespace(worker=SimpleNamespace(others=[0, 2]), ask=ask)
     dataplane = SimpleNamespace(ready=lambda: (True, ""))
     cluster = Cluster(dataplane, siblings)  # type: ignore[arg-type]  # stand-ins with what probe reads
     assert await cluster.probe("ready") == (False, "worker 2: models are loading")
+    # a stuck sibling is waited for less than the CLI's probe (2 s) and the kubelet's (3 s)
+    # wait for an answer: with 5 s every probe timed out, and the kubelet restarted the pod
+    assert waited == [PROBE_ASK_S] and PROBE_ASK_S < 2
 
 
 def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
