@@ -62,6 +62,7 @@ class ControlServer:
         if dataplane.settings.admin_token is not None:
             self.ops["load"] = dataplane.load_model
             self.ops["unload"] = dataplane.unload_model
+            self.ops["stop_loading"] = self._stop_loading
 
     async def start(self) -> None:
         path = self.worker.socket_path(self.worker.index)
@@ -85,6 +86,9 @@ class ControlServer:
 
     async def _statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         return metadata.statistics(self.dataplane.repository, name, version)
+
+    async def _stop_loading(self, name: str) -> bool:
+        return self.dataplane.repository.stop_loading(name)
 
     async def _models(self) -> dict[str, list[str]]:
         """The models this worker was told to stop serving, and the others it holds."""

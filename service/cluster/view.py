@@ -4,7 +4,13 @@ summed, repository changes made in each."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
+import hashlib
 import logging
+import os
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from service.cluster.control import PROBE_ASK_S, REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
@@ -72,12 +78,24 @@ class Cluster:
 
     async def load_model(self, name: str) -> None:
         """Load ``name`` here and in every other worker; the first refusal is the answer."""
-        await self.dataplane.load_model(name)
-        await self._everywhere("load", name)
+        if self.siblings is None:
+            await self.dataplane.load_model(name)
+            return
+        async with _model_lock(self.siblings, name):
+            await self.dataplane.load_model(name)
+            await self._everywhere("load", name)
 
     async def unload_model(self, name: str) -> None:
-        await self.dataplane.unload_model(name)
-        await self._everywhere("unload", name)
+        """Unload ``name`` here and in every other worker. A load of it under way anywhere is
+        stopped first (at its next warmup batch), so the unload waits little for its turn."""
+        if self.siblings is None:
+            await self.dataplane.unload_model(name)
+            return
+        self.dataplane.repository.stop_loading(name)
+        await self.siblings.ask("stop_loading", name)
+        async with _model_lock(self.siblings, name):
+            await self.dataplane.unload_model(name)
+            await self._everywhere("unload", name)
 
     async def _everywhere(self, op: str, name: str) -> None:
         if self.siblings is None:
@@ -85,6 +103,29 @@ class Cluster:
         for answer in await self.siblings.ask(op, name, timeout=REPOSITORY_TIMEOUT_S):
             if isinstance(answer, TensorgateError):
                 raise answer
+
+
+@contextlib.asynccontextmanager
+async def _model_lock(siblings: Siblings, name: str) -> AsyncIterator[None]:
+    """One repository change to ``name`` at a time over every worker: a lock file of the
+    workers' folder, held from this worker's change to the last sibling's. A load and an
+    unload sent together to two workers crossed (each worker applied them in another order)
+    and left them serving different models for good, both answered 200."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    fd = os.open(siblings.worker.folder / f"model-{digest}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        while True:  # polled, not blocked on in a thread: a cancelled wait leaves no thread
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it (also when the process dies)
+
+
+LOCK_POLL_S = 0.05
 
 
 def _values(answers: list[Any]) -> list[Any]:

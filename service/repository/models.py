@@ -293,13 +293,17 @@ class ModelRepository:
             _retire(old)
         return fresh
 
-    def unload_model(self, name: str) -> None:
-        """Stop serving a model; in-flight requests finish first. Blocking."""
-        with self._guard:  # a load of it under way stops at its next warmup batch
+    def stop_loading(self, name: str) -> bool:
+        """Stop a load of ``name`` under way (at its next warmup batch): whether one was."""
+        with self._guard:
             loading = list(self._loads.get(name, ()))
         for bound in loading:
             bound.cancel(f"model '{name}' was unloaded meanwhile")
-        if not loading:
+        return bool(loading)
+
+    def unload_model(self, name: str) -> None:
+        """Stop serving a model; in-flight requests finish first. Blocking."""
+        if not self.stop_loading(name):
             self.entry(name)  # 404 before waiting on anything
         with self._change(name):
             entry = self.models.get(name)

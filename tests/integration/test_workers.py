@@ -304,6 +304,33 @@ def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_r
     two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
 
 
+def test_a_load_and_an_unload_sent_together_leave_every_worker_alike(two: Server) -> None:
+    """Sent at once on two connections (so to either worker), they crossed: one worker served
+    the model and the other said it was unloaded, for good, and both calls answered 200.
+    Whichever comes last now wins in every worker. (The crossing needs a load to finish
+    between the two: with this fast model it did not happen here before the fix either; it
+    did with a model whose load replays its code's answers.)"""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    url = f"{two.url}/v2/repository/models/digits"
+    try:
+        for _ in range(6):
+            assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
+            with ThreadPoolExecutor(2) as clients:
+                calls = [
+                    clients.submit(fresh, "POST", f"{url}/{op}", headers=admin)
+                    for op in ("unload", "load")
+                ]
+                codes = sorted(call.result().status_code for call in calls)
+            assert codes in ([200, 200], [200, 400]), codes  # a load an unload stopped: 400
+            ready = {
+                fresh("GET", f"{two.url}/v2/models/digits/ready").status_code for _ in range(12)
+            }
+            assert len(ready) == 1, ready  # every worker alike, served or not
+    finally:
+        assert fresh("POST", f"{url}/load", headers=admin).status_code == 200
+    two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
+
+
 def test_connections_one_worker_took_are_spread_over_both(two: Server) -> None:
     """#27: 12 keep-alive connections all taken by one worker (the other stopped while they
     opened, as a burst taken by one loop) stay there, each of its requests waiting behind the
