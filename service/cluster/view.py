@@ -95,7 +95,13 @@ class Cluster:
         await self.siblings.ask("stop_loading", name)
         async with _model_lock(self.siblings, name):
             await self.dataplane.unload_model(name)
-            await self._everywhere("unload", name)
+            try:
+                await self._everywhere("unload", name)
+            except WorkerFailed as exc:  # done here all the same: say so, not just "failed"
+                raise WorkerFailed(
+                    f"model '{name}' is unloaded in this worker, but {exc.message}; a worker "
+                    "that starts again takes the unload from the others"
+                ) from None
 
     async def _everywhere(self, op: str, name: str) -> None:
         if self.siblings is None:
