@@ -200,7 +200,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         else:
             if trace is not None:
                 _end(trace, grpc.StatusCode.OK)
+            # the id the log has it under, as REST's X-Request-ID answer header
+            context.set_trailing_metadata((("x-request-id", REQUEST_ID.get() or request_id),))
             return answer
+        context.set_trailing_metadata((("x-request-id", REQUEST_ID.get() or request_id),))
         # The status set and nothing returned, not ``abort()``: its exception's traceback holds
         # this frame, and through ``work`` the request's message, in a cycle only a full
         # collection frees (+60 MiB kept per refused 60 MiB call, #28 finding 1). grpc sends no
@@ -271,9 +274,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         TG_BODY_TIMEOUT_S is DEADLINE_EXCEEDED and let go, as REST's slow bodies are 408.
         The answer is serialized here, on the pool when it is large."""
 
+        given = any(key == "x-request-id" for key, _ in context.invocation_metadata() or ())
+
+        def parsed(message: pb.ModelInferRequest) -> None:
+            if message.id and not given:  # the OIP request's own id, as a stream's requests
+                REQUEST_ID.set(request_id_for(message.id))
+
         async def infer() -> bytes:
             request = await self._receive(context)
-            answered = await self._infer(request, context.time_remaining())
+            answered = await self._infer(request, context.time_remaining(), parsed)
             if not answered.compress:
                 context.disable_next_message_compression()
             return await self.dataplane.offload(answered.size, codec.serialized, answered.encoded)

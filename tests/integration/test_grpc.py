@@ -134,6 +134,25 @@ def test_health_metadata_statistics_and_repository_rpcs(
     assert client.is_model_ready("identity")
 
 
+def test_a_call_is_answered_with_the_request_id_its_log_line_has(grpc_server: Server) -> None:
+    """The OIP request's id was ignored by ModelInfer (a stream's requests used theirs), and
+    no id reached a gRPC client, where REST answers X-Request-ID."""
+    request = service_pb2.ModelInferRequest(model_name="digits", id="grpc-own-id")
+    tensor = request.inputs.add(name="image", datatype="FP32", shape=[1, 1, 8, 8])
+    tensor.contents.fp32_contents.extend(digit().ravel().tolist())
+    with grpc.insecure_channel(grpc_server.grpc_url) as channel:
+        stub = service_grpc.GRPCInferenceServiceStub(channel)
+        response, call = stub.ModelInfer.with_call(request)
+        assert response.id == "grpc-own-id"
+        assert ("x-request-id", "grpc-own-id") in call.trailing_metadata()
+        _, call = stub.ModelInfer.with_call(request, metadata=[("x-request-id", "from-header")])
+        assert ("x-request-id", "from-header") in call.trailing_metadata()  # the header wins
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ModelInfer(service_pb2.ModelInferRequest(model_name="nope", id="lost-one"))
+        assert ("x-request-id", "lost-one") in failed.value.trailing_metadata()
+    grpc_server.wait_for(lambda: '"request_id":"grpc-own-id"' in grpc_server.log(), timeout=10)
+
+
 def test_every_datatype_round_trips_in_raw_contents(client: tgrpc.InferenceServerClient) -> None:
     inputs, outputs = identity_inputs()
     result = client.infer("identity", inputs, outputs=outputs, request_id="r-1", model_version="1")
