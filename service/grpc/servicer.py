@@ -184,6 +184,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             # as REST, where the routes exist only with the token
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, ADMIN_OFF)
         trace = None
+        if span is not None:
+            tracing.note_caller(_text(headers))
         if span is not None and tracing.TRACER is not None:
             trace = tracing.begin(span, _text(headers), request_id)
         try:
@@ -417,6 +419,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(*grpc_status(exc))
 
         carrier = _text(headers)
+        tracing.note_caller(carrier)
 
         async def answer(request: codec.Unparsed) -> tuple[bytes, bool]:
             names = ["", "", ""]  # the message's model, version and id, once parsed

@@ -81,6 +81,7 @@ async def answer_inference(
     to (:mod:`service.limits.admission`)."""
     settings = dataplane.settings
     trace = None
+    tracing.note_caller(headers)
     if tracing.TRACER is not None:
         trace = tracing.begin(
             SPAN_NAMES[route.kind, route.version is not None], headers, REQUEST_ID.get() or ""

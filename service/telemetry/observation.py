@@ -16,7 +16,7 @@ from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
 from service.telemetry.counters import REFUSED
 from service.telemetry.metrics import Metrics
-from service.telemetry.tracing import CURRENT, RequestTrace
+from service.telemetry.tracing import CALLER, CURRENT, RequestTrace
 
 access = logging.getLogger("tensorgate.access")
 
@@ -112,6 +112,8 @@ class Observer:
             }
             if observation.trace is not None:
                 extra["trace_id"], extra["span_id"] = observation.trace.ids
+            elif (caller := CALLER.get()) is not None:  # not recorded here: the caller's trace
+                extra["trace_id"] = caller
             access.info("%s %s %d", protocol, name, status, extra=extra)
 
 

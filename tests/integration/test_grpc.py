@@ -151,6 +151,35 @@ def test_a_call_is_answered_with_the_request_id_its_log_line_has(grpc_server: Se
             stub.ModelInfer(service_pb2.ModelInferRequest(model_name="nope", id="lost-one"))
         assert ("x-request-id", "lost-one") in failed.value.trailing_metadata()
     grpc_server.wait_for(lambda: '"request_id":"grpc-own-id"' in grpc_server.log(), timeout=10)
+    # tracing is off here: the log line still names the caller's trace, to join it by
+    caller = "4bf92f3577b34da6a3ce929d0e0e4736"
+    parent = [("traceparent", f"00-{caller}-00f067aa0ba902b7-00")]
+    with grpc.insecure_channel(grpc_server.grpc_url) as channel:
+        stub = service_grpc.GRPCInferenceServiceStub(channel)
+        stub.ModelInfer(request, metadata=[*parent, ("x-request-id", "traced-grpc")])
+    answer = grpc_server.client.post(
+        "/v2/models/digits/infer",
+        json={
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [1, 1, 8, 8],
+                    "data": digit().ravel().tolist(),
+                }
+            ]
+        },
+        headers={**dict(parent), "X-Request-ID": "traced-rest"},
+    )
+    assert answer.status_code == 200
+    for request_id in ("traced-grpc", "traced-rest"):
+        grpc_server.wait_for(
+            lambda request_id=request_id: any(
+                f'"request_id":"{request_id}"' in line and f'"trace_id":"{caller}"' in line
+                for line in grpc_server.log().splitlines()
+            ),
+            timeout=10,
+        )
 
 
 def test_every_datatype_round_trips_in_raw_contents(client: tgrpc.InferenceServerClient) -> None:
