@@ -100,14 +100,15 @@ LARGEST: dict[str, float] = {
 """The largest finite value of each float datatype."""
 
 
-def json_numbers(values: Any, datatype: str) -> np.ndarray:
+def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.ndarray:
     """JSON's values for a tensor (a nested list, or one value) → an array as tensorgate holds
     ``datatype``, each value of the type it names: ValueError saying which one is not (a
     fraction, a string or true/false for an integer type, or a value past its range; a
     string other than :data:`NON_FINITE_JSON`'s, or true/false, for a float type, or a number
     past its range; anything but true/false for BOOL). numpy alone would make 1.9 the id 1,
     "7" the id 7, true the value 1 (alone, or beside numbers), 300 the INT8 44 and 1e300 the
-    FP32 inf, each silently.
+    FP32 inf, each silently. ``bools_possible`` False: the JSON text had neither ``true`` nor
+    ``false``, so the values are not looked through for them.
     """
     try:
         given = np.asarray(values)
@@ -121,7 +122,7 @@ def json_numbers(values: Any, datatype: str) -> np.ndarray:
         if kind != "b":
             raise ValueError(f"{_first(given)} is not true or false")
         return given
-    if kind == "b" or (kind in "iuf" and _bools_among(values, given)):
+    if kind == "b" or (kind in "iuf" and bools_possible and _bools_among(values, given)):
         raise ValueError(f"true and false are not {datatype} values")
     if target.kind in "iu" and datatype != "BF16":
         if kind in "US":

@@ -446,3 +446,19 @@ def test_a_binary_answer_is_held_once_beside_its_outputs() -> None:
     header = int(headers["inference-header-content-length"])
     assert np.array_equal(np.frombuffer(body, "<f4", offset=header), data.reshape(-1))
     assert peak < 1.3 * data.nbytes, f"peak {peak >> 20} MiB for {data.nbytes >> 20} MiB"
+
+
+def test_true_among_a_tensors_numbers_is_refused_in_a_body_that_has_it() -> None:
+    """The body's text is looked at once for true/false, and only then every value: a W2
+    request paid 2.4 µs for the scan in each body."""
+
+    def body(data: list[object], name: str = "x") -> bytes:
+        return orjson.dumps(
+            {"inputs": [{"name": name, "datatype": "INT64", "shape": [len(data)], "data": data}]}
+        )
+
+    with pytest.raises(InvalidInput, match="true and false are not INT64 values"):
+        decode_request(body([5, True, 7]))
+    assert decode_request(body([5, 1, 7])).inputs[0].data.tolist() == [5, 1, 7]
+    # the word elsewhere (a name) only costs the scan, and the numbers are numbers
+    assert decode_request(body([0, 1], name="is_true")).inputs[0].data.tolist() == [0, 1]
