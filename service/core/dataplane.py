@@ -614,7 +614,7 @@ def _made(made: Any, model: str, method: str) -> Arrays:
             f"model '{model}': its pipeline's {method}() returned {what}, not a dict of numpy "
             "arrays by input name"
         )
-    return dict(made)
+    return made if type(made) is dict else dict(made)
 
 
 def _preprocess_one(pipeline: Pipeline, item: Item, context: dict[str, Any], model: str) -> Arrays:
@@ -625,9 +625,8 @@ def _preprocess(
     pipeline: Pipeline, items: list[Item], contexts: list[dict[str, Any]], model: LoadedVersion
 ) -> dict[str, np.ndarray]:
     """Items → the model's batch, in the calling thread (the pool's or the instance's)."""
-    method = "preprocess_batch" if overrides(pipeline, "preprocess_batch") else "preprocess"
     made = _guarded(pipeline.preprocess_batch, model.name, items, contexts)
-    return _as_batch(model, _made(made, model.name, method))
+    return _as_batch(model, _made(made, model.name, "preprocess_batch"))
 
 
 def _stacked(model: LoadedVersion, rows: list[Arrays]) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,13 @@ def run_export(args: argparse.Namespace) -> int:
         return 2
     written = Overwrites()  # what export_model writes, it takes back itself on failure
     try:
-        return _export(args, module, inputs, outputs, model_dir, out_dir, formats, written)
+        code = _export(args, module, inputs, outputs, model_dir, out_dir, formats, written)
     except BaseException:
         written.undo()  # nothing of a failed export is left, and nothing it replaced is lost
         raise
+    if code != 0:
+        written.undo()
+    return code
 
 
 def _export(
@@ -87,7 +91,6 @@ def _export(
         )
     except ValueError as exc:
         log.error("export failed: %s", exc)
-        written.undo()
         return 2
     buckets = [int(b) for b in args.buckets.split(",") if b.strip()]
     rows = min(GOLDEN_ROWS, args.max_batch_size) if args.max_batch_size > 0 else 0
@@ -121,7 +124,6 @@ def _export(
         )
     except ExportError as exc:
         log.error("export failed: %s", exc)
-        written.undo()
         return 1
     backend = args.backend or next(f for f in FORMATS if f in manifest.artifacts)
     config = model_dir / "config.yaml"
@@ -133,16 +135,26 @@ def _export(
     return 0
 
 
+def _other_versions(model_dir: Path, out_dir: Path) -> Iterator[tuple[Path, Manifest]]:
+    """The model's other version folders that have a readable manifest, with it (one that
+    does not is not this export's to judge: the server says why at load)."""
+    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        if version == out_dir:
+            continue
+        try:
+            other = read_manifest(version)
+        except ModelLoadError:
+            continue
+        if other is not None:
+            yield version, other
+
+
 def _warn_of_versions_without(backend: str, model_dir: Path, out_dir: Path) -> None:
     """The config.yaml export wrote is the model's, its versions' alike: say which of the
     others have no artifact for the backend it names (served beside this one, by
     ``version_policy``, each would be refused)."""
-    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
-        try:
-            other = read_manifest(version) if version != out_dir else None
-        except ModelLoadError:
-            continue
-        if other is not None and backend not in other.artifacts:
+    for version, other in _other_versions(model_dir, out_dir):
+        if backend not in other.artifacts:
             log.warning(
                 "version %s of %s has no %s artifact (it has %s), and config.yaml now names "
                 "backend %s: served beside this one (version_policy), it would be refused",
@@ -160,12 +172,8 @@ def _warn_of_versions_with_other_code(model_dir: Path, out_dir: Path, manifest: 
     if manifest.code is None:
         return
     files = manifest.code.get("files", {})
-    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
-        try:
-            other = read_manifest(version) if version != out_dir else None
-        except ModelLoadError:  # not this export's to judge: the server says why at load
-            continue
-        if other is None or other.code is None:
+    for version, other in _other_versions(model_dir, out_dir):
+        if other.code is None:
             continue
         changed = sorted(
             name
@@ -217,7 +225,7 @@ class Overwrites:
                 folder.rmdir()
 
 
-def read_spec(path: Path, out_dir: Path, written: Overwrites | None = None) -> PreprocessingSpec:
+def read_spec(path: Path, out_dir: Path, written: Overwrites) -> PreprocessingSpec:
     """The image, text or python spec in ``path``. A text spec's tokenizer is copied from
     beside it into the version folder, where the server reads it (its sha256 checked first); a
     python spec's module and the local modules it imports, from beside it into the model's
@@ -237,7 +245,6 @@ def read_spec(path: Path, out_dir: Path, written: Overwrites | None = None) -> P
             raise ValueError(
                 f"{path}: {source} has sha256 {digest}, the spec says {spec.tokenizer_sha256}"
             )
-        written = written or Overwrites()
         written.copy(source, out_dir / spec.tokenizer)
     if isinstance(spec, PythonSpec) and spec.package is None:
         model_dir = out_dir.parent
@@ -246,7 +253,6 @@ def read_spec(path: Path, out_dir: Path, written: Overwrites | None = None) -> P
         except ModelLoadError as exc:
             raise ValueError(f"{path}: {exc}") from None
         if path.parent.resolve() != model_dir.resolve():
-            written = written or Overwrites()
             for name in files:
                 written.copy(path.parent / name, model_dir / name)
     return spec

@@ -184,10 +184,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             # as REST, where the routes exist only with the token
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, ADMIN_OFF)
         trace = None
-        if span is not None:
-            tracing.note_caller(_text(headers))
-        if span is not None and tracing.TRACER is not None:
-            trace = tracing.begin(span, _text(headers), request_id)
+        if span is not None:  # an inference call: its caller's trace, recorded or not
+            carrier = _text(headers)
+            tracing.note_caller(carrier)
+            if tracing.TRACER is not None:
+                trace = tracing.begin(span, carrier, request_id)
         try:
             if token is not None:
                 expected = (

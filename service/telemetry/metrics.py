@@ -34,7 +34,7 @@ from service.batching.stats import RequestTiming
 from service.repository.models import ModelRepository, ModelState
 from service.repository.serving import ServedVersion
 from service.resources import memory_limit_bytes
-from service.telemetry.counters import REFUSED, bytes_held
+from service.telemetry.counters import REASONS, REFUSED, bytes_held
 
 # Sub-millisecond to a minute: a small model over gRPC is answered in 0.6 ms and a pipeline's
 # postprocessing in well under 0.5 ms (with 0.5 ms the lowest bound, every such p50 read as an
@@ -386,18 +386,7 @@ class _RepositoryCollector(Collector):
             "unauthorized, too_large (a REST body past TG_MAX_BODY_BYTES), draining.",
             labels=["reason"],
         )
-        for reason in (
-            "too_many",
-            "too_many_from_client",
-            "header_too_large",
-            "header_timeout",
-            "body_timeout",
-            "write_timeout",
-            "body_budget",
-            "unauthorized",
-            "too_large",
-            "draining",
-        ):
+        for reason in REASONS:
             refused.add_metric([reason], REFUSED[reason])
         yield refused
         if self.in_flight is not None:

@@ -28,6 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.identity import ONNX_TYPES, write_identity_model
 from tests.integration.test_batching import _slow_busy, _slow_model, slow_body
+from tests.integration.test_hostile_requests import DIGIT
 from tests.integration.test_protocol import sample
 from tests.server import REPO_ROOT, Server, copy_model
 
@@ -159,16 +160,7 @@ def test_a_call_is_answered_with_the_request_id_its_log_line_has(grpc_server: Se
         stub.ModelInfer(request, metadata=[*parent, ("x-request-id", "traced-grpc")])
     answer = grpc_server.client.post(
         "/v2/models/digits/infer",
-        json={
-            "inputs": [
-                {
-                    "name": "image",
-                    "datatype": "FP32",
-                    "shape": [1, 1, 8, 8],
-                    "data": digit().ravel().tolist(),
-                }
-            ]
-        },
+        json=DIGIT,
         headers={**dict(parent), "X-Request-ID": "traced-rest"},
     )
     assert answer.status_code == 200

@@ -70,3 +70,19 @@ def test_without_nvml_there_is_nothing_to_report_and_nothing_breaks(
     # torch half imported, as a scrape meets a model still loading: it was a 500
     monkeypatch.setitem(sys.modules, "torch", ModuleType("torch"))
     assert list(collector.collect()) == []
+
+
+def test_every_refusal_reason_counted_is_one_the_metrics_expose() -> None:
+    """Three reasons were counted and never exposed: the collector kept its own list."""
+    import re
+    from pathlib import Path
+
+    from service.telemetry.counters import REASONS
+
+    root = Path(__file__).resolve().parents[3] / "service"
+    counted = {
+        reason
+        for path in root.rglob("*.py")
+        for reason in re.findall(r'REFUSED\["(\w+)"\]', path.read_text())
+    }
+    assert counted and counted <= set(REASONS), counted - set(REASONS)

@@ -212,7 +212,7 @@ async def test_a_sibling_s_metrics_of_any_size_reach_the_worker_asking(
             metrics=SimpleNamespace(exposition=lambda: generate_latest(registry))
         ),
     )
-    answering = ControlServer(dataplane, Worker(1, 2, os.getpid(), tmp_path))  # type: ignore[arg-type]  # what _metrics reads
+    answering = ControlServer(dataplane, Worker(1, 2, os.getpid(), tmp_path))  # type: ignore[arg-type]  # a stand-in DataPlane with only what _metrics reads
     await answering.start()
     try:
         (text,) = await Siblings(Worker(0, 2, os.getpid(), tmp_path)).ask("metrics")
