@@ -152,7 +152,8 @@ class DataPlane:
         )
 
     def model_ready(self, name: str, version: str | None) -> bool:
-        return self.repository.version(name, version).state is ModelState.READY
+        repository = self.repository
+        return repository.state(repository.version(name, version))[0] is ModelState.READY
 
     # -- inference --------------------------------------------------------------------------------
 

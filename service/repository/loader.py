@@ -100,6 +100,9 @@ class LoadedVersion:
     """The exported golden pairs, replayed after a request fails alone to tell whose fault it
     was (None without a manifest)."""
     tolerance: Tolerance
+    steps: frozenset[tuple[str, str | None]] = frozenset()
+    """The other models (and versions asked for) its code called in the load's end-to-end
+    replay: while one of them cannot serve, neither can this version."""
     _code_pool: list[ThreadPoolExecutor] = field(default_factory=list, repr=False)
 
     def code_pool(self, threads: int) -> ThreadPoolExecutor:
@@ -250,11 +253,18 @@ def _gate_and_warm(
     pipeline = pipeline_for(config, signature, path, name)
     if pipeline is not None and models is not None and isinstance(config.preprocessing, PythonSpec):
         pipeline.models = models  # before the replay: its steps may call other models
+    called: set[tuple[str, str | None]] = set()
     if pipeline is not None:
         signature = bounded_signature(pipeline, signature)
         pipeline.warm()
         if manifest is not None and manifest.answers:
-            _replay_answers(pipeline, path, manifest, runtimes, config, tolerance)
+            served_models = pipeline.models
+            if models is not None and served_models is models:
+                pipeline.models = _Recording(models, called)
+            try:
+                _replay_answers(pipeline, path, manifest, runtimes, config, tolerance)
+            finally:
+                pipeline.models = served_models
     classifier = (
         Classifier(config.postprocessing, path.parent, signature.outputs)
         if config.postprocessing is not None
@@ -296,7 +306,22 @@ def _gate_and_warm(
         shapes,
         golden,
         tolerance,
+        frozenset(called),
     )
+
+
+class _Recording:
+    """``models`` that notes which model (and version) each call asks for: the steps a
+    pipeline's replay reaches."""
+
+    def __init__(self, models: Models, called: set[tuple[str, str | None]]) -> None:
+        self.models, self.called = models, called
+
+    def infer(
+        self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
+    ) -> dict[str, np.ndarray]:
+        self.called.add((model, version))
+        return self.models.infer(model, inputs, version)
 
 
 def _check_pins(name: str, config: ModelConfig, manifest: Manifest | None) -> list[str]:

@@ -42,11 +42,12 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
         "platform": PLATFORMS.get(backend, ""),
         "inputs": _tensors(loaded.public_inputs(), loaded.config) if loaded else [],
         "outputs": _tensors(loaded.public_outputs(), loaded.config) if loaded else [],
-        "state": found.state.value if found else ModelState.UNAVAILABLE.value,
     }
+    state, reason = repository.state(found) if found else (ModelState.UNAVAILABLE, "")
+    metadata["state"] = state.value
     if found is not None:
         metadata["version"] = str(found.version)
-    reason = found.reason if found and found.reason else entry.error
+    reason = reason or entry.error
     if entry.unloaded:
         metadata["state"], reason = ModelState.UNLOADED.value, "unloaded"
     if entry.last_load_error:  # a reload was refused: say what serves instead, and why

@@ -29,6 +29,7 @@ from service.errors import (
     ModelNotFound,
     ModelNotReady,
     StepNotReady,
+    TensorgateError,
 )
 from service.model_config import ModelConfig, VersionPolicy, load_model_config
 from service.pipelines.code import last_frame
@@ -109,7 +110,8 @@ def check_load_parameters(names: Iterable[str]) -> None:
 
 def check_unload_parameters(parameters: Mapping[str, object]) -> None:
     """An unload request's parameters: only tritonclient's ``unload_dependents`` (true or
-    false), which changes nothing here, since no model has dependents it would unload."""
+    false), which changes nothing here: a pipeline whose step is unloaded stays loaded and
+    says it cannot serve (:meth:`ModelRepository.state`) until the step is loaded again."""
     dependents = parameters.get("unload_dependents", False)
     if not isinstance(dependents, bool) or set(parameters) - {"unload_dependents"}:
         raise InvalidInput(
@@ -381,7 +383,36 @@ class ModelRepository:
                 f"model '{name}' version {found.version} is {found.state.value}{detail}",
                 retry_after_s=1 if found.state is ModelState.LOADING else 30,
             )
+        if found.served.loaded.steps and (missing := self.missing_step(found)):
+            raise ModelNotReady(
+                f"model '{name}' version {found.version} cannot serve: {missing}",
+                retry_after_s=30,
+            )
         return found, found.served
+
+    def missing_step(self, version: ModelVersion) -> str:
+        """Why a READY version cannot serve for want of a model its code calls (one its
+        load's replay called: unloaded, not ready, gone), or ""."""
+        steps = version.served.loaded.steps if version.served is not None else ()
+        for model, asked in sorted(steps, key=str):
+            try:
+                found = self.version(model, asked)
+            except TensorgateError as exc:
+                return f"its pipeline step '{model}': {exc.message}"
+            if found.state is not ModelState.READY:
+                detail = f": {found.reason}" if found.reason else ""
+                return (
+                    f"its pipeline step '{model}' version {found.version} is "
+                    f"{found.state.value}{detail}"
+                )
+        return ""
+
+    def state(self, version: ModelVersion) -> tuple[ModelState, str]:
+        """A version's state and reason as callers see them: a READY version whose step
+        cannot serve is UNAVAILABLE, saying which, until the step serves again."""
+        if version.state is ModelState.READY and (missing := self.missing_step(version)):
+            return ModelState.UNAVAILABLE, f"cannot serve: {missing}"
+        return version.state, version.reason
 
     def served_versions(self) -> list[tuple[ModelVersion, ServedVersion]]:
         """Every READY version with what serves it."""
@@ -432,13 +463,9 @@ class ModelRepository:
                     {"name": name, "state": ModelState.UNAVAILABLE.value, "reason": entry.error}
                 )
             for number, version in sorted(entry.versions.items()):
+                state, reason = self.state(version)
                 rows.append(
-                    {
-                        "name": name,
-                        "version": str(number),
-                        "state": version.state.value,
-                        "reason": version.reason,
-                    }
+                    {"name": name, "version": str(number), "state": state.value, "reason": reason}
                 )
         for name in sorted(set(self.on_disk(chosen_only=True)) - set(self.models)):
             # as Triton's index: every model of the repository, also one never loaded

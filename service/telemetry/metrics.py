@@ -366,8 +366,9 @@ class _RepositoryCollector(Collector):
                 state.add_metric([name, "", ModelState.UNLOADED.value], 1.0)
             for number, version in entry.versions.items():
                 labels = [name, str(number)]
+                now = self.repository.state(version)[0]
                 for candidate in ModelState:
-                    state.add_metric([*labels, candidate.value], float(version.state is candidate))
+                    state.add_metric([*labels, candidate.value], float(now is candidate))
                 if version.served is None:
                     continue
                 for family, value in families:
@@ -383,7 +384,8 @@ class _RepositoryCollector(Collector):
             "address), header_too_large, header_timeout, "
             "body_timeout, write_timeout (an answer the client did not take), body_budget "
             "(TG_MAX_INFLIGHT_BYTES); and requests refused before a model was looked up: "
-            "unauthorized, too_large (a REST body past TG_MAX_BODY_BYTES), draining.",
+            "unauthorized, too_large (a REST body past TG_MAX_BODY_BYTES), draining, "
+            "bad_request (a REST 400 or 415 for a header or the body's encoding).",
             labels=["reason"],
         )
         for reason in REASONS:

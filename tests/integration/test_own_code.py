@@ -660,6 +660,44 @@ def test_a_step_that_fails_fails_the_request_naming_the_step(
     assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
 
 
+def test_a_pipeline_whose_step_is_unloaded_says_so_until_the_step_serves_again(
+    server: Server,
+) -> None:
+    """The steps its load's replay called: while one is unloaded the pipeline is not ready
+    (REST, gRPC, metadata, the index, its state metric) and a request is a 503 naming the
+    step before any work; the step's own unload does not make the server unready."""
+    import tritonclient.grpc as tgrpc
+
+    said = "its pipeline step 'scorer': model 'scorer' is unloaded"
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    unloaded = server.client.post(
+        "/v2/repository/models/scorer/unload", headers={"Authorization": f"Bearer {ADMIN}"}
+    )
+    assert unloaded.status_code == 200, unloaded.text
+    client = tgrpc.InferenceServerClient(server.grpc_url)
+    try:
+        assert server.client.get("/v2/models/chain/ready").status_code == 503
+        assert not client.is_model_ready("chain")
+        metadata = server.client.get("/v2/models/chain").json()
+        assert metadata["state"] == "UNAVAILABLE" and said in metadata["reason"], metadata
+        (row,) = [
+            r for r in client.get_model_repository_index(headers=admin).models if r.name == "chain"
+        ]
+        assert row.state == "UNAVAILABLE" and said in row.reason
+        assert 'tensorgate_model_state{model="chain",state="UNAVAILABLE",version="1"} 1.0' in (
+            server.client.get("/metrics").text
+        )
+        response = predict(server, "chain", [{"x": [1, 2, 3, 4]}])
+        assert response.status_code == 503 and said in response.json()["error"], response.text
+        assert server.client.get("/v2/health/ready").status_code == 200
+    finally:
+        client.close()
+        assert _load(server, "scorer").status_code == 200
+    assert server.client.get("/v2/models/chain/ready").status_code == 200
+    assert server.client.get("/v2/models/chain").json()["state"] == "READY"
+    assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
+
+
 def test_a_model_exported_with_the_cli_and_its_written_config_serves_its_code(
     server: Server, repository: Path
 ) -> None:
