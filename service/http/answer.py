@@ -20,7 +20,7 @@ from starlette.types import Receive
 
 from service.cluster.view import Cluster
 from service.core.dataplane import DataPlane
-from service.errors import InvalidInput, PayloadTooLarge, TensorgateError
+from service.errors import InvalidInput, PayloadTooLarge, TensorgateError, UnsupportedMediaType
 from service.limits import compression
 from service.limits.admission import error_body
 from service.limits.auth import check_authorization
@@ -86,6 +86,7 @@ async def answer_inference(
         trace = tracing.begin(
             SPAN_NAMES[route.kind, route.version is not None], headers, REQUEST_ID.get() or ""
         )
+    looked_up = False  # whether the request reached its model (its metrics count it then)
     try:
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
@@ -110,10 +111,13 @@ async def answer_inference(
             work = _predict(dataplane, route, body, content_type, timeout_s)
         if reserve is not None and json_bytes:
             reserve(JSON_HELD_PER_BYTE * json_bytes)  # before it is parsed, past the body
+        looked_up = True
         answer = await until_disconnect(receive, work)
     except ClientGone:
         answer = None
     except Exception as exc:
+        if not looked_up and isinstance(exc, (InvalidInput, UnsupportedMediaType)):
+            REFUSED["bad_request"] += 1  # a header or an encoding: no model's metrics see it
         answer = error_answer(exc, f"POST {route.kind} {route.model}")
     if answer is None:
         answer = Answer(CLIENT_GONE, b"")

@@ -19,6 +19,7 @@ REASONS = (
     "unauthorized",
     "too_large",
     "draining",
+    "bad_request",
 )
 """Every reason :data:`REFUSED` counts, each exposed from 0 (a reason counted but missing here
 was never exposed: three were, until they were listed)."""
@@ -29,7 +30,10 @@ REFUSED: collections.Counter[str] = collections.Counter()
 (:mod:`service.limits.connections`), ``body_budget`` (:mod:`service.limits.admission`), and
 the refusals made before a request reaches a model, which the request metrics never see:
 ``unauthorized`` (a missing or wrong token), ``too_large`` (a REST body past
-``TG_MAX_BODY_BYTES``, sent or inflated) and ``draining`` (the server shutting down)."""
+``TG_MAX_BODY_BYTES``, sent or inflated), ``draining`` (the server shutting down) and
+``bad_request`` (a REST request's 400 or 415 for its headers or encoding: a bad
+``X-Request-Timeout``, ``Inference-Header-Content-Length``, ``Content-Encoding`` or
+``Content-Type``, or a body that does not inflate)."""
 
 
 class HoldsBytes(Protocol):

@@ -26,6 +26,7 @@ from service.inference import InferenceRequest, InferenceResult, InputTensor, Re
 from service.model_config import load_model_config
 from service.repository.loader import LoadBound, LoadedVersion, load_version
 from service.settings import Settings
+from service.telemetry.counters import REFUSED
 from tests.asgi import InProcess
 from tests.identity import write_identity_model
 
@@ -196,6 +197,31 @@ def test_the_route_function_maps_each_error_once(
     assert answer.status == status
     assert message in orjson.loads(answer.body)["error"]
     assert answer.headers["content-type"] == "application/json"
+
+
+def test_a_bad_header_or_encoding_is_counted_where_an_operator_looks(core: InProcess) -> None:
+    """Refused before a model is looked up, so no request metric sees it: counted as
+    ``bad_request``; a bad body for the model is the model's 400, counted there instead."""
+    token = {"authorization": f"Bearer {TOKEN}"}
+    cases = [
+        ({"x-request-timeout": "soon"}, b"{}"),
+        ({"inference-header-content-length": "-3"}, b"{}"),
+        ({"content-encoding": "br"}, b"{}"),
+        ({"content-encoding": "gzip"}, b"not gzip"),
+    ]
+    before = REFUSED["bad_request"]
+    for extra, body in cases:
+        headers = {**token, **extra, "content-length": str(len(body))}
+        answer = core.run(
+            answer_inference(core.dataplane, Route("infer", "identity"), headers, Body(body))
+        )
+        assert answer.status in (400, 415), (extra, answer.body)
+    assert REFUSED["bad_request"] == before + len(cases)
+    headers = {**token, "content-length": "12"}
+    answer = core.run(
+        answer_inference(core.dataplane, Route("infer", "identity"), headers, Body(b'{"inputs": ['))
+    )
+    assert answer.status == 400 and REFUSED["bad_request"] == before + len(cases)
 
 
 def test_the_route_function_answers_a_v2_request(core: InProcess) -> None:
