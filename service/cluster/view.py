@@ -13,6 +13,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
 from service.cluster.control import PROBE_ASK_S, REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
 from service.cluster.merge import merge_metrics, merge_statistics
 from service.errors import TensorgateError
@@ -33,6 +35,7 @@ class Cluster:
     def __init__(self, dataplane: DataPlane, siblings: Siblings | None = None) -> None:
         self.dataplane = dataplane
         self.siblings = siblings
+        self._supervisor: CollectorRegistry | None = None
 
     async def probe(self, kind: str) -> tuple[bool, str]:
         """``live``, ``ready`` or ``started`` for the whole server. Ready and started need every
@@ -69,12 +72,18 @@ class Cluster:
         return merge_statistics([local, *_values(answers)])
 
     async def metrics(self) -> bytes:
-        """``/metrics`` in the text format, summed over workers (see :func:`merge_metrics`)."""
+        """``/metrics`` in the text format, summed over workers (see :func:`merge_metrics`);
+        ``process_*`` also over the supervisor, whose front holds what gRPC clients send."""
         local = self.dataplane.observer.metrics.exposition()
         if self.siblings is None:
             return local
         answers = await self.siblings.ask("metrics")
-        return merge_metrics([local.decode(), *_values(answers)])
+        if self._supervisor is None:  # the supervisor's process_* added to the workers'
+            self._supervisor = CollectorRegistry(auto_describe=False)
+            supervisor = os.getppid()  # a worker does not outlive it (die_with_supervisor)
+            ProcessCollector(pid=lambda: supervisor, registry=self._supervisor)
+        supervisor_text = generate_latest(self._supervisor).decode()
+        return merge_metrics([local.decode(), *_values(answers), supervisor_text])
 
     async def load_model(self, name: str) -> None:
         """Load ``name`` here and in every other worker; the first refusal is the answer."""

@@ -112,6 +112,26 @@ def test_two_workers_answer_as_one_server_with_exact_totals(two: Server) -> None
         assert int(grpc_stats["model_stats"][0]["inference_stats"]["success"]["count"]) == count
 
 
+def test_process_metrics_count_the_supervisor_with_its_workers(two: Server) -> None:
+    """The supervisor's front buffers what gRPC clients send: its memory is the server's."""
+    supervisor = psutil.Process(two.process.pid)
+    processes = [supervisor, *workers(two)]
+    text = fresh("GET", f"{two.url}/metrics").text
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("process_")
+    }
+    # the earliest start is the supervisor's, computed as prometheus_client does from /proc
+    assert abs(samples["process_start_time_seconds"] - supervisor.create_time()) < 0.05
+    assert min(w.create_time() for w in processes[1:]) - supervisor.create_time() > 0.05
+    assert samples["process_open_fds"] >= sum(p.num_fds() for p in processes) * 0.8
+    assert samples["process_resident_memory_bytes"] > sum(
+        w.memory_info().rss for w in processes[1:]
+    )
+
+
 def test_no_other_process_can_bind_the_ports_beside_the_workers(two: Server) -> None:
     """The workers accept HTTP from the supervisor's one listening socket, and gRPC through the
     supervisor's (service/cluster/front.py), both bound without SO_REUSEPORT: a second server
