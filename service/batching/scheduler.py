@@ -558,7 +558,7 @@ class Scheduler:
             prepared_ns = time.perf_counter_ns()
             if padded:
                 batch = pad_rows(batch, rows, self.config.pad_to)
-            self._check_warmed(batch, len(items))
+            self._check_warmed(batch, items)
             thread_ns = time.thread_time_ns()  # this thread's CPU: a preemption is not the run's
             outputs, started, infer_ns = instance.infer(batch)
             return outputs, started, infer_ns, prepared_ns, begun, time.thread_time_ns() - thread_ns
@@ -634,20 +634,25 @@ class Scheduler:
             )
             traced[0][0].batch_ran(run, traced)
 
-    def _check_warmed(self, batch: Batch, requests: int) -> None:
-        """Count the requests of a batch whose shape warmup did not run (on the instance)."""
+    def _check_warmed(self, batch: Batch, items: list[Pending]) -> None:
+        """Count the requests of a batch whose shape warmup did not run (on the instance),
+        and mark each for its access-log line."""
         if self.warmed is None:
             return
         shape = batch_shape(batch)
         if shape in self.warmed:
             return
-        self.stats.record_unwarmed(requests)
+        self.stats.record_unwarmed(len(items))
+        for p in items:
+            if p.timing is not None:
+                p.timing.unwarmed = True
         # once per shape (a log line per batch is a cost), for the first 1,000 shapes
         if shape not in self._warned and len(self._warned) < 1000:
             self._warned.add(shape)
             log.warning(
                 "model %s met an unwarmed shape %s (logged once per shape; "
-                "tensorgate_unwarmed_shape_requests counts every request)",
+                "tensorgate_unwarmed_shape_requests counts every request, and each one's "
+                "access-log line says unwarmed_shape)",
                 self.model,
                 shape,
             )

@@ -53,6 +53,8 @@ class RequestTiming:
     compute_output_ns: int = 0
     trace: BatchTrace | None = None
     """Its trace, when tracing is on (the scheduler reports each batch it ran in to it)."""
+    unwarmed: bool = False
+    """It ran in a batch of a shape warmup did not run (its access-log line says so)."""
 
 
 class ModelStats:

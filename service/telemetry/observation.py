@@ -110,6 +110,8 @@ class Observer:
                 "compute_ms": round(timing.compute_infer_ns / 1e6, 3),
                 "postprocess_ms": round(timing.compute_output_ns / 1e6, 3),
             }
+            if timing.unwarmed:
+                extra["unwarmed_shape"] = True
             if observation.trace is not None:
                 extra["trace_id"], extra["span_id"] = observation.trace.ids
             elif (caller := CALLER.get()) is not None:  # not recorded here: the caller's trace

@@ -21,7 +21,7 @@ from service.batching.scheduler import (
     shape_key,
     split,
 )
-from service.batching.stats import ModelStats
+from service.batching.stats import ModelStats, RequestTiming
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -498,19 +498,22 @@ async def test_each_instance_runs_batches_on_its_own_runtime() -> None:
 def test_unwarmed_shapes_are_counted_every_time_and_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    timings = [RequestTiming() for _ in range(5)]
+
     async def main() -> ModelStats:
         stats = ModelStats()
         warmed = {(("x", (1, 2)),)}
         s = Scheduler("m", SchedulerConfig(max_batch_size=8), [doubling([])], stats, warmed=warmed)
         s.start()
-        for rows in (1, 3, 3, 3, 2):
-            await s.submit({"x": np.ones((rows, 2), np.float32)}, None, None)
+        for rows, timing in zip((1, 3, 3, 3, 2), timings, strict=True):
+            await s.submit({"x": np.ones((rows, 2), np.float32)}, timing, None)
         await s.stop()
         return stats
 
     with caplog.at_level("WARNING", logger="tensorgate.scheduler"):
         stats = asyncio.run(main())
     assert stats.unwarmed_count == 4
+    assert [t.unwarmed for t in timings] == [False, True, True, True, True]  # for its log line
     warned = [r.getMessage() for r in caplog.records if "unwarmed shape" in r.getMessage()]
     assert len(warned) == 2 and "(3, 2)" in warned[0] and "(2, 2)" in warned[1]
 
