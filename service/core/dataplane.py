@@ -55,6 +55,7 @@ from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
 from service.repository.serving import ServedVersion
 from service.settings import Settings
+from service.telemetry.counters import request_held
 from service.telemetry.observation import Drain, Observer
 from service.telemetry.tracing import RequestTrace
 
@@ -216,7 +217,7 @@ class DataPlane:
         check_rows(len(items), model.config, model.name)
         if self.budget is not None and held is not None:
             size = len(items) * row_bytes(model)
-            self.budget.take(size)
+            self.budget.take(size, request_held() + held[0])
             held[0] += size
         contexts: list[dict[str, Any]] = [{} for _ in items]
         make = partial(_preprocess, pipeline, items, contexts, model)
@@ -352,7 +353,7 @@ class Budget(Protocol):
     """What the core takes from the server's budget
     (:class:`service.limits.admission.BytesBudget`)."""
 
-    def take(self, size: int) -> None: ...
+    def take(self, size: int, already: int = 0) -> None: ...
 
     def release(self, size: int) -> None: ...
 

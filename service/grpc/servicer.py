@@ -39,7 +39,7 @@ from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.repository import metadata
 from service.repository.models import check_load_parameters, check_unload_parameters
 from service.telemetry import tracing
-from service.telemetry.counters import REFUSED
+from service.telemetry.counters import REFUSED, REQUEST_HELD
 from service.telemetry.logs import REQUEST_ID, request_id_for
 
 log = logging.getLogger("tensorgate.grpc")
@@ -358,14 +358,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         size = MESSAGE_COPIES * len(raw)
         if self.budget is not None:
             self.budget.take(size)
+        held = [size]
+        REQUEST_HELD.set(held)  # this call's task: what the core takes next is told of it
         try:
             wire = len(raw)
             message = await self.dataplane.offload(wire, codec.parse_infer, raw)
             del raw  # from here the message and its contents' views hold what is needed
             typed = codec.TYPED_HELD_PER_ELEMENT * codec.typed_elements(message.message)
             if typed and self.budget is not None:
-                self.budget.take(typed)  # what typed contents hold while they are decoded
+                self.budget.take(typed, size)  # what typed contents hold while decoded
                 size += typed
+                held[0] = size
             if parsed is not None:
                 parsed(message.message)
             return await self._answer_infer(message, timeout_s)

@@ -25,7 +25,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import PayloadTooLarge, ServerBusy
-from service.telemetry.counters import REFUSED, register_budget
+from service.telemetry.counters import REFUSED, REQUEST_HELD, register_budget
 from service.telemetry.logs import REQUEST_ID
 
 RESERVE = "tensorgate.reserve"
@@ -59,14 +59,17 @@ class BytesBudget:
         self._lock = threading.Lock()  # bodies inflate on the thread pool
         register_budget(self)
 
-    def take(self, size: int) -> None:
-        """Hold ``size`` more bytes, or raise :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when
-        that would pass the limit. Callable from any thread. More than the whole limit can never
-        be held: :class:`PayloadTooLarge` (413), not a 503 to retry for ever."""
-        if size > self.limit:
+    def take(self, size: int, already: int = 0) -> None:
+        """Hold ``size`` more bytes for a request that holds ``already``, or raise
+        :class:`ServerBusy` (503, gRPC's UNAVAILABLE) when that would pass the limit. Callable
+        from any thread. A request that would hold more than the whole limit can never be
+        served: :class:`PayloadTooLarge` (413), not a 503 to retry for ever (its body, then 20
+        times its JSON, or what it inflates to, each fitting alone, had been a 503)."""
+        if already + size > self.limit:
             REFUSED["body_budget"] += 1
             raise PayloadTooLarge(
-                f"this request needs {size} bytes held at once while it is read and decoded; "
+                f"this request needs {already + size} bytes held at once while it is read and "
+                "decoded; "
                 f"the server holds at most {self.limit} for every request together "
                 "(TG_MAX_INFLIGHT_BYTES): send it in smaller requests, or its tensors in "
                 "binary (a JSON body holds about 20 times its size while it is decoded)"
@@ -121,12 +124,11 @@ class BodyBudget:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        held = 0
+        held = [0]
 
         def reserve(size: int) -> None:
-            nonlocal held
-            self.budget.take(size)
-            held += size
+            self.budget.take(size, held[0])
+            held[0] += size
 
         async def counting_receive() -> Message:
             message = await receive()
@@ -134,7 +136,8 @@ class BodyBudget:
             return message
 
         scope[RESERVE] = reserve
+        REQUEST_HELD.set(held)  # this request's task (and those it starts) see what it holds
         try:
             await self.app(scope, counting_receive, send)
         finally:
-            self.budget.release(held)
+            self.budget.release(held[0])

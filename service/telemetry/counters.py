@@ -5,6 +5,7 @@ server's budget holds. The limits (``service/limits/``) write here; the metrics 
 from __future__ import annotations
 
 import collections
+import contextvars
 import weakref
 from typing import Protocol
 
@@ -51,3 +52,17 @@ def register_budget(budget: HoldsBytes) -> None:
 def bytes_held() -> int:
     """Body bytes held now by every budget of this process."""
     return sum(budget.held for budget in _BUDGETS)
+
+
+REQUEST_HELD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "tensorgate_request_held", default=None
+)
+"""The bytes the request being handled holds in the budget (its body, what it inflated to, its
+JSON's share, its gRPC message): what it takes next is refused 413 when the two together could
+never fit (:meth:`BytesBudget.take`'s ``already``)."""
+
+
+def request_held() -> int:
+    """What the request being handled holds in the budget (0 outside one)."""
+    held = REQUEST_HELD.get()
+    return 0 if held is None else held[0]

@@ -8,6 +8,7 @@ import contextlib
 import io
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -294,8 +295,17 @@ def test_what_raw_items_decode_into_counts_in_the_budget(tmp_path: Path) -> None
         refused = server.client.post(predict, content=pixels(200), timeout=60)
         # 120 MB of rows can never fit a 64 MiB budget: 413, not a 503 to retry for ever
         assert refused.status_code == 413, refused.text[:300]
-        assert "needs 120422400 bytes held at once" in refused.json()["error"]
+        needs = re.search(r"needs (\d+) bytes held at once", refused.json()["error"])
+        assert needs is not None and int(needs.group(1)) >= 120422400  # rows, body and JSON
         assert "TG_MAX_INFLIGHT_BYTES" in refused.json()["error"]
+        # a body (3.1 MiB) and 20 times its JSON (62 MiB) fit the budget each, not together:
+        # 413 too, where it was a 503 telling the client to retry
+        body = b'{"instances": ["' + b"a" * (31 * MIB // 10) + b'"]}'
+        both = server.client.post(
+            predict, content=body, headers={"content-type": "application/json"}, timeout=60
+        )
+        assert both.status_code == 413, both.text[:300]
+        assert "bytes held at once" in both.json()["error"]
         served = server.client.post(predict, content=pixels(50), timeout=120)
         assert served.status_code == 200, served.text[:300]
         assert len(served.json()["predictions"]) == 50
