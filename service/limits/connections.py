@@ -124,6 +124,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._waiting_for = ("", 0.0)
         self._in_head = False  # a request has begun and its head is not complete yet
         self._head_bytes = 0
+        self._read = 0  # the size of the read being parsed
+        self._spanned = False  # that read goes on with a head an earlier read began
+        self._head_over = False  # a head past the limit: refused once the read is parsed
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
         self._filled_at: float | None = None  # when that buffer last stopped being empty
         self._half_closed = False  # the client's FIN came with a request waiting: probed
@@ -206,17 +209,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.abort()  # connection_lost: the app's receive() reports a disconnect
 
     def data_received(self, data: bytes) -> None:
-        # Bytes of a head already under way are counted; the chunk a head begins in is not
-        # (it may end a previous body), so the bound is the limit plus one read.
+        # A head still under way after a read counts the reads after the one it began in
+        # (that one may end a previous body): it is refused as it grows. A head that ends in
+        # a read is measured whole as parsed, where it could be larger than the limit: one
+        # of many reads, or one read larger than the limit (uvloop reads 256 KiB; heads of
+        # 160 KB in one write were served against 64 KiB).
         counted = self._in_head
+        self._read, self._spanned = len(data), counted
         super().data_received(data)
         if counted and self._in_head:
             self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_header_bytes:
-                self._refuse(
-                    "header_too_large",
-                    f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
-                )
+        if self._head_over or (self._in_head and self._head_bytes > self.limits.max_header_bytes):
+            self._refuse(
+                "header_too_large",
+                f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
+            )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -226,12 +233,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        limit = self.limits.max_header_bytes
+        if (self._spanned or self._read > limit) and (
+            len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > limit
+        ):
+            self._head_over = True  # no request is made of it: the application never sees it
+            return
         self._expect("body_timeout", self.limits.body_timeout_s)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._head_over:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._deadline = None
-        super().on_message_complete()
+        if not self._head_over:
+            super().on_message_complete()
 
     def _expect(self, reason: str, seconds: float) -> None:
         self._deadline = self.loop.time() + seconds
