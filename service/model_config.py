@@ -275,6 +275,7 @@ def describe_validation_error(exc: ValidationError) -> str:
             if not (i and loc[i - 1] == "preprocessing" and p in PREPROCESSING_KINDS)
         ]
         where = ".".join(loc) or "(top level)"
-        got = f" (got {error['input']!r})" if error["type"] != "missing" else ""
+        said = error["type"] == "missing" or "(got " in error["msg"]  # a validator's own
+        got = "" if said else f" (got {error['input']!r})"
         parts.append(f"{where}: {error['msg']}{got}")
     return "; ".join(parts)

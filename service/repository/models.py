@@ -467,9 +467,13 @@ class ModelRepository:
                 rows.append(
                     {"name": name, "version": str(number), "state": state.value, "reason": reason}
                 )
-        for name in sorted(set(self.on_disk(chosen_only=True)) - set(self.models)):
+        chosen = self.settings.models
+        for name in sorted(set(self.on_disk()) - set(self.models)):
             # as Triton's index: every model of the repository, also one never loaded
-            reason = "not loaded: its folder appeared after the server started (load it)"
+            if chosen and name not in chosen:
+                reason = "not loaded: TG_MODELS does not name it (load it)"
+            else:
+                reason = "not loaded: its folder appeared after the server started (load it)"
             rows.append({"name": name, "state": ModelState.UNLOADED.value, "reason": reason})
         return rows
 

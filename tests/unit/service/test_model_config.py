@@ -54,6 +54,7 @@ def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: 
     assert str(caught.value).startswith(f"{path}: ")
     assert message.split(":")[0] in str(caught.value)
     assert message.split(": ", 1)[-1].split(" (")[0][:30] in str(caught.value)
+    assert str(caught.value).count("(got ") <= 1  # a validator's own was said twice
 
 
 @pytest.mark.parametrize(
@@ -119,3 +120,20 @@ def test_a_model_folder_without_config_is_named_in_the_log_not_skipped_silently(
     assert str(tmp_path / "plain") in plain and "has version folders but no config.yaml" in plain
     assert str(tmp_path / "loose") in loose
     assert "holds model.onnx outside a version folder" in loose and "loose/1/model.onnx" in loose
+
+
+def test_the_index_lists_the_models_tg_models_leaves_out_as_unloaded(tmp_path: Path) -> None:
+    """As Triton's index does in explicit mode: an operator may load them through the API, so
+    the index says they are there (it listed only what TG_MODELS named)."""
+    for name in ("chosen", "other"):
+        write_identity_model(tmp_path / name, datatypes=("FP32",))
+    repository = ModelRepository(Settings(model_repository=tmp_path, models=["chosen"]))
+    repository.scan()
+    assert set(repository.models) == {"chosen"}
+    rows = {row["name"]: row for row in repository.index()}
+    assert rows["other"] == {
+        "name": "other",
+        "state": "UNLOADED",
+        "reason": "not loaded: TG_MODELS does not name it (load it)",
+    }
+    assert rows["chosen"]["state"] == "LOADING"  # scanned, its load not run here
