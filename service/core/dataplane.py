@@ -306,14 +306,20 @@ def _outputs(
     strings where asked."""
     known = model.output_datatypes
     if wanted is None:
-        names = [ANSWER] if answers is not None else [n for n in known if n != ANSWER]
+        if answers is not None:
+            names = [ANSWER]
+        else:
+            names = [n for n in known if n != ANSWER or not model.answers]
         wanted = [RequestedOutput(name) for name in names]
     tensors = []
     for output in wanted:
         top_k = output.parameters.get("classification")
-        if output.name == ANSWER:
-            tensors.append(OutputTensor(ANSWER, "BYTES", _answer_tensor(model, answers)))
-        elif output.name == CLASSIFICATION or top_k is not None:
+        if output.name == ANSWER and model.answers:
+            answer = _answer_tensor(model, answers)
+            tensors.append(OutputTensor(ANSWER, "BYTES", answer, output.parameters))
+        elif (output.name == CLASSIFICATION and model.classifier is not None) or (
+            top_k is not None
+        ):
             data = _classify(model, outputs, output.name, top_k)
             tensors.append(OutputTensor(output.name, "BYTES", data, output.parameters))
         else:

@@ -44,6 +44,7 @@ from service.errors import ModelLoadError
 from service.export import shapes as export_shapes
 from service.model_config import TensorConfig
 from service.pipelines.code import last_frame, load_pipeline
+from service.pipelines.inputs import check_names
 from service.runtimes.base import RuntimeOptions, Signature, shape_fits
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
 
@@ -230,6 +231,10 @@ def export_model(
     code = None
     if isinstance(preprocessing, PythonSpec):
         code = _code(preprocessing, code_folder or out_dir.parent, name, answer_items)
+        try:
+            check_names(code.pipeline, inputs, outputs, classifies=False)
+        except ModelLoadError as exc:
+            raise ExportError(str(exc)) from None
         if models is not None:
             code.pipeline.models = models
         if golden_inputs is None:

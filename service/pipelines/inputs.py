@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from preprocessing.image import ImagePipeline, PreprocessingError
-from preprocessing.pipeline import Arrays, Item, Pipeline
+from preprocessing.pipeline import Arrays, Item, Pipeline, overrides
 from preprocessing.spec import PythonSpec, TextSpec
 from preprocessing.text import TextPipeline
 from service.artifacts.shapes import Crop
@@ -27,6 +27,7 @@ from service.batching.scheduler import Work
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
+from service.pipelines.classification import ANSWER, CLASSIFICATION
 from service.pipelines.code import load_pipeline
 from service.resources import SECOND_THREAD
 from service.runtimes.base import Signature, shape_fits
@@ -101,6 +102,33 @@ class TextInput(Pipeline):
 
 BUILT_IN = (ImageInput, TextInput)
 """The pipelines tensorgate ships: the core may run them on an instance's own thread."""
+
+
+def check_names(
+    pipeline: Pipeline | None,
+    inputs: Sequence[TensorConfig],
+    outputs: Sequence[TensorConfig],
+    classifies: bool,
+) -> None:
+    """The names the server adds to a model's own (its pipeline's raw input, its code's
+    ``answer``, the ``classification`` strings) must not be the model's: a request could not
+    say which it meant (an output called ``answer`` came back empty, one called
+    ``classification`` was a 400 on every request)."""
+    said = "rename the model's tensor at export (or the pipeline's raw_input)"
+    if pipeline is not None and pipeline.raw_input in {t.name for t in inputs}:
+        raise ModelLoadError(
+            f"the pipeline's raw input '{pipeline.raw_input}' is also an input of the model: {said}"
+        )
+    own = {t.name for t in outputs}
+    if pipeline is not None and overrides(pipeline, "postprocess") and ANSWER in own:
+        raise ModelLoadError(
+            f"the model has an output named '{ANSWER}', the name its code's answers take: {said}"
+        )
+    if classifies and CLASSIFICATION in own:
+        raise ModelLoadError(
+            f"the model has an output named '{CLASSIFICATION}', the name its classification "
+            f"postprocessing's top-k strings take: {said}"
+        )
 
 
 def bounded_signature(pipeline: Pipeline, signature: Signature) -> Signature:

@@ -51,7 +51,7 @@ from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError, ModelNotReady, StepNotReady, TensorgateError
 from service.model_config import ModelConfig, TensorConfig
 from service.pipelines.classification import ANSWER, CLASSIFICATION, Classifier
-from service.pipelines.inputs import bounded_signature, pipeline_for
+from service.pipelines.inputs import bounded_signature, check_names, pipeline_for
 from service.runtimes import (
     create_runtime,
     cuda_device_count,
@@ -149,6 +149,11 @@ class LoadedVersion:
         return inputs
 
     @cached_property
+    def answers(self) -> bool:
+        """Whether its own code postprocesses: answers, the ``answer`` output."""
+        return self.pipeline is not None and overrides(self.pipeline, "postprocess")
+
+    @cached_property
     def output_datatypes(self) -> dict[str, str]:
         """Each public output's name and datatype (asked of every request)."""
         return {t.name: t.datatype for t in self.public_outputs()}
@@ -157,7 +162,7 @@ class LoadedVersion:
         """Outputs as clients see them: the model's, plus top-k classification strings, plus
         the answers of a pipeline whose code postprocesses (JSON texts)."""
         outputs = list(self.signature.outputs)
-        if self.pipeline is not None and overrides(self.pipeline, "postprocess"):
+        if self.answers:
             outputs.append(TensorConfig(name=ANSWER, datatype="BYTES", shape=()))
         if self.classifier is not None:
             outputs.append(
@@ -251,6 +256,7 @@ def _gate_and_warm(
     warnings.extend(_unwarmed_dims(config, signature, shapes))
     _check_code(config, path, manifest, warnings)
     pipeline = pipeline_for(config, signature, path, name)
+    check_names(pipeline, signature.inputs, signature.outputs, config.postprocessing is not None)
     if pipeline is not None and models is not None and isinstance(config.preprocessing, PythonSpec):
         pipeline.models = models  # before the replay: its steps may call other models
     called: set[tuple[str, str | None]] = set()

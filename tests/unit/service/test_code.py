@@ -148,3 +148,29 @@ def test_an_item_is_bytes_text_or_json_as_sent() -> None:
         Item(b"{").json()
     with pytest.raises(BadInput, match="UTF-8"):
         Item(b"\xff").text()
+
+
+def test_names_the_server_adds_must_not_be_the_models_own() -> None:
+    """A request could not say which it meant: the load (and the export) refuses them."""
+    from preprocessing.pipeline import Pipeline
+    from service.errors import ModelLoadError
+    from service.model_config import TensorConfig
+    from service.pipelines.inputs import check_names
+
+    class Answers(Pipeline):
+        raw_input = "features"
+
+        def postprocess(self, outputs: object, context: object) -> object:
+            return outputs
+
+    features = TensorConfig(name="features", datatype="FP32", shape=(3,))
+    other = TensorConfig(name="x", datatype="FP32", shape=(3,))
+    answer = TensorConfig(name="answer", datatype="FP32", shape=(3,))
+    classification = TensorConfig(name="classification", datatype="FP32", shape=(3,))
+    with pytest.raises(ModelLoadError, match="raw input 'features' is also an input"):
+        check_names(Answers(), [features], [other], classifies=False)
+    with pytest.raises(ModelLoadError, match="an output named 'answer'"):
+        check_names(Answers(), [other], [answer], classifies=False)
+    with pytest.raises(ModelLoadError, match="an output named 'classification'"):
+        check_names(None, [other], [classification], classifies=True)
+    check_names(None, [features], [answer, classification], classifies=False)  # a plain model

@@ -487,3 +487,46 @@ def test_the_loop_bound_reaches_each_scheduler_and_strings_never_run_on_the_loop
     assert scheduler is not None and scheduler.config.inline_run_ns == 200_000
     assert Settings().inline_batch_us == 200
     assert not scheduler._run_times._runs
+
+
+def write_named_model(folder: Path) -> None:
+    """An ONNX model whose outputs are called ``answer`` and ``classification``: names the
+    server gives its code's answers and top-k strings, here the model's own."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], [name]) for name in ("answer", "classification")],
+        "named",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])],
+        [
+            helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 2])
+            for name in ("answer", "classification")
+        ],
+    )
+    (folder / "1").mkdir(parents=True)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, folder / "1" / "model.onnx")
+    (folder / "config.yaml").write_text("backend: onnx\nmax_batch_size: 4\n")
+
+
+def test_outputs_named_as_the_servers_own_are_the_models_where_it_has_no_code(
+    tmp_path: Path,
+) -> None:
+    """A plain model's output called ``answer`` came back empty by default (and was a 400
+    when asked for); one called ``classification`` was a 400 on every request."""
+    write_named_model(tmp_path / "named")
+    running = InProcess(Settings(model_repository=tmp_path, intra_op_threads=1))
+    try:
+        data = np.array([[1.0, 2.0]], dtype=np.float32)
+        request = InferenceRequest("named", inputs=[InputTensor("x", "FP32", data.shape, data)])
+        result = infer(running, request)
+        assert [o.name for o in result.outputs] == ["answer", "classification"]
+        for output in result.outputs:
+            np.testing.assert_array_equal(output.data, data)
+        asked = dataclasses.replace(request, outputs=[RequestedOutput("answer")])
+        (answer,) = infer(running, asked).outputs
+        assert answer.datatype == "FP32"
+    finally:
+        running.close()
