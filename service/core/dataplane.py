@@ -455,13 +455,15 @@ class Call:
         if prepared.contexts is not None:
             pipeline = loaded.pipeline
             assert pipeline is not None
-            parameters.update(_guarded(pipeline.parameters, loaded.name, prepared.contexts))
-            if overrides(pipeline, "postprocess"):
+            own = not isinstance(pipeline, BUILT_IN)  # a model's own code: in its pool, timed
+            if not own:
+                parameters.update(_guarded(pipeline.parameters, loaded.name, prepared.contexts))
+            if own and (loaded.answers or overrides(pipeline, "parameters")):
                 started = time.perf_counter_ns()
                 until = self.dataplane.deadline(request.timeout_s, request.parameters)
-                done = partial(_postprocess, pipeline, outputs, prepared.contexts, loaded)
+                done = partial(_answer, pipeline, outputs, prepared.contexts, loaded)
                 runner, gone = _code_context(until)
-                answers = await _within(
+                said, answers = await _within(
                     asyncio.get_running_loop().run_in_executor(
                         self.dataplane.code_pool(loaded), runner, done
                     ),
@@ -470,6 +472,7 @@ class Call:
                     "postprocessing",
                     gone,
                 )
+                parameters.update(said)
                 timing.compute_output_ns += time.perf_counter_ns() - started
         tensors = _outputs(loaded, request.outputs, outputs, answers)
         if trace is not None:
@@ -645,6 +648,19 @@ def _as_batch(model: LoadedVersion, batch: Arrays) -> dict[str, np.ndarray]:
     """A pipeline's batch as the model takes it: without the batch dim for a model that has
     none (one item, as ``check_rows`` made sure)."""
     return batch if model.batched else {name: array[0] for name, array in batch.items()}
+
+
+def _answer(
+    pipeline: Pipeline,
+    outputs: dict[str, np.ndarray],
+    contexts: list[dict[str, Any]],
+    model: LoadedVersion,
+) -> tuple[dict[str, Any], list[Any] | None]:
+    """A model's own code on the outputs (in its pool: it may be slow): the parameters its
+    pipeline answers with (on the loop, a ``parameters()`` that slept held every model's
+    requests), then each item's answer where it postprocesses."""
+    said = _guarded(pipeline.parameters, model.name, contexts)
+    return said, _postprocess(pipeline, outputs, contexts, model) if model.answers else None
 
 
 def _postprocess(

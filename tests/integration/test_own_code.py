@@ -54,6 +54,7 @@ class Scorer(Pipeline):
         record = item.json()
         if not isinstance(record, dict):
             raise BadInput("a record is a JSON object")
+        context["slow"] = record.get("slow")  # what parameters() is to take its time over
         if "hang" in record:
             time.sleep(record["hang"])
             Path(record["done"]).write_text("woke")  # the hung step ended
@@ -74,6 +75,13 @@ class Scorer(Pipeline):
     def postprocess(self, outputs, context):
         y = outputs["y"]
         return {"label": label(int(y.argmax())), "y": y.tolist(), "sent": context["sent"]}
+
+    def parameters(self, contexts):
+        for context in contexts:
+            if context["slow"]:
+                time.sleep(context["slow"]["s"])
+                Path(context["slow"]["done"]).write_text("said")
+        return {}
 '''
 LABELS = """
 from pathlib import Path
@@ -498,6 +506,22 @@ def test_a_hanging_step_is_a_504_at_the_deadline_and_the_server_serves_on(
     for path in woke:
         server.wait_for(path.exists, timeout=30)  # its code threads are free again
     assert predict(server, "scorer", [{"x": [0, 1, 0, 0]}]).status_code == 200
+
+
+def test_slow_parameters_code_holds_no_other_request_and_meets_the_deadline(
+    server: Server, tmp_path: Path
+) -> None:
+    """A pipeline's parameters() ran on the event loop, past the request's deadline: one
+    that slept 3 s held /v2/health/live and every model for 3 s, then answered 200."""
+    said = tmp_path / "said"
+    item = {"x": [0, 0, 1, 0], "slow": {"s": 4, "done": str(said)}}
+    response = predict(server, "scorer", [item], {"X-Request-Timeout": "0.5"})
+    assert response.status_code == 504, response.text
+    assert "model 'scorer': its postprocessing code did not finish" in response.json()["error"]
+    assert server.client.get("/v2/health/live").status_code == 200
+    assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200
+    assert not said.exists()  # all that while, parameters() slept
+    server.wait_for(said.exists, timeout=30)
 
 
 def test_metadata_offers_the_raw_input_and_the_answer_output(server: Server) -> None:
