@@ -34,7 +34,13 @@ from service.batching.scheduler import Batch, rows_of
 from service.batching.stats import RequestTiming
 from service.core.validation import check_inputs
 from service.datatypes import FROM_NUMPY
-from service.errors import DeadlineExceeded, InvalidInput, StepCancelled, TensorgateError
+from service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelNotReady,
+    StepCancelled,
+    TensorgateError,
+)
 from service.inference import InputTensor
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository
@@ -72,18 +78,21 @@ class Steps:
                 f"pipeline step '{model}': not run, its request was cancelled or answered"
             )
         try:
-            _, served = self.repository.ready_model(model, version)
-            loaded = served.loaded
-            tensors = [_tensor(name, array) for name, array in inputs.items()]
-            batch = check_inputs(tensors, loaded.signature, loaded.config, model)
-            batch, crop = _warmed(loaded, batch)
-            future = asyncio.run_coroutine_threadsafe(_run(served, batch, deadline), self.loop)
-            try:
-                outputs = future.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
-            except FutureTimeout:
-                future.cancel()
-                raise DeadlineExceeded("did not finish within the request's deadline") from None
-            return apply_crop(outputs, crop)
+            for _ in range(3):  # a version retired meanwhile (a reload): its successor runs it
+                _, served = self.repository.ready_model(model, version)
+                loaded = served.loaded
+                tensors = [_tensor(name, array) for name, array in inputs.items()]
+                batch = check_inputs(tensors, loaded.signature, loaded.config, model)
+                batch, crop = _warmed(loaded, batch)
+                ran = asyncio.run_coroutine_threadsafe(_run(served, batch, deadline), self.loop)
+                try:
+                    outputs = ran.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
+                except FutureTimeout:
+                    ran.cancel()
+                    raise DeadlineExceeded("did not finish within the request's deadline") from None
+                if outputs is not None:
+                    return apply_crop(outputs, crop)
+            raise ModelNotReady(f"model '{model}' was reloaded again and again meanwhile")
         except TensorgateError as exc:
             raise _named(exc, model) from None
 
@@ -105,10 +114,14 @@ def _warmed(loaded: LoadedVersion, batch: Batch) -> tuple[Batch, Crop]:
 
 async def _run(
     served: ServedVersion, batch: dict[str, np.ndarray], deadline: float
-) -> dict[str, np.ndarray]:
-    """The step on the loop, counted in the step model's statistics as a request of its own."""
+) -> dict[str, np.ndarray] | None:
+    """The step on the loop, counted in the step model's statistics as a request of its own;
+    None if ``served`` was retired since the code's thread looked it up (a reload swapped
+    another version in, and this one no longer waits for requests: it would fail the step)."""
     timing = RequestTiming()
     with served.use():
+        if served.closing:  # read after the use is counted: a close() not seen yet waits for it
+            return None
         try:
             outputs = await served.execute(batch, timing, deadline)
         except BaseException:

@@ -89,6 +89,11 @@ class ServedVersion:
             raise ModelNotReady(f"model '{self.loaded.name}' was unloaded while the request waited")
         return await self.start().submit(work, timing, deadline)
 
+    @property
+    def closing(self) -> bool:
+        """Retired: it answers the requests it holds and takes no more."""
+        return self._closing
+
     def use(self) -> _InUse:
         """Held by each request from lookup to answer, so that close() waits for it."""
         return self._use
