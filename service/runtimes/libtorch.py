@@ -73,10 +73,12 @@ class TorchRuntime(Runtime):
         ]
 
     def _to_tensor(self, array: np.ndarray, bf16: bool = False) -> torch.Tensor:
-        # torch.from_numpy shares memory and needs a writable array; views of a request body
-        # are read-only, so those are copied once here.
-        if not array.flags.writeable:
-            array = array.copy()
+        # torch.from_numpy shares memory and needs a writable array with no negative stride;
+        # views of a request body are read-only, and a model's own code may make a reversed
+        # view (``img[..., ::-1]``), so those are copied once here, in C order, as a compiled
+        # kernel's inputs are laid out.
+        if not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, order="C")
         tensor = torch.from_numpy(array)
         if bf16:  # tensorgate holds BF16 as its bit patterns (service/datatypes.py)
             tensor = tensor.view(torch.bfloat16)

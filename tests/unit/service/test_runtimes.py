@@ -364,6 +364,20 @@ def test_pt2_answers_every_batch_size_and_length_as_eager_does(
 
 
 @PT2_COMPILED
+def test_pt2_takes_reversed_and_strided_views_as_the_arrays_they_show(
+    exported: dict[str, Exported],
+) -> None:
+    """A model's own code may hand over ``x[..., ::-1]``: torch.from_numpy refused its negative
+    stride (a 400 blaming the client, for a lone item only: a batch of two was stacked)."""
+    mlp = _pt2(exported["mlp"])
+    x = np.random.default_rng(5).standard_normal((3, 128)).astype(np.float32)
+    for view in (x[:, ::-1][:, :64], x[:, ::2], x[::-1, :64]):
+        with torch.inference_mode():
+            want = Mlp().eval()(torch.from_numpy(np.ascontiguousarray(view))).numpy()
+        np.testing.assert_allclose(mlp.run({"x": view})["y"], want, atol=1e-5)
+
+
+@PT2_COMPILED
 def test_pt2_from_another_torch_or_for_another_device_is_refused_naming_both(
     exported: dict[str, Exported], tmp_path: Path
 ) -> None:
