@@ -213,7 +213,12 @@ def from_binary(
             f"input '{name}': {count} {datatype} elements need {expected} bytes, "
             f"{source} is {len(chunk)}"
         )
-    return np.frombuffer(chunk, dtype=dtype.newbyteorder("<"))
+    array = np.frombuffer(chunk, dtype=dtype.newbyteorder("<"))
+    if datatype == "BOOL" and (highest := int(array.view(np.uint8).max(initial=0))) > 1:
+        # numpy reads any byte as a bool; runtimes do not agree on what 2 or 255 is (ONNX
+        # Runtime and a pt2 kernel answered the same bytes differently)
+        raise InvalidInput(f"input '{name}': a BOOL element is one byte, 0 or 1; one is {highest}")
+    return array
 
 
 def unpack_bytes(chunk: memoryview, count: int, name: str) -> np.ndarray:

@@ -263,6 +263,8 @@ def _binary_request(
             "BYTES",
             "holds more than the 2 BYTES elements its shape needs",
         ),
+        (2, b"\x01\xff", "BOOL", "a BOOL element is one byte, 0 or 1; one is 255"),
+        (2, b"\x02\x00", "BOOL", "a BOOL element is one byte, 0 or 1; one is 2"),
     ],
 )
 def test_malformed_binary_data_is_refused(
