@@ -11,10 +11,16 @@ enter and leave as floats only where the protocol speaks in numbers (JSON, v1 ro
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import numpy as np
 import orjson
+
+MAX_BYTES_ELEMENTS = 65_536
+"""Most elements one BYTES tensor may hold: each becomes a Python object (an encoded image or a
+text a row), far costlier than a number, so TG_MAX_TENSOR_ELEMENTS is no bound for them."""
 
 TO_NUMPY: dict[str, np.dtype[np.generic]] = {
     "BOOL": np.dtype(np.bool_),
@@ -98,6 +104,36 @@ LARGEST: dict[str, float] = {
     "BF16": 3.3895313892515355e38,  # (2 − 2⁻⁷) × 2¹²⁷
 }
 """The largest finite value of each float datatype."""
+
+
+def json_strings(values: Any) -> np.ndarray:
+    """JSON's values for a BYTES tensor (a nested list, or one value): each a string (encoded
+    as UTF-8) or ``{"b64": ...}`` (its bytes, as KServe v1 sends binary values); ValueError
+    naming what is neither, and at most :data:`MAX_BYTES_ELEMENTS` of them."""
+    given = np.array(values, dtype=object)  # nested lists of one length: the tensor's shape
+    if given.size > MAX_BYTES_ELEMENTS:
+        raise ValueError(f"{given.size} BYTES elements; the limit is {MAX_BYTES_ELEMENTS}")
+    flat = given.reshape(-1)
+    out = np.empty(flat.shape, dtype=object)
+    for index, value in enumerate(flat):
+        if isinstance(value, str):
+            out[index] = value.encode()
+        elif isinstance(value, dict) and set(value) == {"b64"} and isinstance(value["b64"], str):
+            try:
+                out[index] = base64.b64decode(value["b64"], validate=True)
+            except binascii.Error:
+                raise ValueError("a {'b64': ...} value is not valid base64") from None
+        else:
+            raise ValueError(f"{_kind(value)} is not a string (or {{'b64': ...}})")
+    return out.reshape(given.shape)
+
+
+def _kind(value: Any) -> str:
+    return (
+        "a list (its nested lists are not all of one length)"
+        if isinstance(value, list)
+        else (type(value).__name__ if value is not None else "null")
+    )
 
 
 def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.ndarray:

@@ -257,7 +257,7 @@ class DataPlane:
         """Tensors (or v1 rows) sent for the model itself, checked and fitted to its buckets."""
         inputs = request.inputs
         if request.rows is not None:
-            inputs = instance_tensors(request.rows, model.signature.inputs)
+            inputs = instance_tensors(request.rows, model.signature.inputs, model.batched)
         return _fitted(model, check_inputs(inputs, model.signature, model.config, model.name))
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:

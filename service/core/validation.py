@@ -6,11 +6,12 @@ joined. Every error names the input and says what was expected and what came.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from service.datatypes import TO_NUMPY, as_values, cast, json_numbers
+from service.datatypes import TO_NUMPY, as_values, cast, json_numbers, json_strings
 from service.errors import InvalidInput, ModelExecutionError, PayloadTooLarge
 from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
@@ -87,8 +88,30 @@ def check_rows(rows: int, config: ModelConfig, name: str) -> None:
         )
 
 
-def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
-    """v1 rows → one tensor per input: plain rows feed the only input, objects name their inputs."""
+def instance_tensors(
+    instances: list[Any], specs: tuple[TensorConfig, ...], batched: bool = True
+) -> list[InputTensor]:
+    """v1 rows → one tensor per input: plain rows feed the only input, objects name their
+    inputs. A model without a batch dim takes one instance as its inputs whole (or, for one
+    input, the instances themselves as its tensor)."""
+    if not batched and len(instances) == 1:
+        (only,) = instances
+        if isinstance(only, dict):  # one object naming the inputs, each value whole
+            return _tensors_of(_columns(instances, specs), specs, lambda column: column[0])
+        if len(specs) == 1 and _depth(only) == len(specs[0].shape):
+            return _tensors_of({specs[0].name: only}, specs)
+    return _tensors_of(_columns(instances, specs), specs)
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s first elements nest in lists."""
+    depth = 0
+    while isinstance(value, list) and value:
+        value, depth = value[0], depth + 1
+    return depth
+
+
+def _columns(instances: list[Any], specs: tuple[TensorConfig, ...]) -> dict[str, Any]:
     if all(isinstance(item, dict) for item in instances):
         for index, item in enumerate(instances):
             missing = [t.name for t in specs if t.name not in item]
@@ -99,18 +122,28 @@ def instance_tensors(instances: list[Any], specs: tuple[TensorConfig, ...]) -> l
                     + (f"lacks input(s) {missing}" if missing else f"names no input {unknown}")
                     + f"; the model takes {[t.name for t in specs]}"
                 )
-        columns = {t.name: [item[t.name] for item in instances] for t in specs}
-    elif len(specs) == 1:
-        columns = {specs[0].name: instances}
-    else:
-        raise InvalidInput(
-            f"the model takes {len(specs)} inputs; send each instance as an object naming them "
-            f"({[t.name for t in specs]})"
-        )
+        return {t.name: [item[t.name] for item in instances] for t in specs}
+    if len(specs) == 1:
+        return {specs[0].name: instances}
+    raise InvalidInput(
+        f"the model takes {len(specs)} inputs; send each instance as an object naming them "
+        f"({[t.name for t in specs]})"
+    )
+
+
+def _tensors_of(
+    columns: dict[str, Any],
+    specs: tuple[TensorConfig, ...],
+    each: Callable[[Any], Any] = lambda column: column,
+) -> list[InputTensor]:
     tensors = []
     for spec in specs:
         try:
-            array = json_numbers(columns[spec.name], spec.datatype)
+            values = each(columns[spec.name])
+            if spec.datatype == "BYTES":
+                array = json_strings(values)
+            else:
+                array = json_numbers(values, spec.datatype)
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidInput(
                 f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "
@@ -128,7 +161,8 @@ def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
         or (len(tensor.shape) == 2 and tensor.shape[1] != 1)
     ):
         raise InvalidInput(
-            f"input '{tensor.name}': expected BYTES [-1] or [-1, 1] (one encoded image a row), "
+            f"input '{tensor.name}': expected BYTES [-1] or [-1, 1] (one raw item a row: an "
+            "encoded image, a text, a JSON record), "
             f"got {tensor.datatype} {list(tensor.shape)}"
         )
     return [bytes(item) for item in tensor.data.reshape(-1)]

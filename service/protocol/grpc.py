@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 from google.protobuf.message import DecodeError, Message
 
-from service.datatypes import TO_NUMPY
+from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.protocol import v2
@@ -264,10 +264,10 @@ def _decode_input(
         raise PayloadTooLarge(
             f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
         )
-    if datatype == "BYTES" and count > v2.MAX_BYTES_ELEMENTS:
+    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
         raise PayloadTooLarge(
             f"input '{name}': shape {list(shape)} has {count} BYTES elements; the limit is "
-            f"{v2.MAX_BYTES_ELEMENTS} (each element is an object of its own)"
+            f"{MAX_BYTES_ELEMENTS} (each element is an object of its own)"
         )
     if raw is not None:
         if tensor.HasField("contents"):

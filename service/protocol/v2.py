@@ -15,14 +15,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.datatypes import TO_NUMPY, as_values, json_numbers, json_values
+from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY, as_values, json_numbers, json_values
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
-MAX_BYTES_ELEMENTS = 65_536
-"""Most elements one BYTES tensor may hold: each becomes a Python object (an encoded image or a
-text a row), far costlier than a number, so TG_MAX_TENSOR_ELEMENTS is no bound for them."""
 MAX_EXTENT = 2**40
 """Most a shape's non-zero dims may multiply to beside a zero dim: numpy refuses even an empty
 array whose other dims multiply past what it can index."""

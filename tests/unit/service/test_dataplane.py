@@ -530,3 +530,39 @@ def test_outputs_named_as_the_servers_own_are_the_models_where_it_has_no_code(
         assert answer.datatype == "FP32"
     finally:
         running.close()
+
+
+def test_v1_rows_for_a_bytes_input_are_strings_or_b64() -> None:
+    """A BYTES input's numbers were a 500 (KeyError: 'BYTES'), its strings a 400."""
+    from service.core.validation import instance_tensors
+    from service.model_config import TensorConfig
+
+    specs = (
+        TensorConfig(name="s", datatype="BYTES", shape=(2,)),
+        TensorConfig(name="x", datatype="FP32", shape=(2,)),
+    )
+    rows = [{"s": ["a", {"b64": "/w=="}], "x": [1, 2]}, {"s": ["é", ""], "x": [3, 4]}]
+    strings, numbers = instance_tensors(rows, specs)
+    assert strings.data.tolist() == [[b"a", b"\xff"], ["é".encode(), b""]]
+    assert numbers.data.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    for bad, says in (([1, 2], "int is not a string"), (["a", {"b64": "!"}], "not valid base64")):
+        with pytest.raises(InvalidInput, match=f"input 's' are not BYTES rows .*{says}"):
+            instance_tensors([{"s": bad, "x": [1, 2]}], specs)
+
+
+def test_v1_takes_one_instance_whole_for_a_model_without_a_batch_dim() -> None:
+    """max_batch_size 0 with two inputs could not be called over v1 at all (each object's
+    values gained a batch dim the model does not have)."""
+    from service.core.validation import instance_tensors
+    from service.model_config import TensorConfig
+
+    two = (
+        TensorConfig(name="a", datatype="FP32", shape=(3,)),
+        TensorConfig(name="b", datatype="FP32", shape=(3,)),
+    )
+    a, b = instance_tensors([{"a": [1, 2, 3], "b": [1, 1, 1]}], two, batched=False)
+    assert (a.shape, b.shape) == ((3,), (3,))
+    (one,) = (TensorConfig(name="a", datatype="FP32", shape=(3,)),)
+    for rows in ([[1, 2, 3]], [1, 2, 3], [{"a": [1, 2, 3]}]):  # as an instance, or the tensor
+        (tensor,) = instance_tensors(rows, (one,), batched=False)
+        assert tensor.data.tolist() == [1.0, 2.0, 3.0], rows

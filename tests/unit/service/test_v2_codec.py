@@ -17,12 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.http._utils import _get_inference_request
 
-from service.datatypes import TO_NUMPY, bf16_bits, json_answer
+from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY, bf16_bits, json_answer
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
 from service.protocol import v1
 from service.protocol.v2 import (
-    MAX_BYTES_ELEMENTS,
     binary_default,
     decode_request,
     encode_result,
