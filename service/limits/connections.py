@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -104,6 +105,26 @@ def guarded_protocol(
     )
 
 
+class _HeadTooLarge(Exception):
+    """Raised by a parser callback: httptools stops there (and raises its own error)."""
+
+
+class _Trailers:
+    """Where uvicorn's ``on_header`` appends once a head is complete: a chunked body's
+    trailers, counted against the head's limit and not kept."""
+
+    __slots__ = ("protocol", "size")
+
+    def __init__(self, protocol: GuardedHttpProtocol) -> None:
+        self.protocol, self.size = protocol, 0
+
+    def append(self, header: tuple[bytes, bytes]) -> None:
+        self.size += len(header[0]) + len(header[1]) + 4
+        if self.size > self.protocol.limits.max_header_bytes:
+            self.protocol._head_over = True
+            raise _HeadTooLarge
+
+
 class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the guards of this module."""
 
@@ -126,7 +147,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._read = 0  # the size of the read being parsed
         self._spanned = False  # that read goes on with a head an earlier read began
-        self._head_over = False  # a head past the limit: refused once the read is parsed
+        self._began = False  # a request began in that read
+        self._head_over = False  # a head (or trailers) past the limit: refused
+        self._trailers = _Trailers(self)
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
         self._filled_at: float | None = None  # when that buffer last stopped being empty
         self._half_closed = False  # the client's FIN came with a request waiting: probed
@@ -213,21 +236,40 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # (that one may end a previous body): it is refused as it grows. A head that ends in
         # a read is measured whole as parsed, where it could be larger than the limit: one
         # of many reads, or one read larger than the limit (uvloop reads 256 KiB; heads of
-        # 160 KB in one write were served against 64 KiB).
+        # 160 KB in one write were served against 64 KiB). uvicorn's own data_received, but
+        # for a head or trailers past the limit, which stop the parser (_HeadTooLarge).
         counted = self._in_head
-        self._read, self._spanned = len(data), counted
-        super().data_received(data)
-        if counted and self._in_head:
+        self._read, self._spanned, self._began = len(data), counted, False
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._head_over:
+                self._refuse_head()
+                return
+            said = "Invalid HTTP request received."
+            self.logger.warning(said)
+            self.send_400_response(said)
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        if counted and self._in_head and not self._began:
             self._head_bytes += len(data)
-        if self._head_over or (self._in_head and self._head_bytes > self.limits.max_header_bytes):
-            self._refuse(
-                "header_too_large",
-                f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
-            )
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        self._refuse(
+            "header_too_large",
+            f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
+        )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._began = True, 0, True
         if self._deadline is None:  # after a keep-alive pause: the head must now arrive in time
             self._expect("header_timeout", self.limits.header_timeout_s)
 
@@ -238,18 +280,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > limit
         ):
             self._head_over = True  # no request is made of it: the application never sees it
-            return
+            raise _HeadTooLarge
         self._expect("body_timeout", self.limits.body_timeout_s)
         super().on_headers_complete()
-
-    def on_body(self, body: bytes) -> None:
-        if not self._head_over:
-            super().on_body(body)
+        # What uvicorn adds to its headers from here on are a chunked body's trailers:
+        # counted against the same limit and dropped (ASGI gives a request no trailers; they
+        # were appended to the scope's headers, 32 MB of them against a limit of 8 KiB).
+        self._trailers.size = 0
+        self.headers = self._trailers  # type: ignore[assignment]  # only appended to
 
     def on_message_complete(self) -> None:
         self._deadline = None
-        if not self._head_over:
-            super().on_message_complete()
+        super().on_message_complete()
 
     def _expect(self, reason: str, seconds: float) -> None:
         self._deadline = self.loop.time() + seconds

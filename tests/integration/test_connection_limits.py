@@ -163,6 +163,67 @@ def test_a_head_over_the_limit_in_one_write_is_answered_431(guarded: Server, siz
     assert served(guarded)
 
 
+def digits_answered(server: Server) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in server.client.get("/metrics").text.splitlines()
+        if line.startswith('tensorgate_requests_total{model="digits"')
+    )
+
+
+def test_nothing_after_a_head_over_the_limit_reaches_the_application(guarded: Server) -> None:
+    """The parser went on past a refused head: a request after it in the same write reached
+    the application, and a WebSocket upgrade crashed uvicorn's handler (an ERROR traceback in
+    the log, the client an empty close)."""
+    before = digits_answered(guarded)
+    big = (
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nX-Padding: " + b"a" * 20_000 + b"\r\n\r\n"
+    )
+    with connect(guarded) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(big + head() + DIGIT)
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 431 ") and answer.count(b"HTTP/1.1 ") == 1, answer
+    assert served(guarded)
+    assert digits_answered(guarded) == before + 1  # the one just served, not the one after
+    assert "Fatal error" not in guarded.log() and "KeyError" not in guarded.log()
+
+
+def test_trailers_past_the_limit_are_answered_431(guarded: Server) -> None:
+    """A chunked body's trailers went into the request's headers, unbounded."""
+    trailers = b"".join(b"X-T%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
+    request = (
+        b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n" % len(DIGIT)
+        + DIGIT
+        + b"\r\n0\r\n"
+        + trailers
+        + b"\r\n"
+    )
+    with connect(guarded) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(request)
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+
+
+def test_a_body_is_not_counted_as_the_next_requests_head(guarded: Server) -> None:
+    """A head split over two writes, its 30 KB body and the start of the next head in the
+    second: the whole read was charged to the next head, a 431 at a limit of 8 KiB."""
+    body = DIGIT + b" " * 30_000
+    first, rest = head(length=len(body)).split(b"Host:")
+    with connect(guarded) as sock:
+        sock.sendall(first)
+        time.sleep(0.1)
+        sock.sendall(b"Host:" + rest + body + b"GET /v2/health/live HTTP/1.1\r\n")
+        time.sleep(0.1)
+        sock.sendall(b"Host: x\r\nConnection: close\r\n\r\n")
+        answer = read_all(sock)
+    assert answer.count(b"HTTP/1.1 200 ") == 2, answer[:300]
+
+
 def test_a_head_under_the_limit_is_served(guarded: Server) -> None:
     answer = guarded.client.get("/v2/health/live", headers={"X-Padding": "a" * 4000})
     assert answer.status_code == 200
