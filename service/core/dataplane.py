@@ -167,7 +167,7 @@ class DataPlane:
 
     async def preprocess(self, request: InferenceRequest) -> dict[str, np.ndarray]:
         """What ``infer`` would feed the model for the request: the tensors, not the answer."""
-        _, served = self.repository.ready_model(request.model)
+        _, served = self.repository.ready_model(request.model, whole=False)
         held = [0]
         try:
             return await self._preprocess(served, request, held)

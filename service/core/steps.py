@@ -79,7 +79,7 @@ class Steps:
             )
         try:
             for _ in range(3):  # a version retired meanwhile (a reload): its successor runs it
-                _, served = self.repository.ready_model(model, version)
+                _, served = self.repository.ready_model(model, version, whole=False)
                 loaded = served.loaded
                 tensors = [_tensor(name, array) for name, array in inputs.items()]
                 batch = check_inputs(tensors, loaded.signature, loaded.config, model)

@@ -100,7 +100,7 @@ class LoadedVersion:
     """The exported golden pairs, replayed after a request fails alone to tell whose fault it
     was (None without a manifest)."""
     tolerance: Tolerance
-    steps: frozenset[tuple[str, str | None]] = frozenset()
+    steps: tuple[tuple[str, str | None], ...] = ()
     """The other models (and versions asked for) its code called in the load's end-to-end
     replay: while one of them cannot serve, neither can this version."""
     _code_pool: list[ThreadPoolExecutor] = field(default_factory=list, repr=False)
@@ -312,7 +312,7 @@ def _gate_and_warm(
         shapes,
         golden,
         tolerance,
-        frozenset(called),
+        tuple(sorted(called, key=str)),
     )
 
 

@@ -51,9 +51,10 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
     if entry.unloaded:
         metadata["state"], reason = ModelState.UNLOADED.value, "unloaded"
     if entry.last_load_error:  # a reload was refused: say what serves instead, and why
-        serving = f"version {found.version} serves" if found else "nothing serves"
-        reason = f"{serving}; the last reload was refused: {entry.last_load_error}"
         metadata["last_load_error"] = entry.last_load_error
+        if state is ModelState.READY:
+            serving = f"version {found.version} serves" if found else "nothing serves"
+            reason = f"{serving}; the last reload was refused: {entry.last_load_error}"
     if reason:
         metadata["reason"] = reason
     if loaded is not None:

@@ -323,13 +323,17 @@ class ModelRepository:
     def changes(self) -> tuple[list[str], list[str]]:
         """Models whose folder changed since they were loaded, and models whose folder is gone
         (for ``--poll``). A model that failed to load is retried only when its folder changes."""
-        on_disk = self.on_disk(chosen_only=True)
+        every = self.on_disk()
+        chosen = self.on_disk(chosen_only=True)
+        loaded = {n for n, e in self.models.items() if not e.unloaded}  # also through the API
         changed = [
             name
-            for name, folder in on_disk.items()
-            if NAME_PATTERN.match(name) and self._fingerprints.get(name) != fingerprint(folder)
+            for name, folder in every.items()
+            if (name in chosen or name in loaded)
+            and NAME_PATTERN.match(name)
+            and self._fingerprints.get(name) != fingerprint(folder)
         ]
-        gone = [n for n, e in self.models.items() if n not in on_disk and not e.unloaded]
+        gone = [n for n in loaded if n not in every]  # not: left out of TG_MODELS
         return changed, gone
 
     def _folder(self, name: str) -> Path:
@@ -373,9 +377,10 @@ class ModelRepository:
         return entry.versions[int(version)]
 
     def ready_model(
-        self, name: str, version: str | None = None
+        self, name: str, version: str | None = None, whole: bool = True
     ) -> tuple[ModelVersion, ServedVersion]:
-        """A version that can take requests now, or 404/503 naming why not."""
+        """A version that can take requests now, or 404/503 naming why not. ``whole`` False:
+        for its model alone (a pipeline step, ``:preprocess``), whatever its own code's steps."""
         found = self.version(name, version)
         if found.state is not ModelState.READY or found.served is None:
             detail = f": {found.reason}" if found.reason else ""
@@ -383,7 +388,7 @@ class ModelRepository:
                 f"model '{name}' version {found.version} is {found.state.value}{detail}",
                 retry_after_s=1 if found.state is ModelState.LOADING else 30,
             )
-        if found.served.loaded.steps and (missing := self.missing_step(found)):
+        if whole and found.served.loaded.steps and (missing := self.missing_step(found)):
             raise ModelNotReady(
                 f"model '{name}' version {found.version} cannot serve: {missing}",
                 retry_after_s=30,
@@ -394,7 +399,7 @@ class ModelRepository:
         """Why a READY version cannot serve for want of a model its code calls (one its
         load's replay called: unloaded, not ready, gone), or ""."""
         steps = version.served.loaded.steps if version.served is not None else ()
-        for model, asked in sorted(steps, key=str):
+        for model, asked in steps:
             try:
                 found = self.version(model, asked)
             except TensorgateError as exc:

@@ -33,8 +33,9 @@ the refusals made before a request reaches a model, which the request metrics ne
 ``unauthorized`` (a missing or wrong token), ``too_large`` (a REST body past
 ``TG_MAX_BODY_BYTES``, sent or inflated), ``draining`` (the server shutting down) and
 ``bad_request`` (a REST request's 400 or 415 for its headers or encoding: a bad
-``X-Request-Timeout``, ``Inference-Header-Content-Length``, ``Content-Encoding`` or
-``Content-Type``, or a body that does not inflate)."""
+``X-Request-Timeout``, ``Inference-Header-Content-Length`` or ``Content-Encoding``, or a
+body that does not inflate; a v1 ``Content-Type`` the model does not take is that model's
+``unsupported`` outcome)."""
 
 
 class HoldsBytes(Protocol):

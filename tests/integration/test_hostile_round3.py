@@ -306,6 +306,21 @@ def test_what_raw_items_decode_into_counts_in_the_budget(tmp_path: Path) -> None
         )
         assert both.status_code == 413, both.text[:300]
         assert "bytes held at once" in both.json()["error"]
+        # gRPC: a message (twice its 4.8 MB) and its typed values (48 bytes each, 58 MB) fit
+        # the budget each, not together
+        tensor = pb.ModelInferRequest.InferInputTensor(
+            name="input", datatype="FP32", shape=[8, 3, 224, 224]
+        )
+        tensor.contents.fp32_contents.extend(np.zeros(8 * 3 * 224 * 224, np.float32))
+        call = pb.ModelInferRequest(model_name="efficientnet_lite0", inputs=[tensor])
+        options = [("grpc.max_send_message_length", -1)]
+        with (
+            grpc.insecure_channel(server.grpc_url, options=options) as channel,
+            pytest.raises(grpc.RpcError) as failed,
+        ):
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(call, timeout=60)
+        assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, failed.value.details()
+        assert "bytes held at once" in str(failed.value.details())
         served = server.client.post(predict, content=pixels(50), timeout=120)
         assert served.status_code == 200, served.text[:300]
         assert len(served.json()["predictions"]) == 50

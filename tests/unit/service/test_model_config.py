@@ -137,3 +137,29 @@ def test_the_index_lists_the_models_tg_models_leaves_out_as_unloaded(tmp_path: P
         "reason": "not loaded: TG_MODELS does not name it (load it)",
     }
     assert rows["chosen"]["state"] == "LOADING"  # scanned, its load not run here
+
+
+def test_poll_keeps_a_model_loaded_through_the_api_that_tg_models_leaves_out(
+    tmp_path: Path,
+) -> None:
+    """--poll read a loaded model TG_MODELS does not name as gone, and unloaded it 0.4 s
+    after the operator loaded it (as the index invites)."""
+    for name in ("chosen", "other"):
+        write_identity_model(tmp_path / name, datatypes=("FP32",))
+    settings = Settings(model_repository=tmp_path, models=["chosen"], intra_op_threads=1)
+    repository = ModelRepository(settings)
+    try:
+        repository.scan()
+        repository.load_all()
+        repository.load_model("other")
+        assert repository.changes() == ([], [])
+        (tmp_path / "other" / "config.yaml").write_text(
+            (tmp_path / "other" / "config.yaml").read_text() + "\n# changed\n"
+        )
+        assert repository.changes() == (["other"], [])  # reloaded when it changes
+        import shutil
+
+        shutil.rmtree(tmp_path / "other")
+        assert repository.changes() == ([], ["other"])  # and let go once its folder is gone
+    finally:
+        repository.close()
