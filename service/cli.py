@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -242,7 +243,36 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         server.run()
     else:  # one of several processes: each accepts from the supervisor's listening socket
         server.run(sockets=[inherited_listener()])
+    _leave_hung_code()
     return 0
+
+
+def _leave_hung_code(wait_s: float = 1.0) -> None:
+    """Once the server has stopped: end the process even where a model's own code still runs
+    on a thread that will not return. Python joins every pool thread at exit, so a
+    ``postprocess`` sleeping 45 s (its request long answered 504) kept a drained server alive
+    40 s past its grace; threads idle or ending are given ``wait_s``."""
+    import os
+    import threading
+
+    from service.telemetry import logs
+
+    others = [
+        t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon
+    ]
+    until = time.monotonic() + wait_s
+    for thread in others:
+        thread.join(max(0.0, until - time.monotonic()))
+    hung = [t.name for t in others if t.is_alive()]
+    if hung:
+        log.warning(
+            "exiting while %d threads still run a model's own code (%s): Python cannot stop "
+            "them, and their requests were answered",
+            len(hung),
+            ", ".join(hung[:8]),
+        )
+        logs.stop()
+        os._exit(0)
 
 
 def _settings(**overrides: Any) -> Settings | None:

@@ -17,11 +17,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -63,6 +64,7 @@ from service.runtimes.base import Runtime, RuntimeOptions, Signature
 from service.settings import Settings
 
 log = logging.getLogger("tensorgate.loader")
+T = TypeVar("T")
 Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 SKIPPED_WITHOUT_MANIFEST = (
@@ -190,6 +192,30 @@ class LoadBound:
     def cancel(self, why: str) -> None:
         self._cancelled = why
 
+    def run(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()``, a model's own code (its ``warm()``, the end-to-end replay), on a thread of
+        its own, waited for only while the load may go on. Python cannot stop a thread: one
+        that hangs is left behind (a daemon, so that it holds no exit) and the load is refused
+        at its time, at an unload or at SIGTERM; a ``warm()`` that slept 40 s held a load past
+        a 5 s TG_LOAD_TIMEOUT_S, and the model's unload, for all of it."""
+        done: Future[T] = Future()
+
+        def work() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # SystemExit too: the load's, as when run in place
+                done.set_exception(exc)
+
+        threading.Thread(target=work, name=f"load-{what}", daemon=True).start()
+        while True:
+            try:
+                return done.result(timeout=0.1)
+            except FutureTimeout:
+                try:
+                    self.check()
+                except ModelLoadError as exc:
+                    raise ModelLoadError(f"{exc} (it stopped in {what}, which goes on)") from None
+
     def check(self) -> None:
         if self._stopping.is_set():
             raise ModelLoadError("loading stopped: the server is shutting down")
@@ -262,13 +288,16 @@ def _gate_and_warm(
     called: set[tuple[str, str | None]] = set()
     if pipeline is not None:
         signature = bounded_signature(pipeline, signature)
-        pipeline.warm()
+        _bounded(bound, pipeline.warm, "the pipeline's warm()")
         if manifest is not None and manifest.answers:
             served_models = pipeline.models
             if models is not None and served_models is models:
                 pipeline.models = _Recording(models, called)
             try:
-                _replay_answers(pipeline, path, manifest, runtimes, config, tolerance)
+                replay = partial(
+                    _replay_answers, pipeline, path, manifest, runtimes, config, tolerance
+                )
+                _bounded(bound, replay, "the end-to-end replay of its code")
             finally:
                 pipeline.models = served_models
     classifier = (
@@ -314,6 +343,10 @@ def _gate_and_warm(
         tolerance,
         tuple(sorted(called, key=str)),
     )
+
+
+def _bounded(bound: LoadBound | None, fn: Callable[[], T], what: str) -> T:
+    return fn() if bound is None else bound.run(fn, what)
 
 
 class _Recording:

@@ -4,6 +4,7 @@ DataPlane, the loader and repository behind it, and the one inference route func
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -321,6 +322,47 @@ def test_a_load_stops_once_its_time_is_up_or_it_is_cancelled(tmp_path: Path) -> 
     with pytest.raises(ModelLoadError, match="stopped: model 'identity' was unloaded meanwhile"):
         load_version("identity", path, config, settings, bound=cancelled)
     assert load_version("identity", path, config, settings, bound=LoadBound(threading.Event(), 600))
+
+
+def test_a_models_code_that_hangs_in_its_load_is_left_at_the_loads_bound() -> None:
+    """A pipeline's warm() that slept 40 s held a load past a 5 s TG_LOAD_TIMEOUT_S, and an
+    unload of the model waited for all of it."""
+    release = threading.Event()
+    try:
+        late = LoadBound(threading.Event(), 0.3)
+        with pytest.raises(ModelLoadError, match=r"TG_LOAD_TIMEOUT_S .*stopped in warm\(\)"):
+            late.run(release.wait, "warm()")
+        cancelled = LoadBound(threading.Event(), 600)
+        threading.Timer(0.2, cancelled.cancel, ["model 'm' was unloaded meanwhile"]).start()
+        with pytest.raises(ModelLoadError, match="'m' was unloaded meanwhile"):
+            cancelled.run(release.wait, "warm()")
+    finally:
+        release.set()
+    assert LoadBound(threading.Event(), 600).run(lambda: 7, "warm()") == 7
+    with pytest.raises(SystemExit):  # what the code raises is the load's, as in place
+        LoadBound(threading.Event(), 600).run(lambda: sys.exit(3), "warm()")
+
+
+def test_a_stopped_server_exits_past_threads_its_models_code_hangs_in(tmp_path: Path) -> None:
+    """Python joins every pool thread at exit: a postprocess sleeping 45 s kept a drained
+    server alive 40 s past its grace."""
+    import subprocess
+
+    script = (
+        "import threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from service.cli import _leave_hung_code\n"
+        "pool = ThreadPoolExecutor(1, thread_name_prefix='m-code')\n"
+        "pool.submit(time.sleep, 60)\n"
+        "pool.shutdown(wait=False)\n"
+        "_leave_hung_code(0.2)\n"
+        "print('not reached')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0 and "not reached" not in done.stdout, done
+    assert "exiting while 1 threads still run a model's own code (m-code_0)" in done.stderr
 
 
 @pytest.mark.parametrize(
