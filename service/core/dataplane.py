@@ -636,8 +636,19 @@ def _preprocess(
     pipeline: Pipeline, items: list[Item], contexts: list[dict[str, Any]], model: LoadedVersion
 ) -> dict[str, np.ndarray]:
     """Items → the model's batch, in the calling thread (the pool's or the instance's)."""
-    made = _guarded(pipeline.preprocess_batch, model.name, items, contexts)
-    return _as_batch(model, _made(made, model.name, "preprocess_batch"))
+    made = _made(
+        _guarded(pipeline.preprocess_batch, model.name, items, contexts),
+        model.name,
+        "preprocess_batch",
+    )
+    # a row an item: each item's answer is its row of the outputs
+    rows = {name: array.shape[0] if array.ndim else 0 for name, array in made.items()}
+    if any(count != len(items) for count in rows.values()):
+        raise ModelExecutionError(
+            f"model '{model.name}': its pipeline's preprocess_batch() made {rows} rows for "
+            f"{len(items)} items; it must make one row an item"
+        )
+    return _as_batch(model, made)
 
 
 def _stacked(model: LoadedVersion, rows: list[Arrays]) -> dict[str, np.ndarray]:

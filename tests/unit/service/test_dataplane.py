@@ -17,6 +17,7 @@ import pytest
 
 from service.errors import (
     InvalidInput,
+    ModelExecutionError,
     ModelLoadError,
     ModelNotFound,
     ServerBusy,
@@ -608,3 +609,25 @@ def test_v1_takes_one_instance_whole_for_a_model_without_a_batch_dim() -> None:
     for rows in ([[1, 2, 3]], [1, 2, 3], [{"a": [1, 2, 3]}]):  # as an instance, or the tensor
         (tensor,) = instance_tensors(rows, (one,), batched=False)
         assert tensor.data.tolist() == [1.0, 2.0, 3.0], rows
+
+
+@pytest.mark.parametrize("made", [0, 1, 3, 2001])
+def test_a_batch_made_by_the_models_code_has_a_row_an_item(made: int) -> None:
+    """Fewer rows than items was a 500 from an IndexError at postprocess; 2,001 rows for two
+    items ran as some 500 batches, past max_request_rows."""
+    rows = made
+    from types import SimpleNamespace
+
+    from preprocessing.pipeline import Item, Pipeline
+    from service.core.dataplane import _preprocess
+
+    class Batches(Pipeline):
+        def preprocess_batch(self, items: Any, contexts: Any) -> dict[str, np.ndarray]:
+            return {"x": np.zeros((rows, 3), np.float32)}
+
+    model = SimpleNamespace(name="pb", batched=True)
+    items = [Item(b"{}"), Item(b"{}")]
+    with pytest.raises(ModelExecutionError, match=f"made {{'x': {made}}} rows for 2 items"):
+        _preprocess(Batches(), items, [{}, {}], model)  # type: ignore[arg-type]
+    rows = 2
+    assert _preprocess(Batches(), items, [{}, {}], model)["x"].shape == (2, 3)  # type: ignore[arg-type]
