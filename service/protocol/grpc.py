@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
-import orjson
 from google.protobuf.message import DecodeError, Message
 
-from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY
+from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY, json_answer
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.protocol import v2
@@ -403,9 +402,12 @@ def parameters(message: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
 
 
 def set_parameters(target: Any, values: Mapping[str, Any]) -> None:
-    """Plain values → a protobuf parameter map; values with no protobuf type go as JSON text."""
+    """Plain values → a protobuf parameter map; values with no protobuf type go as JSON text,
+    as REST writes them (numpy arrays as lists, NaN as "NaN": ``repr`` had made "[1 2]")."""
     for key, value in values.items():
         parameter = target[key]
+        if isinstance(value, np.generic) and value.ndim == 0 and value.dtype.kind in "biuf":
+            value = value.item()
         if isinstance(value, bool):
             parameter.bool_param = value
         elif isinstance(value, int) and -(2**63) <= value < 2**63:
@@ -417,4 +419,4 @@ def set_parameters(target: Any, values: Mapping[str, Any]) -> None:
         elif isinstance(value, str):
             parameter.string_param = value
         else:
-            parameter.string_param = orjson.dumps(value, default=str).decode()
+            parameter.string_param = json_answer(value).decode()

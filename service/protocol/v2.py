@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY, as_values, json_numbers, json_values
+from service.datatypes import (
+    MAX_BYTES_ELEMENTS,
+    TO_NUMPY,
+    as_values,
+    json_answer,
+    json_numbers,
+    json_values,
+)
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 
@@ -324,8 +331,8 @@ def encode_result(result: InferenceResult, binary_default: bool) -> tuple[bytes,
     response: dict[str, Any] = {"model_name": result.model, "model_version": result.version}
     if result.id is not None:
         response["id"] = result.id
-    if result.parameters:
-        response["parameters"] = result.parameters
+    if result.parameters:  # a model's code may say NaN or numpy values: as in its answers
+        response["parameters"] = orjson.Fragment(json_answer(result.parameters))
     response["outputs"] = encoded
     header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -172,6 +174,36 @@ def test_a_message_that_is_not_protobuf_or_has_many_fields_is_read_by_upb() -> N
     parsed = codec.parse_infer(crowded)
     assert parsed.message.outputs[-1].name == f"o{codec.MAX_SCANNED_FIELDS - 1}"
     assert parsed.contents == [bytes(4 * WIDE)] and not parsed.message.raw_input_contents
+
+
+def test_a_models_parameters_are_written_over_grpc_as_rest_writes_them() -> None:
+    """numpy values were written by repr ("[1 2]", a float32 as the text "1.5"), and NaN in a
+    list as null over REST."""
+    said = {
+        "arr": np.array([1, 2]),
+        "f": np.float32(1.5),
+        "i": np.int64(3),
+        "ok": np.bool_(True),
+        "nan": [float("nan"), 1.0],
+    }
+    message = request_with("FP32", [1], fp32_contents=[1.0])
+    codec.set_parameters(message.parameters, said)
+    assert codec.parameters(message.parameters) == {
+        "arr": "[1,2]",
+        "f": 1.5,
+        "i": 3,
+        "ok": True,
+        "nan": '["NaN",1.0]',
+    }
+    result = InferenceResult("m", "1", None, [], {}, said, None, True)
+    body, _ = v2.encode_result(result, binary_default=False)
+    assert json.loads(body)["parameters"] == {
+        "arr": [1, 2],
+        "f": 1.5,
+        "i": 3,
+        "ok": True,
+        "nan": ["NaN", 1.0],
+    }
 
 
 def test_parameters_round_trip_and_fp16_outputs_go_raw() -> None:
