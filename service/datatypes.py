@@ -321,7 +321,9 @@ def _finite(value: Any) -> Any:
             return value
         return "NaN" if np.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, np.ndarray):
-        return json_values(value) if value.dtype.kind == "f" else value
+        if value.dtype.kind == "f":
+            return json_values(value)
+        return _finite(value.tolist()) if value.dtype == object else value
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
     if isinstance(value, list | tuple):

@@ -71,6 +71,8 @@ class Steps:
         """Run ``inputs`` (a batch, batch dim first for a batching model) on ``model``."""
         if _on_loop(self.loop):
             raise RuntimeError("models.infer() blocks: call it from pipeline code, not the loop")
+        if version is not None:  # the code's own: an int is taken as the number it is
+            version = str(version)
         deadline = DEADLINE.get() or time.monotonic() + self.default_s
         gone = GONE.get()
         if gone is not None and gone.is_set():

@@ -631,3 +631,27 @@ def test_a_batch_made_by_the_models_code_has_a_row_an_item(made: int) -> None:
         _preprocess(Batches(), items, [{}, {}], model)  # type: ignore[arg-type]
     rows = 2
     assert _preprocess(Batches(), items, [{}, {}], model)["x"].shape == (2, 3)  # type: ignore[arg-type]
+
+
+def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
+    """``self.models.infer("m", x, version=1)`` was a 500 ('int' object has no attribute
+    'isascii')."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from service.core.steps import Steps
+
+    asked: list[object] = []
+
+    def ready_model(model: str, version: object, whole: bool = True) -> None:
+        asked.append(version)
+        raise ModelNotFound(f"model '{model}' has no version '{version}'")
+
+    loop = asyncio.new_event_loop()
+    try:
+        steps = Steps(SimpleNamespace(ready_model=ready_model), loop, 5.0)  # type: ignore[arg-type]
+        with pytest.raises(ModelNotFound, match="pipeline step 'm': model 'm' has no version '1'"):
+            steps.infer("m", {"x": np.zeros((1, 2), np.float32)}, version=1)  # type: ignore[arg-type]
+    finally:
+        loop.close()
+    assert asked == ["1"]

@@ -422,6 +422,7 @@ def test_code_answers_carry_numpy_values_nan_and_infinities_as_tensors_do() -> N
         "rows": [(1.0, -np.inf)],
         "kept": None,
         "v": np.array([np.nan, 2.0]),
+        "o": np.array([np.nan, "a"], dtype=object),
     }
     assert orjson.loads(json_answer(answer)) == {
         "x": "NaN",
@@ -430,6 +431,7 @@ def test_code_answers_carry_numpy_values_nan_and_infinities_as_tensors_do() -> N
         "rows": [[1.0, "-Infinity"]],
         "kept": None,
         "v": ["NaN", 2.0],
+        "o": ["NaN", "a"],
     }
     assert json_answer({"label": "cat", "p": np.float32(0.5)}) == b'{"label":"cat","p":0.5}'
 
