@@ -655,3 +655,43 @@ def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
     finally:
         loop.close()
     assert asked == ["1"]
+
+
+def test_a_large_json_answer_is_written_off_the_event_loop_a_binary_one_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """REST's JSON answers were written on the loop whatever their size: 20 M values held
+    every other request for 0.64 s."""
+    from service.protocol import v2
+
+    write_identity_model(tmp_path / "wide", max_batch_size=2, datatypes=("FP32",), width=16384)
+    running = InProcess(Settings(model_repository=tmp_path, intra_op_threads=1))
+    threads: list[int] = []
+    encode = v2.encode_result
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return encode(*args)
+
+    monkeypatch.setattr(v2, "encode_result", recording)
+    try:
+        loop = running.run(asyncio_ident())
+        for binary in (False, True):
+            tensor = {"name": "in_FP32", "datatype": "FP32", "shape": [1, 16384]}
+            body = orjson.dumps(
+                {
+                    "inputs": [{**tensor, "data": [0.5] * 16384}],
+                    "parameters": {"binary_data_output": binary},
+                }
+            )
+            headers = {"content-length": str(len(body))}
+            route = Route("infer", "wide")
+            answer = running.run(answer_inference(running.dataplane, route, headers, Body(body)))
+            assert answer.status == 200, answer.body[:200]
+    finally:
+        running.close()
+    assert [thread == loop for thread in threads] == [False, True]
+
+
+async def asyncio_ident() -> int:
+    return threading.get_ident()
