@@ -339,7 +339,14 @@ def _answer_tensor(model: LoadedVersion, answers: list[Any] | None) -> np.ndarra
             "this request sent tensors"
         )
     array = np.empty(len(answers), dtype=object)
-    array[:] = [json_answer(a) for a in answers]
+    try:
+        array[:] = [json_answer(a) for a in answers]
+    except (TypeError, OverflowError) as exc:  # orjson's JSONEncodeError is a TypeError
+        kinds = sorted({type(a).__name__ for a in answers})
+        raise ModelExecutionError(
+            f"model '{model.name}': its pipeline's postprocess() answered what JSON cannot "
+            f"hold ({', '.join(kinds)}: {exc})"
+        ) from exc
     return array
 
 

@@ -695,3 +695,15 @@ def test_a_large_json_answer_is_written_off_the_event_loop_a_binary_one_on_it(
 
 async def asyncio_ident() -> int:
     return threading.get_ident()
+
+
+@pytest.mark.parametrize("answer", [{1, 2}, b"raw", 2**70, (i for i in range(2))])
+def test_an_answer_json_cannot_hold_is_the_codes_500_naming_postprocess(answer: Any) -> None:
+    """It was logged as the server's own internal error, naming nothing of the model."""
+    from types import SimpleNamespace
+
+    from service.core.dataplane import _answer_tensor
+
+    model = SimpleNamespace(name="m")
+    with pytest.raises(ModelExecutionError, match=r"model 'm': its pipeline's postprocess\(\)"):
+        _answer_tensor(model, [answer])  # type: ignore[arg-type]
