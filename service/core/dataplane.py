@@ -32,7 +32,8 @@ import numpy as np
 from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, overrides, stack
 from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
-from service.core.steps import DEADLINE, GONE
+from service.batching.stats import RequestTiming
+from service.core.steps import CALLER, DEADLINE, GONE
 from service.core.validation import (
     check_inputs,
     check_made,
@@ -197,6 +198,7 @@ class DataPlane:
         alone: bool,
         deadline: float,
         held: list[int] | None = None,
+        timing: RequestTiming | None = None,
     ) -> Prepared:
         """The request's inputs as the model's batch: raw items through its pipeline, tensors
         (or rows) checked against its signature and padded to its buckets.
@@ -223,7 +225,7 @@ class DataPlane:
         make = partial(_preprocess, pipeline, items, contexts, model)
         loop = asyncio.get_running_loop()
         if not isinstance(pipeline, BUILT_IN):
-            runner, gone = _code_context(deadline)
+            runner, gone = _code_context(deadline, timing)
             batch = await _within(
                 loop.run_in_executor(self.code_pool(model), runner, make),
                 deadline,
@@ -442,7 +444,9 @@ class Call:
         alone = served.in_flight == 1
         trace = observation.trace
         preparing = 0 if trace is None else time.perf_counter_ns()
-        prepared = await self.dataplane.prepare(loaded, request, alone, deadline, self._held)
+        prepared = await self.dataplane.prepare(
+            loaded, request, alone, deadline, self._held, timing
+        )
         if isinstance(prepared.work, dict):
             observation.rows = rows_of(prepared.work, loaded.batched)
             now = time.perf_counter_ns()
@@ -469,7 +473,7 @@ class Call:
                 started = time.perf_counter_ns()
                 until = self.dataplane.deadline(request.timeout_s, request.parameters)
                 done = partial(_answer, pipeline, outputs, prepared.contexts, loaded)
-                runner, gone = _code_context(until)
+                runner, gone = _code_context(until, timing)
                 said, answers = await _within(
                     asyncio.get_running_loop().run_in_executor(
                         self.dataplane.code_pool(loaded), runner, done
@@ -580,14 +584,17 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
     return [Item(item) for item in encoded_items(named[0], model.name)]
 
 
-def _code_context(deadline: float) -> tuple[Callable[[Callable[[], T]], T], threading.Event]:
-    """A runner of a model's own code in a context that knows the request's deadline and
-    whether it is gone, so that the steps the code calls (:mod:`service.core.steps`) carry
-    both; and the event that says it is gone."""
+def _code_context(
+    deadline: float, timing: RequestTiming | None = None
+) -> tuple[Callable[[Callable[[], T]], T], threading.Event]:
+    """A runner of a model's own code in a context that knows the request's deadline, whether
+    it is gone and its timing, so that the steps the code calls (:mod:`service.core.steps`)
+    carry all three; and the event that says it is gone."""
     gone = threading.Event()
     context = contextvars.copy_context()
     context.run(DEADLINE.set, deadline)
     context.run(GONE.set, gone)
+    context.run(CALLER.set, timing)
     return context.run, gone
 
 

@@ -55,6 +55,11 @@ GONE: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
 )
 """Set once the request whose code is running was answered (past its deadline) or cancelled
 (its client left, the server stopped): a step it calls after that is refused, not run."""
+CALLER: contextvars.ContextVar[RequestTiming | None] = contextvars.ContextVar(
+    "tensorgate_step_caller", default=None
+)
+"""The timing of the request whose code is running: a step that met an unwarmed shape marks
+it, so that its access-log line says so (the faces pyramid's steps)."""
 
 
 class Steps:
@@ -86,7 +91,9 @@ class Steps:
                 tensors = [_tensor(name, array) for name, array in inputs.items()]
                 batch = check_inputs(tensors, loaded.signature, loaded.config, model)
                 batch, crop = _warmed(loaded, batch)
-                ran = asyncio.run_coroutine_threadsafe(_run(served, batch, deadline), self.loop)
+                ran = asyncio.run_coroutine_threadsafe(
+                    _run(served, batch, deadline, CALLER.get()), self.loop
+                )
                 try:
                     outputs = ran.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
                 except FutureTimeout:
@@ -115,7 +122,10 @@ def _warmed(loaded: LoadedVersion, batch: Batch) -> tuple[Batch, Crop]:
 
 
 async def _run(
-    served: ServedVersion, batch: dict[str, np.ndarray], deadline: float
+    served: ServedVersion,
+    batch: dict[str, np.ndarray],
+    deadline: float,
+    caller: RequestTiming | None = None,
 ) -> dict[str, np.ndarray] | None:
     """The step on the loop, counted in the step model's statistics as a request of its own;
     None if ``served`` was retired since the code's thread looked it up (a reload swapped
@@ -130,6 +140,8 @@ async def _run(
             served.stats.record_failure(timing)
             raise
     served.stats.record_success(rows_of(batch, served.loaded.batched), timing)
+    if caller is not None and timing.unwarmed:
+        caller.unwarmed = True
     return outputs
 
 

@@ -707,3 +707,45 @@ def test_an_answer_json_cannot_hold_is_the_codes_500_naming_postprocess(answer: 
     model = SimpleNamespace(name="m")
     with pytest.raises(ModelExecutionError, match=r"model 'm': its pipeline's postprocess\(\)"):
         _answer_tensor(model, [answer])  # type: ignore[arg-type]
+
+
+def test_a_step_that_met_an_unwarmed_shape_marks_its_callers_request() -> None:
+    """The caller's access-log line said nothing of a step's cold shape (the faces pyramid)."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from service.batching.stats import RequestTiming
+    from service.core.steps import _run
+
+    async def execute(batch: Any, timing: RequestTiming, deadline: float) -> dict[str, Any]:
+        timing.unwarmed = True  # as the scheduler marks a request of an unwarmed batch
+        return {"y": batch["x"]}
+
+    served = SimpleNamespace(
+        use=contextlib.nullcontext,
+        closing=False,
+        execute=execute,
+        stats=SimpleNamespace(record_success=lambda *_: None, record_failure=lambda *_: None),
+        loaded=SimpleNamespace(batched=True),
+    )
+    caller = RequestTiming()
+    batch = {"x": np.zeros((1, 2), np.float32)}
+    outputs = asyncio.run(_run(served, batch, time.monotonic() + 5, caller))  # type: ignore[arg-type]
+    assert outputs is not None and caller.unwarmed
+
+
+def test_the_access_log_says_which_requests_met_an_unwarmed_shape(
+    core: InProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    observer = core.dataplane.observer
+    observer.access_log = True
+    try:
+        with caplog.at_level("INFO", logger="tensorgate.access"):
+            for unwarmed in (True, False):
+                with observer.observe("test", "identity", None) as observation:
+                    observation.timing.unwarmed = unwarmed
+    finally:
+        observer.access_log = False
+    marked = [getattr(r, "unwarmed_shape", None) for r in caplog.records]
+    assert marked == [True, None]
