@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -111,12 +111,17 @@ class _HeadTooLarge(Exception):
 
 class _Trailers:
     """Where uvicorn's ``on_header`` appends once a head is complete: a chunked body's
-    trailers, counted against the head's limit and not kept."""
+    trailers, counted against the head's limit and not kept. Read, it is the head's headers
+    (uvicorn looks through them again for an upgrade as the body and its end are parsed)."""
 
-    __slots__ = ("protocol", "size")
+    __slots__ = ("head", "protocol", "size")
 
     def __init__(self, protocol: GuardedHttpProtocol) -> None:
         self.protocol, self.size = protocol, 0
+        self.head: list[tuple[bytes, bytes]] = []
+
+    def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
+        return iter(self.head)
 
     def append(self, header: tuple[bytes, bytes]) -> None:
         self.size += len(header[0]) + len(header[1]) + 4
@@ -286,8 +291,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # What uvicorn adds to its headers from here on are a chunked body's trailers:
         # counted against the same limit and dropped (ASGI gives a request no trailers; they
         # were appended to the scope's headers, 32 MB of them against a limit of 8 KiB).
-        self._trailers.size = 0
-        self.headers = self._trailers  # type: ignore[assignment]  # only appended to
+        self._trailers.size, self._trailers.head = 0, self.headers
+        self.headers = self._trailers  # type: ignore[assignment]  # appended to, iterated
 
     def on_message_complete(self) -> None:
         self._deadline = None

@@ -190,6 +190,19 @@ def test_nothing_after_a_head_over_the_limit_reaches_the_application(guarded: Se
     assert "Fatal error" not in guarded.log() and "KeyError" not in guarded.log()
 
 
+def test_a_request_asking_for_an_upgrade_is_answered_as_it_was(guarded: Server) -> None:
+    """curl --http2 on an http:// URL asks for h2c: answered as HTTP/1.1 (uvicorn's own
+    answer). The trailers' counter made every such request a 400."""
+    request = (
+        b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
+    )
+    with connect(guarded) as sock:
+        sock.sendall(request)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+
+
 def test_trailers_past_the_limit_are_answered_431(guarded: Server) -> None:
     """A chunked body's trailers went into the request's headers, unbounded."""
     trailers = b"".join(b"X-T%d: %s\r\n" % (i, b"a" * 1000) for i in range(20))
@@ -207,6 +220,11 @@ def test_trailers_past_the_limit_are_answered_431(guarded: Server) -> None:
             sock.sendall(request)
         answer = read_all(sock)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    five = b"".join(b"X-T%d: %s\r\n" % (i, b"a" * 1000) for i in range(5))
+    within = request.replace(trailers, five)  # 5 KB of trailers, within the 8 KiB
+    with connect(guarded) as sock:
+        sock.sendall(within)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_body_is_not_counted_as_the_next_requests_head(guarded: Server) -> None:
