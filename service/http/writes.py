@@ -36,7 +36,8 @@ class OneWrite(asyncio.Transport):
         head = self._head
         if head is not None:
             self._head = None
-            self._transport.writelines((head, data))
+            if not self._transport.is_closing():
+                self._transport.writelines((head, data))
         elif (
             len(data) <= MAX_HEAD
             and data[:5] == b"HTTP/"
@@ -45,8 +46,8 @@ class OneWrite(asyncio.Transport):
         ):
             self._head = bytes(data)
             self._loop.call_soon(self.flush)
-        else:
-            self._transport.write(data)
+        elif not self._transport.is_closing():  # closed under an earlier request of a
+            self._transport.write(data)  # pipeline (a refusal): uvloop raised, an ERROR
 
     def flush(self) -> None:
         """Send a held head now (at the end of the turn, or before the transport closes)."""
@@ -58,7 +59,8 @@ class OneWrite(asyncio.Transport):
 
     def writelines(self, list_of_data: Any) -> None:
         self.flush()
-        self._transport.writelines(list_of_data)
+        if not self._transport.is_closing():
+            self._transport.writelines(list_of_data)
 
     def write_eof(self) -> None:
         self.flush()

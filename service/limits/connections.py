@@ -351,6 +351,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _expire(self) -> None:
         self._deadline = None
         reason, seconds = self._waiting_for
+        if self.flow.read_paused:
+            # The server stopped reading (a request queued behind a running one, or a body
+            # buffered faster than the application takes it): the time is not the client's.
+            self._expect(reason, seconds)
+            return
         if reason == "header_timeout" and self.cycle is not None and not self._in_head:
             # Between requests (a response still being written, or keep-alive): uvicorn's
             # own keep-alive timeout closes an idle connection.

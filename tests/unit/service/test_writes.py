@@ -142,3 +142,48 @@ async def test_a_held_head_is_flushed_before_the_loop_closes_at_the_client_s_fin
     theirs.setblocking(False)
     assert await arriving(theirs) == b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n"
     theirs.close()
+
+
+def test_an_answer_written_after_its_connection_closed_is_dropped() -> None:
+    """A refusal closes a pipelined connection under an earlier request still running: its
+    answer, written then, raised in uvloop's transport (an ERROR traceback in the log, one per
+    connection, at a client's will)."""
+    import uvloop
+
+    async def main() -> bytes:
+        async with pair() as (transport, peer):
+            transport.close()
+            ended = await arriving(peer)
+            await asyncio.sleep(0.05)  # closed, not only closing
+            transport.write(HEAD)
+            transport.write(BODY)
+            transport.writelines([HEAD, BODY])
+            return ended
+
+    loop = uvloop.new_event_loop()
+    try:
+        assert loop.run_until_complete(main()) == b""  # the end of the stream, nothing raised
+    finally:
+        loop.close()
+
+
+def test_a_connection_the_server_stopped_reading_is_given_more_time_not_refused() -> None:
+    """A request queued behind a running one on its connection: uvicorn stops reading it,
+    and its head's or body's deadline went by meanwhile (408, both answers lost)."""
+    from types import SimpleNamespace
+
+    from service.limits.connections import GuardedHttpProtocol
+
+    said: list[tuple[str, ...]] = []
+    for paused in (True, False):
+        connection = SimpleNamespace(
+            flow=SimpleNamespace(read_paused=paused),
+            _waiting_for=("body_timeout", 3.0),
+            _deadline=1.0,
+            cycle=None,
+            _in_head=False,
+            _expect=lambda reason, seconds: said.append(("wait", reason)),
+            _refuse=lambda reason, message: said.append(("refuse", reason)),
+        )
+        GuardedHttpProtocol._expire(connection)  # type: ignore[arg-type]
+    assert said == [("wait", "body_timeout"), ("refuse", "body_timeout")]
