@@ -172,7 +172,12 @@ async def _infer(
         binary = v2.binary_default(request)
         # JSON text is written off the loop when large (20 M values held every other request
         # for 0.64 s); a binary answer is one copy of the outputs, and stays
-        text = any(not o.parameters.get("binary_data", binary) for o in result.outputs)
+        asked = request.outputs
+        text = (
+            not binary
+            if asked is None
+            else any(not o.parameters.get("binary_data", binary) for o in asked)
+        )
         content, headers = await call.encode(v2.encode_result, result, binary, pooled=text)
     return Answer(200, content, headers)
 

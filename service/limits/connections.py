@@ -288,11 +288,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             raise _HeadTooLarge
         self._expect("body_timeout", self.limits.body_timeout_s)
         super().on_headers_complete()
-        # What uvicorn adds to its headers from here on are a chunked body's trailers:
-        # counted against the same limit and dropped (ASGI gives a request no trailers; they
-        # were appended to the scope's headers, 32 MB of them against a limit of 8 KiB).
-        self._trailers.size, self._trailers.head = 0, self.headers
-        self.headers = self._trailers  # type: ignore[assignment]  # appended to, iterated
+
+    def on_chunk_header(self) -> None:
+        """A chunked body's chunk begins (httptools calls this only for those): what uvicorn
+        adds to its headers from here on are the body's trailers, counted against the head's
+        limit and dropped (ASGI gives a request no trailers; they were appended to the
+        scope's headers, 32 MB of them against a limit of 8 KiB)."""
+        if self.headers is not self._trailers:  # type: ignore[comparison-overlap]  # once swapped
+            self._trailers.size, self._trailers.head = 0, self.headers
+            self.headers = self._trailers  # type: ignore[assignment]  # appended to, iterated
 
     def on_message_complete(self) -> None:
         self._deadline = None
