@@ -537,8 +537,12 @@ class Call:
 
 
 def answer_bytes(result: InferenceResult) -> int:
-    """What a result's outputs hold: the bytes an encoder goes through, at least."""
-    return sum(output.data.nbytes for output in result.outputs)
+    """What a result's outputs hold: the bytes an encoder goes through, at least (a loop, not
+    a generator: asked of every JSON answer)."""
+    total = 0
+    for output in result.outputs:
+        total += output.data.nbytes
+    return total
 
 
 def _fitted(
