@@ -123,17 +123,20 @@ def json_strings(values: Any) -> np.ndarray:
                 out[index] = base64.b64decode(value["b64"], validate=True)
             except binascii.Error:
                 raise ValueError("a {'b64': ...} value is not valid base64") from None
+        elif isinstance(value, list):  # numpy kept a list where lengths differ
+            raise ValueError("its nested lists are not all of one length")
         else:
-            raise ValueError(f"{_kind(value)} is not a string (or {{'b64': ...}})")
+            raise ValueError(f"{json_kind(value)} is not a string (or {{'b64': ...}})")
     return out.reshape(given.shape)
 
 
-def _kind(value: Any) -> str:
-    return (
-        "a list (its nested lists are not all of one length)"
-        if isinstance(value, list)
-        else (type(value).__name__ if value is not None else "null")
-    )
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words, for an error naming what came."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+_JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+_JSON_KINDS[type(None)] = "null"
 
 
 def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.ndarray:

@@ -20,6 +20,7 @@ from service.datatypes import (
     TO_NUMPY,
     as_values,
     json_answer,
+    json_kind,
     json_numbers,
     json_values,
 )
@@ -75,7 +76,7 @@ def decode_request(
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
-        raise InvalidInput(f"request must be a JSON object, got {_kind(header)}")
+        raise InvalidInput(f"request must be a JSON object, got {json_kind(header)}")
     binary = view[header_length:] if header_length is not None else view[:0]
     # JSON's true and false read as 1 and 0 among numbers; only a body that has either word
     # is looked through for them (a scan of every value cost a W2 request 2.4 µs)
@@ -84,7 +85,7 @@ def decode_request(
 
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise InvalidInput(f"'id' must be a string, got {_kind(request_id)}")
+        raise InvalidInput(f"'id' must be a string, got {json_kind(request_id)}")
     parameters = _parameters(header.get("parameters"), "request")
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
@@ -130,7 +131,7 @@ def _decode_input(
     raw: Any, index: int, binary: memoryview, max_elements: int | None, bools: bool = True
 ) -> tuple[InputTensor, int]:
     if not isinstance(raw, dict):
-        raise InvalidInput(f"inputs[{index}] must be an object, got {_kind(raw)}")
+        raise InvalidInput(f"inputs[{index}] must be an object, got {json_kind(raw)}")
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"inputs[{index}].name must be a non-empty string")
@@ -176,7 +177,7 @@ def _decode_input(
 
 def _shape(raw: Any, what: str) -> tuple[int, ...]:
     if not isinstance(raw, list):
-        raise InvalidInput(f"{what}: 'shape' must be a list of integers, got {_kind(raw)}")
+        raise InvalidInput(f"{what}: 'shape' must be a list of integers, got {json_kind(raw)}")
     for dim in raw:
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise InvalidInput(f"{what}: shape dims must be integers ≥ 0 (got {raw})")
@@ -199,7 +200,7 @@ def _parameters(raw: Any, what: str) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise InvalidInput(f"{what}: 'parameters' must be an object, got {_kind(raw)}")
+        raise InvalidInput(f"{what}: 'parameters' must be an object, got {json_kind(raw)}")
     return raw
 
 
@@ -263,7 +264,9 @@ def _from_json(data: Any, datatype: str, name: str, bools: bool = True) -> np.nd
         array = np.empty(len(flat), dtype=object)
         for i, item in enumerate(flat):
             if not isinstance(item, str):
-                raise InvalidInput(f"input '{name}': BYTES data must be strings, got {_kind(item)}")
+                raise InvalidInput(
+                    f"input '{name}': BYTES data must be strings, got {json_kind(item)}"
+                )
             array[i] = item.encode()
         return array
     try:
@@ -290,7 +293,7 @@ def _decode_outputs(raw: Any, binary_default: bool) -> list[RequestedOutput] | N
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise InvalidInput(f"'outputs' must be a list, got {_kind(raw)}")
+        raise InvalidInput(f"'outputs' must be a list, got {json_kind(raw)}")
     outputs = []
     names: set[str] = set()
     for index, item in enumerate(raw):
@@ -378,9 +381,3 @@ def to_binary(data: np.ndarray, datatype: str) -> bytes:
             parts.append(raw)
         return b"".join(parts)
     return np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).tobytes()
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), type(value).__name__
-    )
