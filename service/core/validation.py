@@ -6,7 +6,6 @@ joined. Every error names the input and says what was expected and what came.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,7 +96,8 @@ def instance_tensors(
     if not batched and len(instances) == 1:
         (only,) = instances
         if isinstance(only, dict):  # one object naming the inputs, each value whole
-            return _tensors_of(_columns(instances, specs), specs, lambda column: column[0])
+            whole = {name: column[0] for name, column in _columns(instances, specs).items()}
+            return _tensors_of(whole, specs)
         if len(specs) == 1 and _depth(only) == len(specs[0].shape):
             return _tensors_of({specs[0].name: only}, specs)
     return _tensors_of(_columns(instances, specs), specs)
@@ -131,15 +131,11 @@ def _columns(instances: list[Any], specs: tuple[TensorConfig, ...]) -> dict[str,
     )
 
 
-def _tensors_of(
-    columns: dict[str, Any],
-    specs: tuple[TensorConfig, ...],
-    each: Callable[[Any], Any] = lambda column: column,
-) -> list[InputTensor]:
+def _tensors_of(columns: dict[str, Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
     tensors = []
     for spec in specs:
         try:
-            values = each(columns[spec.name])
+            values = columns[spec.name]
             if spec.datatype == "BYTES":
                 array = json_strings(values)
             else:

@@ -52,9 +52,9 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
         metadata["state"], reason = ModelState.UNLOADED.value, "unloaded"
     if entry.last_load_error:  # a reload was refused: say what serves instead, and why
         metadata["last_load_error"] = entry.last_load_error
-        if state is ModelState.READY:
-            serving = f"version {found.version} serves" if found else "nothing serves"
-            reason = f"{serving}; the last reload was refused: {entry.last_load_error}"
+        if state is ModelState.READY and found is not None:  # else its own reason stands
+            reason = f"version {found.version} serves; the last reload was refused: "
+            reason += entry.last_load_error
     if reason:
         metadata["reason"] = reason
     if loaded is not None:
