@@ -234,9 +234,9 @@ def test_a_body_is_not_counted_as_the_next_requests_head(guarded: Server) -> Non
     first, rest = head(length=len(body)).split(b"Host:")
     with connect(guarded) as sock:
         sock.sendall(first)
-        time.sleep(0.1)
+        time.sleep(0.1)  # apart, so that the server reads them apart (no wait for the server)
         sock.sendall(b"Host:" + rest + body + b"GET /v2/health/live HTTP/1.1\r\n")
-        time.sleep(0.1)
+        time.sleep(0.1)  # the same
         sock.sendall(b"Host: x\r\nConnection: close\r\n\r\n")
         answer = read_all(sock)
     assert answer.count(b"HTTP/1.1 200 ") == 2, answer[:300]

@@ -615,22 +615,24 @@ def test_v1_takes_one_instance_whole_for_a_model_without_a_batch_dim() -> None:
 def test_a_batch_made_by_the_models_code_has_a_row_an_item(made: int) -> None:
     """Fewer rows than items was a 500 from an IndexError at postprocess; 2,001 rows for two
     items ran as some 500 batches, past max_request_rows."""
-    rows = made
     from types import SimpleNamespace
 
     from preprocessing.pipeline import Item, Pipeline
     from service.core.dataplane import _preprocess
 
     class Batches(Pipeline):
-        def preprocess_batch(self, items: Any, contexts: Any) -> dict[str, np.ndarray]:
-            return {"x": np.zeros((rows, 3), np.float32)}
+        def __init__(self, rows: int) -> None:
+            self.rows = rows
 
-    model = SimpleNamespace(name="pb", batched=True)
+        def preprocess_batch(self, items: Any, contexts: Any) -> dict[str, np.ndarray]:
+            return {"x": np.zeros((self.rows, 3), np.float32)}
+
+    stand_in = SimpleNamespace(name="pb", batched=True)  # what _preprocess reads of a model
+    model: Any = stand_in
     items = [Item(b"{}"), Item(b"{}")]
     with pytest.raises(ModelExecutionError, match=f"made {{'x': {made}}} rows for 2 items"):
-        _preprocess(Batches(), items, [{}, {}], model)  # type: ignore[arg-type]
-    rows = 2
-    assert _preprocess(Batches(), items, [{}, {}], model)["x"].shape == (2, 3)  # type: ignore[arg-type]
+        _preprocess(Batches(made), items, [{}, {}], model)
+    assert _preprocess(Batches(2), items, [{}, {}], model)["x"].shape == (2, 3)
 
 
 def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
@@ -649,9 +651,10 @@ def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
 
     loop = asyncio.new_event_loop()
     try:
-        steps = Steps(SimpleNamespace(ready_model=ready_model), loop, 5.0)  # type: ignore[arg-type]
+        repository: Any = SimpleNamespace(ready_model=ready_model)  # all Steps asks of one
+        steps = Steps(repository, loop, 5.0)
         with pytest.raises(ModelNotFound, match="pipeline step 'm': model 'm' has no version '1'"):
-            steps.infer("m", {"x": np.zeros((1, 2), np.float32)}, version=1)  # type: ignore[arg-type]
+            steps.infer("m", {"x": np.zeros((1, 2), np.float32)}, version=1)  # type: ignore[arg-type]  # an int, as pipeline code may pass
     finally:
         loop.close()
     assert asked == ["1"]
@@ -706,7 +709,7 @@ def test_an_answer_json_cannot_hold_is_the_codes_500_naming_postprocess(answer: 
 
     model = SimpleNamespace(name="m")
     with pytest.raises(ModelExecutionError, match=r"model 'm': its pipeline's postprocess\(\)"):
-        _answer_tensor(model, [answer])  # type: ignore[arg-type]
+        _answer_tensor(model, [answer])  # type: ignore[arg-type]  # a stand-in: only its name is read
 
 
 def test_a_step_that_met_an_unwarmed_shape_marks_its_callers_request() -> None:
@@ -731,7 +734,7 @@ def test_a_step_that_met_an_unwarmed_shape_marks_its_callers_request() -> None:
     )
     caller = RequestTiming()
     batch = {"x": np.zeros((1, 2), np.float32)}
-    outputs = asyncio.run(_run(served, batch, time.monotonic() + 5, caller))  # type: ignore[arg-type]
+    outputs = asyncio.run(_run(served, batch, time.monotonic() + 5, caller))  # type: ignore[arg-type]  # a stand-in ServedVersion
     assert outputs is not None and caller.unwarmed
 
 

@@ -185,5 +185,5 @@ def test_a_connection_the_server_stopped_reading_is_given_more_time_not_refused(
             _expect=lambda reason, seconds: said.append(("wait", reason)),
             _refuse=lambda reason, message: said.append(("refuse", reason)),
         )
-        GuardedHttpProtocol._expire(connection)  # type: ignore[arg-type]
+        GuardedHttpProtocol._expire(connection)  # type: ignore[arg-type]  # a stand-in connection
     assert said == [("wait", "body_timeout"), ("refuse", "body_timeout")]
