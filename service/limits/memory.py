@@ -18,7 +18,9 @@ still arriving when their clients went (measured, `bench.stalled`: the workers' 
 (its pages are given back, its chunks stay free), so a count back at its least since the last
 trim has nothing more to give. The free count must have grown on two checks in a row (churn
 between two checks is not memory left free), and after a trim it asked for gave back less
-than 8 MiB of RSS it is looked at only every 2, 4, … 64 checks, until one gives back more.
+than 8 MiB of RSS it is looked at only every 2, 4, … 64 checks, until one gives back more
+or the budget lets go of enough (what requests leave is often freed just after the budget
+lets go of them: under a back-off it stayed for up to a minute).
 Without glibc (musl), nothing is trimmed.
 """
 
@@ -176,12 +178,15 @@ class Trimmer:
         budget.high = budget.held
         self.trim()
         self.trims += 1
-        self.least_free = free
+        # What it trimmed stays counted free: the count now is the least to grow from (read
+        # again when this check skipped it).
+        self.least_free = free if free is not None or self.free_bytes is None else self.free_bytes()
         self._freed_checks = 0
-        if not let_go:
-            if before - self.rss() < TRIM_AFTER_BYTES // 4:  # little came back: look less often
-                self._skip = self._backoff
-                self._backoff = min(2 * self._backoff, MAX_BACKOFF_CHECKS)
-            else:
-                self._backoff = 1
+        if let_go or before - self.rss() >= TRIM_AFTER_BYTES // 4:
+            # Requests just ended (what they leave is often freed a moment after the budget
+            # lets go of them), or this one gave back: look at every check again.
+            self._skip, self._backoff = 0, 1
+        else:  # little came back: look less often
+            self._skip = self._backoff
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF_CHECKS)
         return True

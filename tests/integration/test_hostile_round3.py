@@ -463,7 +463,7 @@ def test_batches_of_dynamic_dims_hold_their_copy_in_the_budget_and_memory_return
         server.wait_for(lambda: metric(server, "tensorgate_request_body_bytes_in_flight ") == 0)
         peak = vm(pid, "VmHWM") - start
         assert peak < 3 * budget, f"peak +{peak >> 20} MiB against a {budget >> 20} MiB budget"
-        server.wait_for(lambda: vm(pid, "VmRSS") < start * 1.1, timeout=10)
+        server.wait_for(lambda: vm(pid, "VmRSS") < start * 1.1, timeout=20)
     finally:
         server.stop()
 

@@ -75,6 +75,24 @@ def test_trims_that_give_little_back_look_at_the_free_count_less_often() -> None
     assert trims.count(True) < 8  # every second check without the back-off: 20
 
 
+def test_requests_ending_end_the_back_off() -> None:
+    """What requests leave is often freed a moment after the budget lets go of them (after the
+    trim that followed): under a back-off grown during the load, it stayed up to a minute."""
+    free = [0]
+    budget = BytesBudget(limit=1 << 30)
+    trimmer = Trimmer(budget, trim=lambda: None, free_bytes=lambda: free[0], rss=lambda: 1)
+    for _ in range(20):  # churn during a load: trims that give little back
+        free[0] += TRIM_AFTER_BYTES
+        trimmer.check()
+    assert trimmer._backoff > 4
+    budget.take(TRIM_AFTER_BYTES)
+    budget.release(TRIM_AFTER_BYTES)
+    assert trimmer.check()  # the requests ended
+    free[0] += TRIM_AFTER_BYTES  # what they left, freed just after
+    assert not trimmer.check()  # once: it may be churn
+    assert trimmer.check()  # at the next check, not 2**n checks later
+
+
 def test_this_c_library_trims_for_real() -> None:
     trim = malloc_trim()
     assert trim is not None  # glibc, here and in the image
