@@ -93,8 +93,20 @@ class ModelLoadRefused(TensorgateError):
     status = 400
 
 
+class ModelLoadStopped(ModelLoadRefused):
+    """A load stopped before its end by an unload of its model asked meanwhile, or by the
+    server stopping: nothing in the model was wrong, so not the 400 of a model refused.
+    (gRPC: ABORTED, its code for a change that crossed another.)"""
+
+    status = 409
+
+
 class ModelLoadError(Exception):
     """A model version cannot be served; the message is its UNAVAILABLE reason. Never sent raw."""
+
+
+class LoadStopped(ModelLoadError):
+    """A version's load stopped by an unload of its model or by SIGTERM (:class:`LoadBound`)."""
 
 
 class StepNotReady(ModelLoadError):

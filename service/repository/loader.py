@@ -49,7 +49,13 @@ from service.artifacts.manifest import (
 from service.artifacts.shapes import ShapePolicy
 from service.batching.scheduler import BatchShape, batch_shape
 from service.datatypes import TO_NUMPY
-from service.errors import ModelLoadError, ModelNotReady, StepNotReady, TensorgateError
+from service.errors import (
+    LoadStopped,
+    ModelLoadError,
+    ModelNotReady,
+    StepNotReady,
+    TensorgateError,
+)
 from service.model_config import ModelConfig, TensorConfig
 from service.pipelines.classification import ANSWER, CLASSIFICATION, Classifier
 from service.pipelines.inputs import bounded_signature, check_names, pipeline_for
@@ -214,13 +220,13 @@ class LoadBound:
                 try:
                     self.check()
                 except ModelLoadError as exc:
-                    raise ModelLoadError(f"{exc} (it stopped in {what}, which goes on)") from None
+                    raise type(exc)(f"{exc} (it stopped in {what}, which goes on)") from None
 
     def check(self) -> None:
         if self._stopping.is_set():
-            raise ModelLoadError("loading stopped: the server is shutting down")
+            raise LoadStopped("loading stopped: the server is shutting down")
         if self._cancelled is not None:
-            raise ModelLoadError(f"loading stopped: {self._cancelled}")
+            raise LoadStopped(f"loading stopped: {self._cancelled}")
         if time.monotonic() > self._deadline:
             raise ModelLoadError(
                 f"loading stopped: it took longer than TG_LOAD_TIMEOUT_S ({self._timeout_s:g} s);"

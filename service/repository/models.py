@@ -24,8 +24,10 @@ from preprocessing.spec import PythonSpec
 from service.batching.scheduler import BatchBudget
 from service.errors import (
     InvalidInput,
+    LoadStopped,
     ModelLoadError,
     ModelLoadRefused,
+    ModelLoadStopped,
     ModelNotFound,
     ModelNotReady,
     StepNotReady,
@@ -62,6 +64,8 @@ class ModelVersion:
     served: ServedVersion | None = None
     waits_for_step: bool = False
     """Refused because its replay called a model not loaded yet: tried again after them."""
+    stopped: bool = False
+    """Its load was stopped by an unload of the model, or by SIGTERM (nothing wrong in it)."""
 
 
 @dataclass(eq=False)
@@ -235,6 +239,7 @@ class ModelRepository:
         except ModelLoadError as exc:
             version.state, version.reason = ModelState.UNAVAILABLE, self.relative(str(exc))
             version.waits_for_step = isinstance(exc, StepNotReady)
+            version.stopped = isinstance(exc, LoadStopped)
             log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
             return
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the last two: a model's code
@@ -288,6 +293,8 @@ class ModelRepository:
                     self.models[name] = fresh  # its metadata says why, as at startup
                 else:
                     old.last_load_error = reasons
+                if any(v.stopped for v in versions):
+                    raise ModelLoadStopped(f"the load of '{name}' did not finish: {reasons}")
                 raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
             self.models[name] = fresh  # one assignment: requests see the old or the new entry
             log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
