@@ -55,8 +55,11 @@ class ModelNotReady(TensorgateError):
 
     status = 503
 
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+    def __init__(self, message: str, *, retry_after_s: int = 1, version: int | None = None) -> None:
         super().__init__(message, headers={"Retry-After": str(retry_after_s)})
+        self.version = version
+        """The version that cannot serve, where one was found (its requests are counted by
+        it: the series the error-ratio alert reads from 0 on)."""
 
 
 class ServerBusy(TensorgateError):

@@ -46,6 +46,7 @@ from service.errors import (
     DeadlineExceeded,
     InvalidInput,
     ModelExecutionError,
+    ModelNotReady,
     PayloadTooLarge,
     UnsupportedMediaType,
 )
@@ -415,6 +416,8 @@ class Call:
         try:
             found, served = self.dataplane.repository.ready_model(self.model, self.asked)
         except BaseException as exc:
+            if isinstance(exc, ModelNotReady) and exc.version is not None:
+                observation.version, observation.unserved = str(exc.version), True
             self._observing.__exit__(type(exc), exc, exc.__traceback__)
             raise
         observation.version, observation.served = str(found.version), served

@@ -394,11 +394,13 @@ class ModelRepository:
             raise ModelNotReady(
                 f"model '{name}' version {found.version} is {found.state.value}{detail}",
                 retry_after_s=1 if found.state is ModelState.LOADING else 30,
+                version=found.version,
             )
         if whole and found.served.loaded.steps and (missing := self.missing_step(found)):
             raise ModelNotReady(
                 f"model '{name}' version {found.version} cannot serve: {missing}",
                 retry_after_s=30,
+                version=found.version,
             )
         return found, found.served
 

@@ -43,6 +43,8 @@ class Observation:
     rows: int = 0
     trace: RequestTrace | None = None
     """The request's trace when tracing is on (its stages are marked on it)."""
+    unserved: bool = False
+    """``version`` is a version of the model that exists and cannot serve (a 503)."""
 
 
 class Observer:
@@ -93,7 +95,7 @@ class Observer:
         timing = observation.timing
         elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
         # bounded label values: a model and version that exist, else "" (a client can send any)
-        found = observation.served is not None
+        found = observation.served is not None or observation.unserved
         model = name if found or name in self.repository.models else ""
         self.metrics.record(
             model, observation.version if found else "", protocol, status, elapsed, timing

@@ -713,8 +713,16 @@ def test_a_pipeline_whose_step_is_unloaded_says_so_until_the_step_serves_again(
         assert 'tensorgate_model_state{model="chain",state="UNAVAILABLE",version="1"} 1.0' in (
             server.client.get("/metrics").text
         )
+        series = 'tensorgate_requests_total{model="chain",outcome="unavailable",'
+        series += 'protocol="v1",version="1"} '
+
+        def unavailable() -> list[str]:
+            return [s for s in server.client.get("/metrics").text.splitlines() if series in s]
+
+        assert unavailable() == [series + "0.0"]  # from 0 on, for the error-ratio alert
         response = predict(server, "chain", [{"x": [1, 2, 3, 4]}])
         assert response.status_code == 503 and said in response.json()["error"], response.text
+        assert unavailable() == [series + "1.0"]  # counted by its version, not version=""
         assert server.client.get("/v2/health/ready").status_code == 200
     finally:
         client.close()
