@@ -200,6 +200,14 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             "not a directory (the folder of model folders; `make models` builds the bundled one)\n"
         )
         return 2
+    if settings.models and settings.model_name is None:
+        folders = {p.name for p in settings.model_repository.iterdir() if p.is_dir()}
+        if missing := [name for name in settings.models if name not in folders]:
+            sys.stderr.write(  # one line, not every worker's traceback
+                f"tensorgate: invalid setting: TG_MODELS: {', '.join(map(repr, missing))} not "
+                f"in {settings.model_repository} (its folders: {', '.join(sorted(folders))})\n"
+            )
+            return 2
     worker = Worker.from_environment()
     logs.configure(settings.log_level, None if worker is None else worker.index)
     if worker is None:
@@ -287,7 +295,8 @@ def _settings(**overrides: Any) -> Settings | None:
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"])
             field = f"TG_{where.upper()}: " if where else ""
-            sys.stderr.write(f"tensorgate: invalid setting: {field}{error['msg']}\n")
+            said = error["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
+            sys.stderr.write(f"tensorgate: invalid setting: {field}{said}\n")
         return None
 
 

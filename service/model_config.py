@@ -277,5 +277,6 @@ def describe_validation_error(exc: ValidationError) -> str:
         where = ".".join(loc) or "(top level)"
         said = error["type"] == "missing" or "(got " in error["msg"]  # a validator's own
         got = "" if said else f" (got {error['input']!r})"
-        parts.append(f"{where}: {error['msg']}{got}")
+        message = error["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
+        parts.append(f"{where}: {message}{got}")
     return "; ".join(parts)

@@ -6,10 +6,11 @@ import difflib
 import os
 import resource
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, PrivateAttr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import orjson
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.resources import (
     WORKER_BASE_BYTES,
@@ -52,8 +53,9 @@ class Settings(BaseSettings):
     ``grpc.health.v1``), on the same host and models as HTTP; 8001 as Triton. 0: no gRPC."""
     model_repository: Path = Path("models")
     """The model repository: one folder a model, each with config.yaml and version folders."""
-    models: list[str] | None = None
-    """Load only these models from the repository (default: every model in it)."""
+    models: Annotated[list[str] | None, NoDecode] = None
+    """Load only these models from the repository (default: every model in it): names
+    separated by commas (``digits,minilm``) or a JSON list (``["digits"]``)."""
     model_name: str | None = None
     """Serve the repository's one model under this name (KServe passes the InferenceService's
     name, ``{{.Name}}``). The repository is then that model's own folder (``config.yaml`` at
@@ -179,6 +181,26 @@ class Settings(BaseSettings):
     def sizing_warning(self) -> str | None:
         """Why fewer workers start than asked (the memory limit), for the log at start."""
         return self._sizing_warning
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _model_names(cls, value: Any) -> Any:
+        """``TG_MODELS`` as names separated by commas, or as a JSON list (the form it took
+        first: ``digits`` alone was refused as "Input should be a valid list"); empty: every
+        model."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():  # set but empty, as a compose file's ${TG_MODELS:-} leaves it
+            return None
+        if value.lstrip().startswith("["):
+            try:
+                return orjson.loads(value)
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON list of model names: {exc}") from None
+        names = [name.strip() for name in value.split(",")]
+        if not all(names):
+            raise ValueError(f"an empty model name in {value!r}: name them separated by commas")
+        return names
 
     @model_validator(mode="after")
     def _size_workers(self) -> Self:

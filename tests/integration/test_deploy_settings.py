@@ -77,7 +77,7 @@ def test_the_health_command_fails_when_nothing_listens(tmp_path: Path) -> None:
     [
         (
             {"TG_API_TOKEN": "short"},
-            "tensorgate: invalid setting: Value error, TG_API_TOKEN is 5 characters long",
+            "tensorgate: invalid setting: TG_API_TOKEN is 5 characters long",
         ),
         (
             {"TG_PORT": "eighty"},
@@ -87,6 +87,14 @@ def test_the_health_command_fails_when_nothing_listens(tmp_path: Path) -> None:
             {"TG_MODEL_REPOSITORY": "/nonexistent/models"},
             "tensorgate: invalid setting: TG_MODEL_REPOSITORY: /nonexistent/models is not a "
             "directory",
+        ),
+        (  # was each worker's lifespan traceback
+            {"TG_MODELS": "digits,nosuch"},
+            "tensorgate: invalid setting: TG_MODELS: 'nosuch' not in models (its folders: ",
+        ),
+        (
+            {"TG_MODELS": "digits,,minilm"},
+            "tensorgate: invalid setting: TG_MODELS: an empty model name in 'digits,,minilm'",
         ),
     ],
 )

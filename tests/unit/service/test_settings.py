@@ -101,3 +101,30 @@ def test_one_client_may_hold_half_the_connections_by_default() -> None:
     assert (
         Settings(max_connections=10, max_connections_per_client=70).max_connections_per_client == 10
     )
+
+
+@pytest.mark.parametrize(
+    ("given", "models"),
+    [
+        ("digits", ["digits"]),  # was "Input should be a valid list"
+        ("digits, minilm", ["digits", "minilm"]),
+        ('["digits", "minilm"]', ["digits", "minilm"]),  # the JSON list it took first
+        ("", None),  # set but empty (a compose file's ${TG_MODELS:-}): every model
+    ],
+)
+def test_models_are_named_separated_by_commas_or_as_a_json_list(
+    monkeypatch: pytest.MonkeyPatch, given: str, models: list[str] | None
+) -> None:
+    monkeypatch.setenv("TG_MODELS", given)
+    assert Settings().models == models
+
+
+@pytest.mark.parametrize(
+    ("given", "said"), [("digits,,minilm", "an empty model name"), ("[digits", "not a JSON list")]
+)
+def test_a_bad_model_list_says_what_is_wrong(
+    monkeypatch: pytest.MonkeyPatch, given: str, said: str
+) -> None:
+    monkeypatch.setenv("TG_MODELS", given)
+    with pytest.raises(ValidationError, match=said):
+        Settings()
