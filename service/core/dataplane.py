@@ -168,12 +168,16 @@ class DataPlane:
         return Call(self, protocol, model, version)
 
     async def preprocess(self, request: InferenceRequest) -> dict[str, np.ndarray]:
-        """What ``infer`` would feed the model for the request: the tensors, not the answer."""
+        """What ``infer`` would feed the model for the request: the tensors, not the answer.
+        Drained as inference is: refused past pre-stop, waited for before the exit."""
+        self.drain.admit()
         _, served = self.repository.ready_model(request.model, whole=False)
         held = [0]
+        self.drain.in_flight += 1
         try:
             return await self._preprocess(served, request, held)
         finally:
+            self.drain.in_flight -= 1
             if self.budget is not None and held[0]:
                 self.budget.release(held[0])
 

@@ -30,7 +30,14 @@ class Drain:
     refusing: bool = False
     """Past pre-stop: new inference requests get 503 while the accepted ones finish."""
     in_flight: int = 0
-    """Inference requests accepted and not yet answered."""
+    """Inference requests accepted and not yet answered (``:preprocess`` ones too: the exit
+    waits for them)."""
+
+    def admit(self) -> None:
+        """503 once new work is refused (past pre-stop)."""
+        if self.refusing:
+            REFUSED["draining"] += 1  # before a model is looked up: no request metric sees it
+            raise ServerBusy("the server is shutting down; send this request elsewhere")
 
 
 @dataclass(slots=True)
@@ -59,9 +66,7 @@ class Observer:
     def observe(self, protocol: str, name: str, version: str | None) -> _Observing:
         """``with observer.observe(...) as observation:`` around one request: 503 while the
         server refuses new work; whatever happens inside is counted, timed and logged once."""
-        if self.drain.refusing:
-            REFUSED["draining"] += 1  # before a model is looked up: no request metric sees it
-            raise ServerBusy("the server is shutting down; send this request elsewhere")
+        self.drain.admit()
         observation = Observation(version or "")
         trace = CURRENT.get()
         if trace is not None:

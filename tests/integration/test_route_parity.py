@@ -191,6 +191,22 @@ def test_draining_is_a_503_with_retry_after_on_both(inprocess: InProcess) -> Non
     assert_alike(plain, fastapi, "drain")
 
 
+def test_draining_refuses_preprocess_as_it_refuses_inference(inprocess: InProcess) -> None:
+    """``:preprocess`` runs the model's preprocessing: past pre-stop it was still served, and
+    the exit did not wait for the ones running."""
+    path = PREDICT.replace(":predict", ":preprocess")
+    assert (
+        inprocess.request(inprocess.serving, "POST", path, _png(), list(PNG.items())).status == 200
+    )
+    inprocess.dataplane.drain.refusing = True
+    try:
+        reply = inprocess.request(inprocess.serving, "POST", path, _png(), list(PNG.items()))
+    finally:
+        inprocess.dataplane.drain.refusing = False
+    assert reply.status == 503 and reply.headers["retry-after"] == "1"
+    assert b"the server is shutting down" in reply.body
+
+
 def test_a_deadline_that_passes_in_the_queue_is_a_504_on_both(inprocess: InProcess) -> None:
     body = orjson.loads(_digits_json())
     body["parameters"] = {"timeout": 1}  # one microsecond
