@@ -365,7 +365,9 @@ class _Recording:
     def infer(
         self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
     ) -> dict[str, np.ndarray]:
-        self.called.add((model, version))
+        # as the step will be looked up: an int was kept as it came, and the version lookups of
+        # readiness, metadata, the index and /metrics took it for a string (500s)
+        self.called.add((model, None if version is None else str(version)))
         return self.models.infer(model, inputs, version)
 
 
