@@ -9,7 +9,9 @@ that stops arriving. This subclass adds them:
 - more than ``max_connections`` open, or more than ``max_connections_per_client`` from one
   address: the new one is answered 503 (``Retry-After``) and closed (#28 finding 16: 4,096
   silent connections from one client made 118 of 125 other clients' requests 503);
-- a request head larger than ``max_header_bytes``: 431, closed;
+- a request head larger than ``max_header_bytes``, or a chunked body's trailers: 431, closed;
+  a chunk-size line larger than it (a chunk extension that never ends): 413, closed. Each is
+  measured in bytes as it arrives, however the reads split it (:mod:`service.limits.framing`);
 - a head not complete within ``header_timeout_s`` of the connection opening or of the request
   starting (a silent or slowloris client): 408, closed;
 - a body not complete within ``body_timeout_s`` of its head: 408, closed; the application's
@@ -42,6 +44,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.limits.admission import BytesBudget
 from service.limits.balance import BALANCE
+from service.limits.framing import Framing
 from service.telemetry.counters import REFUSED
 
 PROBE_S = 0.05
@@ -54,6 +57,7 @@ _REASONS = {
     "too_many": (503, b"Service Unavailable"),
     "too_many_from_client": (503, b"Service Unavailable"),
     "header_too_large": (431, b"Request Header Fields Too Large"),
+    "chunk_line_too_large": (413, b"Content Too Large"),
     "header_timeout": (408, b"Request Timeout"),
     "body_timeout": (408, b"Request Timeout"),
 }
@@ -105,29 +109,22 @@ def guarded_protocol(
     )
 
 
-class _HeadTooLarge(Exception):
-    """Raised by a parser callback: httptools stops there (and raises its own error)."""
-
-
 class _Trailers:
     """Where uvicorn's ``on_header`` appends once a head is complete: a chunked body's
-    trailers, counted against the head's limit and not kept. Read, it is the head's headers
-    (uvicorn looks through them again for an upgrade as the body and its end are parsed)."""
+    trailers, not kept (their size is bounded as they arrive, by the framing). Read, it is the
+    head's headers (uvicorn looks through them again for an upgrade as the body and its end are
+    parsed)."""
 
-    __slots__ = ("head", "protocol", "size")
+    __slots__ = ("head",)
 
-    def __init__(self, protocol: GuardedHttpProtocol) -> None:
-        self.protocol, self.size = protocol, 0
+    def __init__(self) -> None:
         self.head: list[tuple[bytes, bytes]] = []
 
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
         return iter(self.head)
 
     def append(self, header: tuple[bytes, bytes]) -> None:
-        self.size += len(header[0]) + len(header[1]) + 4
-        if self.size > self.protocol.limits.max_header_bytes:
-            self.protocol._head_over = True
-            raise _HeadTooLarge
+        pass
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -149,12 +146,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline: float | None = None
         self._waiting_for = ("", 0.0)
         self._in_head = False  # a request has begun and its head is not complete yet
-        self._head_bytes = 0
-        self._read = 0  # the size of the read being parsed
-        self._spanned = False  # that read goes on with a head an earlier read began
-        self._began = False  # a request began in that read
-        self._head_over = False  # a head (or trailers) past the limit: refused
-        self._trailers = _Trailers(self)
+        self._framing = Framing(self.limits.max_header_bytes)
+        self._trailers = _Trailers()
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
         self._filled_at: float | None = None  # when that buffer last stopped being empty
         self._half_closed = False  # the client's FIN came with a request waiting: probed
@@ -237,69 +230,77 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.abort()  # connection_lost: the app's receive() reports a disconnect
 
     def data_received(self, data: bytes) -> None:
-        # A head still under way after a read counts the reads after the one it began in
-        # (that one may end a previous body): it is refused as it grows. A head that ends in
-        # a read is measured whole as parsed, where it could be larger than the limit: one
-        # of many reads, or one read larger than the limit (uvloop reads 256 KiB; heads of
-        # 160 KB in one write were served against 64 KiB). uvicorn's own data_received, but
-        # for a head or trailers past the limit, which stop the parser (_HeadTooLarge).
-        counted = self._in_head
-        self._read, self._spanned, self._began = len(data), counted, False
+        # uvicorn's own data_received, but the parser is fed the pieces the framing marks out:
+        # it stops at each head's end (the parser, at that head's end, says how the body is
+        # framed) and before a head, chunk-size line or trailers past the limit, which the
+        # parser never sees.
         self._unset_keepalive_if_required()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self._head_over:
-                self._refuse_head()
+        framing, view, start = self._framing, memoryview(data), 0
+        while start < len(data):
+            end = framing.cut(data, start)
+            try:
+                if end > start:
+                    self.parser.feed_data(view[start:end])
+            except httptools.HttpParserError:
+                said = "Invalid HTTP request received."
+                self.logger.warning(said)
+                self.send_400_response(said)
                 return
-            said = "Invalid HTTP request received."
-            self.logger.warning(said)
-            self.send_400_response(said)
-            return
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-        if counted and self._in_head and not self._began:
-            self._head_bytes += len(data)
-        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
-            self._refuse_head()
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+                return  # the rest of the read is not parsed, as uvicorn's
+            if framing.over is not None:
+                self._refuse_framing(framing.over)
+                return
+            start = end
 
-    def _refuse_head(self) -> None:
-        self._refuse(
-            "header_too_large",
-            f"the request head exceeds {self.limits.max_header_bytes} bytes, the limit",
-        )
+    def _refuse_framing(self, over: str) -> None:
+        limit = f"{self.limits.max_header_bytes} bytes, the limit (TG_MAX_HEADER_BYTES)"
+        if over == "chunk_line":
+            self._refuse(
+                "chunk_line_too_large",
+                f"a chunk-size line of the request body (its extensions included) exceeds {limit}",
+            )
+        elif over == "trailers":
+            self._refuse("header_too_large", f"the request body's trailers exceed {limit}")
+        else:
+            self._refuse("header_too_large", f"the request head exceeds {limit}")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_bytes, self._began = True, 0, True
+        self._in_head = True
         if self._deadline is None:  # after a keep-alive pause: the head must now arrive in time
             self._expect("header_timeout", self.limits.header_timeout_s)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        limit = self.limits.max_header_bytes
-        if (self._spanned or self._read > limit) and (
-            len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > limit
-        ):
-            self._head_over = True  # no request is made of it: the application never sees it
-            raise _HeadTooLarge
+        length, chunked = 0, False
+        if not self.parser.should_upgrade():  # llhttp reads no body after an upgrade's head
+            for name, value in self.headers:  # both checked by llhttp (digits; one of them)
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"transfer-encoding":
+                    chunked = True
+        self._framing.body(length, chunked)
         self._expect("body_timeout", self.limits.body_timeout_s)
         super().on_headers_complete()
 
     def on_chunk_header(self) -> None:
         """A chunked body's chunk begins (httptools calls this only for those): what uvicorn
-        adds to its headers from here on are the body's trailers, counted against the head's
-        limit and dropped (ASGI gives a request no trailers; they were appended to the
-        scope's headers, 32 MB of them against a limit of 8 KiB)."""
+        adds to its headers from here on are the body's trailers, dropped (ASGI gives a request
+        no trailers; they were appended to the scope's headers, 32 MB of them against a limit
+        of 8 KiB)."""
         if self.headers is not self._trailers:  # type: ignore[comparison-overlap]  # once swapped
-            self._trailers.size, self._trailers.head = 0, self.headers
+            self._trailers.head = self.headers
             self.headers = self._trailers  # type: ignore[assignment]  # appended to, iterated
 
     def on_message_complete(self) -> None:
         self._deadline = None
+        if not self.parser.should_keep_alive():  # llhttp parses nothing after it
+            self._framing.untrack()
         super().on_message_complete()
 
     def _expect(self, reason: str, seconds: float) -> None:

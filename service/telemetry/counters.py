@@ -13,6 +13,7 @@ REASONS = (
     "too_many",
     "too_many_from_client",
     "header_too_large",
+    "chunk_line_too_large",
     "header_timeout",
     "body_timeout",
     "write_timeout",
@@ -27,7 +28,8 @@ was never exposed: three were, until they were listed)."""
 REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
 ``too_many_from_client``,
-``header_too_large``, ``header_timeout``, ``body_timeout``, ``write_timeout``
+``header_too_large``, ``chunk_line_too_large``, ``header_timeout``, ``body_timeout``,
+``write_timeout``
 (:mod:`service.limits.connections`), ``body_budget`` (:mod:`service.limits.admission`), and
 the refusals made before a request reaches a model, which the request metrics never see:
 ``unauthorized`` (a missing or wrong token), ``too_large`` (a REST body past

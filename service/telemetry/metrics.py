@@ -381,7 +381,8 @@ class _RepositoryCollector(Collector):
             "tensorgate_refused",
             "Connections or requests refused by a server-wide bound before the application "
             "read them: too_many (connections), too_many_from_client (connections from one "
-            "address), header_too_large, header_timeout, "
+            "address), header_too_large, chunk_line_too_large (a chunked body's size line past "
+            "TG_MAX_HEADER_BYTES), header_timeout, "
             "body_timeout, write_timeout (an answer the client did not take), body_budget "
             "(TG_MAX_INFLIGHT_BYTES); and requests refused before a model was looked up: "
             "unauthorized, too_large (a REST body past TG_MAX_BODY_BYTES), draining, "
