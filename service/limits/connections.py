@@ -26,7 +26,10 @@ that stops arriving. This subclass adds them:
   (#28 finding 5: 200 answers never read held +4.6 GiB, with no timeout).
 
 Each refusal is written straight to the transport (the application never sees the request) and
-counted in :data:`service.telemetry.counters.REFUSED`, by reason, for the metrics.
+counted in :data:`service.telemetry.counters.REFUSED`, by reason, for the metrics. On a
+pipelined connection a refusal, as uvicorn's 400 for bytes its parser rejects, comes after the
+answers to the requests before it, in order, and closes the connection: until then nothing more
+is read from it (each of those requests has its own deadlines).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import httptools
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from service.limits.admission import BytesBudget
 from service.limits.balance import BALANCE
@@ -146,7 +149,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._deadline: float | None = None
         self._waiting_for = ("", 0.0)
         self._in_head = False  # a request has begun and its head is not complete yet
+        self._in_body = False  # the application has the head of the request being parsed
         self._framing = Framing(self.limits.max_header_bytes)
+        self._last: bytes | None = None  # a refusal written once the answers before it are
         self._trailers = _Trailers()
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
         self._filled_at: float | None = None  # when that buffer last stopped being empty
@@ -206,6 +211,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         disconnect; one that half-closed gets its answer, and the connection closes after it.
         With no request under way, or one cut off in its head or body, it closes now as uvicorn
         does (returning None closes the transport)."""
+        if self._last is not None:  # a refusal waits for the answers before it
+            return True
         cycle = self.cycle
         if cycle is None or cycle.response_complete or cycle.more_body or self._in_head:
             if isinstance(self.transport, Flushes):  # the loop closes the transport under it
@@ -234,6 +241,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # it stops at each head's end (the parser, at that head's end, says how the body is
         # framed) and before a head, chunk-size line or trailers past the limit, which the
         # parser never sees.
+        if self._last is not None:  # a refusal waits for earlier answers: nothing is read
+            self.flow.pause_reading()  # (again: an earlier request's receive() resumes it)
+            return
         self._unset_keepalive_if_required()
         framing, view, start = self._framing, memoryview(data), 0
         while start < len(data):
@@ -269,6 +279,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         else:
             self._refuse("header_too_large", f"the request head exceeds {limit}")
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser rejects, after the answers before it."""
+        content = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content += [
+            b"content-type: text/plain; charset=utf-8\r\n",
+            b"content-length: %d\r\n" % len(msg),
+            b"connection: close\r\n\r\n",
+            msg.encode("ascii"),
+        ]
+        self._answer_last(b"".join(content))
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
@@ -286,7 +309,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     chunked = True
         self._framing.body(length, chunked)
         self._expect("body_timeout", self.limits.body_timeout_s)
+        cycle = self.cycle
         super().on_headers_complete()
+        self._in_body = self.cycle is not cycle
 
     def on_chunk_header(self) -> None:
         """A chunked body's chunk begins (httptools calls this only for those): what uvicorn
@@ -298,10 +323,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.headers = self._trailers  # type: ignore[assignment]  # appended to, iterated
 
     def on_message_complete(self) -> None:
-        self._deadline = None
+        self._deadline, self._in_body = None, False
         if not self.parser.should_keep_alive():  # llhttp parses nothing after it
             self._framing.untrack()
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        """An answer is written: the next request of a pipeline runs, or the refusal that waited
+        for the answers before it is written and the connection closed."""
+        last = self._last
+        if last is None or self.pipeline:
+            super().on_response_complete()
+            if last is not None:
+                self.flow.pause_reading()  # resumed for the next request; nothing more is read
+            return
+        self.server_state.total_requests += 1
+        if not self.transport.is_closing():  # not an answer that closed the connection itself
+            self.transport.write(last)
+            self.transport.close()
 
     def _expect(self, reason: str, seconds: float) -> None:
         self._deadline = self.loop.time() + seconds
@@ -369,17 +408,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refuse(reason, f"the request {part} did not arrive within {seconds:g} s")
 
     def _refuse(self, reason: str, message: str) -> None:
-        """Answer with ``reason``'s status unless a response has begun, then close."""
+        """Answer with ``reason``'s status (after the answers before it), then close."""
         REFUSED[reason] += 1
-        self._deadline = None
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            # The application holds this request: its receive() now reports a disconnect.
-            cycle.disconnected = True
-            cycle.message_event.set()
-            if cycle.response_started:
-                self.transport.close()
-                return
         status, phrase = _REASONS[reason]
         body = orjson.dumps({"error": message})
         head = [
@@ -390,5 +420,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         ]
         if status == 503:
             head.append(b"retry-after: 1\r\n")
-        self.transport.write(b"".join([*head, b"\r\n", body]))
+        self._answer_last(b"".join([*head, b"\r\n", body]))
+
+    def _answer_last(self, answer: bytes) -> None:
+        """Write ``answer`` to the request being parsed and close, once the requests before it
+        on this connection are answered: HTTP/1.1 answers in order, and closing at once lost
+        their answers (a 431 for a second request sent before the first was answered was all
+        its client got). Until then nothing more is read (:meth:`data_received`); the request
+        refused, if the application has its head, reads a disconnect and is never started if
+        it waited in the pipeline."""
+        self._deadline = None
+        refused = self.cycle if self._in_body else None
+        owed = False
+        if refused is not None and not refused.response_complete:
+            refused.disconnected = True
+            refused.message_event.set()
+            queued = next((entry for entry in self.pipeline if entry[0] is refused), None)
+            if queued is not None:
+                self.pipeline.remove(queued)
+                owed = True  # behind a request still running
+            elif refused.response_started:
+                self.transport.close()  # its answer is under way: it cannot be followed
+                return
+        elif refused is None and self.cycle is not None:
+            owed = not self.cycle.response_complete  # the last request the application has
+        if owed or self.pipeline:
+            self._last = answer
+            self.flow.pause_reading()
+            return
+        self.transport.write(answer)
         self.transport.close()

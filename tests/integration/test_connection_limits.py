@@ -257,6 +257,25 @@ def sent_apart(sock: socket.socket, writes: list[bytes]) -> bytes:
     return read_all(sock)
 
 
+@pytest.mark.parametrize("bad", ["too large", "malformed"])
+def test_a_refusal_on_a_pipelined_connection_comes_after_the_earlier_answers(
+    guarded: Server, bad: str
+) -> None:
+    """#28, round three: two requests and, before their answers, a third whose head is too
+    large (431) or malformed (400), all on one connection. The refusal was written and the
+    connection closed at once: the first two answers were lost. HTTP/1.1 answers in order."""
+    third = (
+        b"GET /v2/health/live HTTP/1.1\r\nX-Padding: " + b"a" * 9000 + b"\r\n\r\n"
+        if bad == "too large"
+        else b"GET /v2/health/live HTTP/1.1\r\nBad Header\r\n\r\n"
+    )
+    before = digits_answered(guarded)
+    with connect(guarded) as sock:
+        answer = sent_apart(sock, [head() + DIGIT + head() + DIGIT + third])
+    assert statuses(answer) == [200, 200, 431 if bad == "too large" else 400], answer[-300:]
+    assert digits_answered(guarded) == before + 2  # the third reached no application
+
+
 def exact_head(size: int) -> bytes:
     """A request head of ``size`` bytes, its request line to its final CRLFCRLF."""
     base = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Padding: \r\n\r\n"
@@ -269,6 +288,7 @@ SPLITS = {
     "in its final CRLF": lambda h: [h[:-1], h[-1:]],
     "mid-header": lambda h: [h[:100], h[100:5000], h[5000:]],
     "its last bytes one at a time": lambda h: [h[:-6], *(bytes([b]) for b in h[-6:])],
+    "after a body in the same read": lambda h: [head()[:-2], b"\r\n" + DIGIT + h],
     "with the next request in the same read": lambda h: [
         h[:50],
         h[50:] + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -284,12 +304,13 @@ def test_a_head_of_the_limit_is_served_and_one_byte_more_refused_however_it_is_s
     it spanned (which may hold a previous body): one of 8,193 bytes against 8,192 was served
     in one write and refused split in some places. What counts is the request line, header
     lines and the final CRLFCRLF, however the reads split them."""
+    served_before = [200] if split == "after a body in the same read" else []
     with connect(guarded) as sock:
         answer = sent_apart(sock, SPLITS[split](exact_head(8192)))
-    assert statuses(answer) == [200], answer[-300:]
+    assert statuses(answer) == [*served_before, 200], answer[-300:]
     with connect(guarded) as sock:
         answer = sent_apart(sock, SPLITS[split](exact_head(8193)))
-    assert statuses(answer) == [431], answer[-300:]
+    assert statuses(answer) == [*served_before, 431], answer[-300:]
 
 
 def chunked(body: bytes) -> bytes:
