@@ -126,6 +126,27 @@ class Framing:
         found = data.find(_END, at)
         return -1 if found < 0 else found + 4
 
+    @property
+    def idle(self) -> bool:
+        """Between requests: nothing of a head read yet."""
+        return self.part == "head" and not self.seen
+
+    def follow(self, data: bytes, heads: list[tuple[int, bool]]) -> bool:
+        """Follow ``data``, already parsed whole from :attr:`idle` (it holds no more than
+        ``limit`` bytes, so nothing in it can pass the bound), each head's end taking the next
+        of ``heads`` (its body's framing, as :meth:`body` takes it): where the framing stands
+        at its end. False when ``data`` holds more heads than ``heads`` (the parser and the
+        framing disagree)."""
+        start, taken = 0, 0
+        while start < len(data):
+            start = self.cut(data, start)
+            if self.part == "head_parsed":
+                if taken == len(heads):
+                    return False
+                self.body(*heads[taken])
+                taken += 1
+        return True
+
     def body(self, length: int, chunked: bool) -> None:
         """How the body after the head just parsed is framed (the parser read its headers)."""
         if chunked:

@@ -81,3 +81,37 @@ def test_a_chunk_size_line_and_the_trailers_are_bounded_each_by_its_bytes(
 def test_trailers_of_none_are_their_final_crlf() -> None:
     stream = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + NEXT
     assert fed(stream, [len(stream) - len(NEXT) - 1], [(0, True)]) == (None, stream)
+
+
+def state(framing: Framing) -> tuple[object, ...]:
+    return (
+        framing.part,
+        framing.seen,
+        framing.left,
+        framing.tail,
+        bytes(framing.digits),
+        framing.in_digits,
+    )
+
+
+@given(st.sampled_from(sorted(BEFORE)), st.integers(1, LIMIT))
+def test_a_read_fed_whole_is_followed_to_where_cutting_it_up_would_leave_the_framing(
+    before: str, size: int
+) -> None:
+    """The connection feeds a read of at most the limit, from between requests, to the parser
+    whole, and the framing follows it afterwards with the bodies' framing the parser said: it
+    must stand where cutting the read up as it went would have left it."""
+    prefix, bodies = BEFORE[before]
+    stream = (prefix + NEXT + prefix + sized_head(LIMIT))[:size]
+    cut_up, followed = Framing(LIMIT), Framing(LIMIT)
+    heads = [*bodies, (0, False), *bodies]
+    said = list(heads)
+    start = 0
+    while start < len(stream):
+        start = cut_up.cut(stream, start)
+        if cut_up.part == "head_parsed":
+            cut_up.body(*said.pop(0))
+    assert followed.idle and cut_up.over is None
+    assert followed.follow(stream, heads[: len(heads) - len(said)])
+    assert state(followed) == state(cut_up)
+    assert not Framing(LIMIT).follow(NEXT, [])  # a head the parser did not say: disagreement
