@@ -51,7 +51,12 @@ from service.errors import (
     UnsupportedMediaType,
 )
 from service.inference import InferenceRequest, InferenceResult, OutputTensor, RequestedOutput
-from service.pipelines.classification import ANSWER, CLASSIFICATION, classification_tensor
+from service.pipelines.classification import (
+    ANSWER,
+    CLASSIFICATION,
+    classification_tensor,
+    top_values,
+)
 from service.pipelines.inputs import BUILT_IN, Prepared
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
@@ -292,13 +297,26 @@ class DataPlane:
 
 
 def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -> None:
-    """Before anything runs: every output asked for is one the model offers."""
+    """Before anything runs: every output asked for is one the model offers, and one asked
+    classified (Triton's ``classification`` parameter) holds numbers."""
     known = model.output_datatypes
     for output in wanted or []:
         if output.name not in known:
             raise InvalidInput(
                 f"requested output '{output.name}' is not an output of model '{model.name}' "
                 f"(it has {sorted(known)})"
+            )
+        top_k = output.parameters.get("classification")
+        if top_k is None:
+            continue
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise InvalidInput(
+                f"output '{output.name}': parameter 'classification' must be an integer ≥ 1"
+            )
+        if known[output.name] == "BYTES" and output.name != CLASSIFICATION:
+            raise InvalidInput(
+                f"output '{output.name}' of model '{model.name}' holds BYTES: only an output of "
+                "numbers can be classified"
             )
 
 
@@ -358,15 +376,19 @@ def _answer_tensor(model: LoadedVersion, answers: list[Any] | None) -> np.ndarra
 
 
 def _classify(
-    model: LoadedVersion, outputs: dict[str, np.ndarray], output: str, top_k: Any
+    model: LoadedVersion, outputs: dict[str, np.ndarray], output: str, top_k: int | None
 ) -> np.ndarray:
+    """The classification extension's strings for ``output``: the virtual ``classification``
+    output and the output the config's postprocessing names, by its classifier (labels,
+    softmax); any other output by its own values, best first, ``"value:index"`` as Triton
+    writes an output without labels (it read the postprocessing's output instead, whichever
+    output was asked)."""
     classifier = model.classifier
-    if classifier is None:
-        raise InvalidInput(f"model '{model.name}' has no classification postprocessing")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise InvalidInput(f"output '{output}': parameter 'classification' must be an integer ≥ 1")
-    source = outputs[classifier.output]
-    return classification_tensor(classifier, source if model.batched else source[None], top_k)
+    if classifier is not None and output in (CLASSIFICATION, classifier.output):
+        source = outputs[classifier.output]
+        return classification_tensor(classifier, source if model.batched else source[None], top_k)
+    values = outputs[output]
+    return top_values(values if model.batched else values[None], top_k or 1)
 
 
 class Budget(Protocol):

@@ -61,6 +61,18 @@ class Classifier:
         ]
 
 
+def top_values(output: np.ndarray, top_k: int) -> np.ndarray:
+    """Rows of ``output`` → BYTES ``[rows, k]`` of ``"value:index"``, largest first: Triton's
+    classification of an output without labels (its values as they are, no softmax)."""
+    rows = output.reshape(len(output), -1).astype(np.float64)
+    k = min(top_k, rows.shape[1])
+    array = np.empty((len(rows), k), dtype=object)
+    for i, row in enumerate(rows):
+        top = np.argsort(-row, kind="stable")[:k]
+        array[i, :] = [f"{row[j]:.6f}:{j}".encode() for j in top.tolist()]
+    return array
+
+
 CLASSIFICATION = "classification"
 """The virtual output a model with classification postprocessing offers over v2."""
 ANSWER = "answer"

@@ -29,6 +29,12 @@ def protocol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     root = tmp_path_factory.mktemp("protocol") / "models"
     write_identity_model(root / "identity")
     write_identity_model(root / "identity_cast", cast_inputs="true")
+    write_identity_model(
+        root / "classified",
+        datatypes=("FP32", "FP64"),
+        postprocessing="{kind: classification, output: out_FP32, labels: labels.txt, top_k: 2}",
+    )
+    (root / "classified" / "labels.txt").write_text("a\nb\nc\n")
     copy_model("digits", root / "digits")
     server = Server(root, env={"TG_ADMIN_TOKEN": TOKEN}, log_path=root.parent / "server.log")
     try:
@@ -164,7 +170,8 @@ def test_statistics_count_exactly_what_was_served(protocol_server: Server) -> No
         assert stats[phase]["ns"] > old[phase]["ns"]
     assert {b["batch_size"] for b in after["batch_stats"]} >= {3}
     everything = client.get_inference_statistics()
-    assert {s["name"] for s in everything["model_stats"]} == {"digits", "identity", "identity_cast"}
+    served = {"classified", "digits", "identity", "identity_cast"}
+    assert {s["name"] for s in everything["model_stats"]} == served
 
 
 def test_model_configuration_is_the_served_config(protocol_server: Server) -> None:
@@ -256,6 +263,45 @@ def test_a_jpeg_sent_as_a_bytes_tensor_gets_postprocessed_outputs(
         assert int(index) in (285, 281) and label in ("Egyptian cat", "tabby")
         assert 0 < float(probability) <= 1
         assert result.as_numpy("logits").shape == (1, 3)  # Triton's classification extension
+
+
+def test_the_classification_parameter_classifies_the_output_it_is_asked_of(
+    protocol_server: Server,
+) -> None:
+    """Triton's classification extension: the output the parameter is on, by its own values.
+    Every output was answered with the top-k of the output the config's postprocessing names
+    (out_FP32's labels for out_FP64's values [30, 20, 10]), silently."""
+    inputs = [
+        {"name": "in_FP32", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]},
+        {"name": "in_FP64", "datatype": "FP64", "shape": [1, 3], "data": [30, 20, 10]},
+    ]
+
+    def classified(outputs: list[dict[str, Any]]) -> dict[str, list[str]]:
+        answer = protocol_server.client.post(
+            "/v2/models/classified/infer", json={"inputs": inputs, "outputs": outputs}
+        )
+        assert answer.status_code == 200, answer.text
+        return {o["name"]: o["data"] for o in answer.json()["outputs"]}
+
+    asked = [
+        {"name": "out_FP64", "parameters": {"classification": 2}},
+        {"name": "out_FP32", "parameters": {"classification": 1}},
+        {"name": "classification"},
+    ]
+    assert classified(asked) == {
+        "out_FP64": ["30.000000:0", "20.000000:1"],  # its values, no labels (as Triton's)
+        "out_FP32": ["0.665241:2:c"],  # the postprocessing's output: its labels and softmax
+        "classification": ["0.665241:2:c", "0.244728:1:b"],
+    }
+    refused = protocol_server.client.post(
+        "/v2/models/classified/infer",
+        json={
+            "inputs": inputs,
+            "outputs": [{"name": "out_FP64", "parameters": {"classification": 0}}],
+        },
+    )
+    assert refused.status_code == 400
+    assert "parameter 'classification' must be an integer ≥ 1" in refused.json()["error"]
 
 
 def test_request_ids_are_taken_returned_and_put_in_error_bodies(server: Server) -> None:
