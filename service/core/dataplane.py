@@ -83,6 +83,8 @@ nothing from running together: they hold the same GIL."""
 PREPROCESS_MAX_ROWS = 32
 """Rows one ``preprocess`` request may ask for: its answer is the model's input tensors (each
 row of an ImageNet model is 600 kB, whatever the image's size)."""
+LONGEST_TIMEOUT_S = 86_400.0
+"""The furthest a request's deadline may be (a day, as ``X-Request-Timeout`` takes it)."""
 
 
 class DataPlane:
@@ -275,13 +277,15 @@ class DataPlane:
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: the sooner of its own timeout (a header, a gRPC
         deadline) and OIP ``parameters.timeout`` (microseconds, as Triton reads it; checked
-        whenever it is sent), else the server's default."""
+        whenever it is sent), else the server's default; at most :data:`LONGEST_TIMEOUT_S`
+        away (a timeout of 1e16 µs overflowed the wait of a pipeline's step: a 500)."""
         if parameters and "timeout" in parameters:
             micros = parameters["timeout"]
-            if not isinstance(micros, int | float) or isinstance(micros, bool) or micros <= 0:
+            if not isinstance(micros, int | float) or isinstance(micros, bool) or not micros > 0:
                 raise InvalidInput("parameter 'timeout' must be a positive number of microseconds")
             timeout_s = micros / 1e6 if timeout_s is None else min(timeout_s, micros / 1e6)
-        return time.monotonic() + (timeout_s or self.settings.request_timeout_s)
+        timeout_s = timeout_s or self.settings.request_timeout_s
+        return time.monotonic() + min(timeout_s, LONGEST_TIMEOUT_S)
 
     # -- repository -------------------------------------------------------------------------------
 
@@ -499,15 +503,16 @@ class Call:
             if not own:
                 parameters.update(_guarded(pipeline.parameters, loaded.name, prepared.contexts))
             if own and (loaded.answers or overrides(pipeline, "parameters")):
+                # within the request's deadline, as preprocess was: a deadline from here gave
+                # postprocess and its steps a whole timeout more (1.4 s for a timeout of 1 s)
                 started = time.perf_counter_ns()
-                until = self.dataplane.deadline(request.timeout_s, request.parameters)
                 done = partial(_answer, pipeline, outputs, prepared.contexts, loaded)
-                runner, gone = _code_context(until, timing)
+                runner, gone = _code_context(deadline, timing)
                 said, answers = await _within(
                     asyncio.get_running_loop().run_in_executor(
                         self.dataplane.code_pool(loaded), runner, done
                     ),
-                    until,
+                    deadline,
                     loaded.name,
                     "postprocessing",
                     gone,

@@ -137,6 +137,7 @@ class Chain(Pipeline):
         context["step"] = record.get("step", "scorer")
         context["version"] = record.get("version", 1)  # an int, as code may well pass it
         context["wait"] = record.get("wait", 0)  # slow code, as a model's own may be
+        time.sleep(record.get("pre", 0))  # slow preprocessing too
         context["done"] = record.get("done")  # a file to touch once the step was tried
         return {"x": np.asarray(record["x"], dtype=np.float32)}
 
@@ -787,6 +788,21 @@ def test_the_code_serves_over_grpc_with_tritons_own_client(server: Server) -> No
             client.infer("scorer", [record])
     finally:
         client.close()
+
+
+def test_postprocess_and_its_steps_run_within_the_requests_deadline(server: Server) -> None:
+    """postprocess() had a deadline of its own from its start: with `X-Request-Timeout: 1`,
+    0.7 s of preprocess then 0.7 s of postprocess answered 200 after 1.4 s. And a timeout
+    parameter of 1e16 µs, past what a thread can wait for a step, was a 500."""
+    record = {"x": [1, 2, 3, 4], "pre": 0.7, "wait": 0.7}
+    late = predict(server, "chain", [record], {"X-Request-Timeout": "1"})
+    assert late.status_code == 504, late.text
+    assert "postprocessing code did not finish within the request's deadline" in late.text
+    text = {"name": "record", "datatype": "BYTES", "shape": [1], "data": ['{"x": [1, 2, 3, 4]}']}
+    far = server.client.post(
+        "/v2/models/chain/infer", json={"inputs": [text], "parameters": {"timeout": 1e16}}
+    )
+    assert far.status_code == 200, far.text
 
 
 def test_a_step_called_after_its_client_left_is_not_run(server: Server, tmp_path: Path) -> None:
