@@ -168,8 +168,10 @@ def check_made(
     batch: dict[str, np.ndarray], signature: Signature, config: ModelConfig, name: str
 ) -> None:
     """A batch a model's own pipeline code made fits the model. Names and dtypes are the
-    code's (a 500: ModelExecutionError, logged); a shape that does not fit depends on the item
-    (an image too large for the model's range, a 400)."""
+    code's (a 500: ModelExecutionError, logged); a shape that does not fit, or a value out of
+    an input's range, depends on the item (an image too large for the model's range, an id
+    the model has no row for: a 400, where ONNX Runtime counted -1 from the end and an
+    AOTInductor kernel reads out of bounds)."""
     made = sorted(batch)
     wanted = sorted(t.name for t in signature.inputs)
     if made != wanted:
@@ -191,3 +193,10 @@ def check_made(
                 f"{list(data.shape[1:] if batched else data.shape)}, the model takes "
                 f"{list(spec.shape)}"
             )
+        if spec.range is not None:  # an id the item made, out of range: as one sent (a 400)
+            try:
+                check_range(spec.name, as_values(data, spec.datatype), spec.range)
+            except InvalidInput as exc:
+                raise InvalidInput(
+                    f"model '{name}': the item preprocesses to {exc.message}"
+                ) from None
