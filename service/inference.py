@@ -50,7 +50,12 @@ class InferenceRequest:
     rows: list[Any] | None = None
     raw_in_json: bool = False
     """``raw`` came inside a JSON body (v1 ``{"b64": ...}`` instances), not as the body itself:
-    for a model with no pipeline, JSON that does not fit it (400), not a media type (415)."""
+    for a model with no pipeline, JSON that does not fit it (400), not a media type (415).
+    Also set for ``rows`` that mix ``{"b64": ...}`` instances (decoded: bytes) with JSON
+    values."""
+    raw_type: str | None = None
+    """The media type ``raw`` came as (v1's body: its ``Content-Type``), for its items'
+    ``content_type``."""
     outputs: list[RequestedOutput] | None = None
     """The outputs asked for, in order; None: every output the model offers."""
     parameters: dict[str, Any] = field(default_factory=dict)

@@ -595,7 +595,7 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
     pipeline = model.pipeline
     if pipeline is None:
         # JSON texts come as rows too: read against the model's inputs, a 400 names them
-        if request.raw is not None and request.raw_in_json:
+        if request.raw_in_json:  # all b64 (raw), or some (rows)
             raise InvalidInput(
                 f"model '{model.name}' has no preprocessing to decode b64 instances; send "
                 f'its inputs as {{"instances": [...]}} rows of numbers, or tensors to '
@@ -607,10 +607,14 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
                 f'/v2/models/{model.name}/infer or {{"instances": [...]}} rows'
             )
         return None
-    if request.rows is not None and pipeline.json_items:
-        return [Item(value=row) for row in request.rows]
+    if request.rows is not None and pipeline.json_items:  # a {"b64": ...} one: its bytes
+        return [Item(row) if isinstance(row, bytes) else Item(value=row) for row in request.rows]
     if request.raw is not None:
-        return [Item(item) for item in request.raw]
+        return [Item(item, request.raw_type) for item in request.raw]
+    if request.rows is not None and request.raw_in_json:
+        raise InvalidInput(
+            f"model '{model.name}' takes encoded items: send every instance as {{\"b64\": ...}}"
+        )
     named = [t for t in request.inputs if t.name == pipeline.raw_input]
     if not named:
         return None

@@ -34,7 +34,7 @@ def decode_predict(
         raise InvalidInput(f"request body is empty; send an image or JSON instances to '{model}'")
     media = content_type.split(";")[0].strip().lower()
     if media.startswith("image/") or media == "application/octet-stream":
-        return _request(model, timeout_s, raw=[body])
+        return _request(model, timeout_s, raw=[body], raw_type=media)
     if media not in ("application/json", ""):
         raise UnsupportedMediaType(
             f"Content-Type {content_type!r} is not accepted; send an image (image/jpeg, "
@@ -50,9 +50,13 @@ def decode_predict(
     if all(isinstance(item, str) for item in instances):  # texts: raw items, and JSON values
         raw = [i.encode() for i in instances]
         return _request(model, timeout_s, raw=raw, rows=instances)
-    if all(isinstance(item, dict) and "b64" in item for item in instances):
+    encoded = [isinstance(item, dict) and "b64" in item for item in instances]
+    if all(encoded):
         raw = [_b64(item, index) for index, item in enumerate(instances)]
         return _request(model, timeout_s, raw=raw, raw_in_json=True)
+    if any(encoded):  # JSON values and {"b64": ...} beside them: each as it is, decoded
+        rows = [_b64(item, n) if encoded[n] else item for n, item in enumerate(instances)]
+        return _request(model, timeout_s, rows=rows, raw_in_json=True)
     return _request(model, timeout_s, rows=instances)
 
 

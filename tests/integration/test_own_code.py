@@ -8,6 +8,7 @@ reads a data file, and can be made to fail, hang or raise for one item.
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import random
@@ -71,12 +72,13 @@ class Scorer(Pipeline):
         x = record.get("x")
         if not isinstance(x, list) or len(x) != 4:
             raise BadInput(f"'x' must be a list of 4 numbers, got {x!r}")
-        context["sent"] = x
+        context["sent"], context["type"] = x, item.content_type
         return {"x": np.asarray(x, dtype=np.float32) * self.scale}
 
     def postprocess(self, outputs, context):
         y = outputs["y"]
-        return {"label": label(int(y.argmax())), "y": y.tolist(), "sent": context["sent"]}
+        sent, kind = context["sent"], context["type"]
+        return {"label": label(int(y.argmax())), "y": y.tolist(), "sent": sent, "type": kind}
 
     def parameters(self, contexts):
         for context in contexts:
@@ -788,6 +790,27 @@ def test_the_code_serves_over_grpc_with_tritons_own_client(server: Server) -> No
             client.infer("scorer", [record])
     finally:
         client.close()
+
+
+def test_items_come_as_sent_with_their_content_type(server: Server) -> None:
+    """A v1 body's item has the body's Content-Type (it had none: code that branched on it
+    passed the load's replay, whose items have their files' types, and answered otherwise
+    served); {"b64": ...} instances beside JSON values are their decoded bytes (they came as
+    the JSON object {"b64": ...}, which code written to the docs failed on: a 500)."""
+    body = json.dumps({"x": [1, 2, 3, 4]}).encode()
+    raw = server.client.post(
+        "/v1/models/scorer:predict",
+        content=body,
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["predictions"][0]["type"] == "application/octet-stream"
+    encoded = {"b64": base64.b64encode(body).decode()}
+    mixed = predict(server, "scorer", [encoded, {"x": [4, 3, 2, 1]}])
+    assert mixed.status_code == 200, mixed.text
+    answers = mixed.json()["predictions"]
+    assert [a["sent"] for a in answers] == [[1, 2, 3, 4], [4, 3, 2, 1]]
+    assert [a["type"] for a in answers] == [None, None]  # inside JSON: no type of their own
 
 
 def test_postprocess_and_its_steps_run_within_the_requests_deadline(server: Server) -> None:

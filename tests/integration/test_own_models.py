@@ -390,6 +390,11 @@ def test_json_for_a_model_without_preprocessing_is_400_naming_what_it_takes(
     )
     assert answer.status_code == 400, answer.text
     assert "model 'shifted' has no preprocessing to decode b64 instances" in answer.text
+    answer = server.client.post(  # and beside rows that fit it
+        "/v1/models/shifted:predict", json={"instances": [{"b64": "iVBORw=="}, 3]}
+    )
+    assert answer.status_code == 400, answer.text
+    assert "model 'shifted' has no preprocessing to decode b64 instances" in answer.text
 
 
 def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:
