@@ -36,6 +36,16 @@ CONTENTS_FIELD = {
     "BYTES": "bytes_contents",
 }
 """Where each datatype's typed ``contents`` live; FP16 and BF16 have none (raw contents only)."""
+FIELD_DTYPES: dict[str, type[np.generic]] = {
+    "bool_contents": np.bool_,
+    "uint_contents": np.uint32,
+    "uint64_contents": np.uint64,
+    "int_contents": np.int32,
+    "int64_contents": np.int64,
+    "fp32_contents": np.float32,
+    "fp64_contents": np.float64,
+}
+"""The type of each numeric ``contents`` field's values, as the protocol declares it."""
 
 M = TypeVar("M", bound=Message)
 
@@ -306,8 +316,9 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) ->
     dtype = TO_NUMPY[datatype]
     try:
         # Narrow types travel in wider fields (INT8 in int_contents): a value out of range is
-        # the client's error, not a silent wrap-around.
-        wide = np.asarray(values)
+        # the client's error, not a silent wrap-around. Read as the field's own type: numpy's
+        # guess made uint64_contents [2⁶³ + 1, 0, 1] floats, rounded to 2⁶³.
+        wide = np.asarray(values, dtype=FIELD_DTYPES[field])
         array = wide.astype(dtype)
         if datatype not in ("FP32", "FP64", "BOOL") and not np.array_equal(array, wide):
             raise ValueError("a value is out of range")

@@ -26,6 +26,8 @@ import tritonclient.grpc.service_pb2 as service_pb2
 import tritonclient.grpc.service_pb2_grpc as service_grpc
 from tritonclient.utils import InferenceServerException
 
+from service.datatypes import INTEGER_RANGES
+from service.protocol.grpc import CONTENTS_FIELD
 from tests.identity import ONNX_TYPES, write_identity_model
 from tests.integration.test_batching import _slow_busy, _slow_model, slow_body
 from tests.integration.test_hostile_requests import DIGIT
@@ -211,6 +213,59 @@ def test_typed_contents_round_trip_and_come_back_typed(grpc_server: Server) -> N
         datatype = output.datatype
         want = sample(datatype).reshape(-1).tolist()
         assert list(getattr(output.contents, field[datatype])) == pytest.approx(want), datatype
+
+
+def edge_rows(datatype: str) -> list[list[int]]:
+    """Each end of an integer datatype's range beside small values: for UINT64, 2⁶⁴ − 1 and
+    2⁶³ + 1 beside 0 and 1, which numpy reads as floats (rounded to 2⁶⁴ and 2⁶³)."""
+    low, high = INTEGER_RANGES[datatype]
+    return [[low, 0, high], [high // 2 + 2, 1, 0]]
+
+
+def test_integers_at_each_end_of_their_range_come_back_unchanged_over_v2_v1_and_grpc(
+    grpc_server: Server,
+) -> None:
+    """UINT64 [9223372036854775809, 0, 1] came back [9223372036854775808, 0, 1] with a 200 on
+    every protocol, and [18446744073709551615, 0, 1] was refused as out of range (v2: 'got
+    values from 0 to 18446744073709551616'); INT64's largest beside a JSON 0.0 was refused."""
+    integers = [t for t in TYPED if t in INTEGER_RANGES]
+    rows: dict[str, list[list[Any]]] = {t: edge_rows(t) for t in integers}
+    rows |= {t: sample(t).tolist() for t in TYPED if t not in INTEGER_RANGES}
+    rows["BYTES"] = [[item.decode() for item in row] for row in rows["BYTES"]]
+    flat = {t: [v for row in values for v in row] for t, values in rows.items()}
+    sent = {t: flat[t] for t in integers}
+
+    # v2 JSON, each integer tensor's 0 as 0.0: a float of integral value, as a client that
+    # holds its values as floats writes it
+    zeros = {t: [0.0 if v == 0 else v for v in flat[t]] for t in integers}
+    inputs = [
+        {"name": f"in_{t}", "datatype": t, "shape": [2, 3], "data": zeros.get(t, flat[t])}
+        for t in TYPED
+    ]
+    answer = grpc_server.client.post("/v2/models/identity_typed/infer", json={"inputs": inputs})
+    assert answer.status_code == 200, answer.text
+    outputs = answer.json()["outputs"]
+    assert {o["datatype"]: o["data"] for o in outputs if o["datatype"] in sent} == sent
+
+    instances = [{f"in_{t}": values[row] for t, values in rows.items()} for row in range(2)]
+    answer = grpc_server.client.post(
+        "/v1/models/identity_typed:predict", json={"instances": instances}
+    )
+    assert answer.status_code == 200, answer.text
+    predictions = answer.json()["predictions"]
+    assert {t: [v for p in predictions for v in p[f"out_{t}"]] for t in integers} == sent
+
+    request = service_pb2.ModelInferRequest(model_name="identity_typed")
+    for datatype in TYPED:
+        tensor = request.inputs.add(name=f"in_{datatype}", datatype=datatype, shape=[2, 3])
+        values = [v.encode() if isinstance(v, str) else v for v in flat[datatype]]
+        getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(values)
+    with grpc.insecure_channel(grpc_server.grpc_url) as channel:
+        response = service_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request)
+    typed = {
+        o.datatype: list(getattr(o.contents, CONTENTS_FIELD[o.datatype])) for o in response.outputs
+    }
+    assert {t: typed[t] for t in integers} == sent
 
 
 def test_aio_client_infers_and_errors_carry_grpc_codes(grpc_server: Server) -> None:

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.datatypes import (
+    INTEGER_RANGES,
     TO_NUMPY,
     as_values,
     bf16_bits,
@@ -106,6 +107,10 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
         ([-1], "UINT8", "values must lie within UINT8's [0, 255]"),
         ([10**20], "INT64", "values must lie within INT64's"),
         ([-1, 2**63], "INT64", "values must lie within INT64's"),  # numpy holds both as floats
+        ([-1, 2**64 - 1], "UINT64", "got values from -1 to 18446744073709551615"),  # not 2**64
+        ([2.0**63, 1], "INT64", "got values from 1 to 9223372036854775808"),
+        ([2**64, 1.0], "UINT64", "got values from 1 to 18446744073709551616"),  # numpy: objects
+        ([2**63 + 1, 0.5], "UINT64", "0.5 is not an integer (UINT64)"),
         ([1e300], "FP32", "1e+300 is past FP32's range (±3.40282e+38)"),
         ([100000], "FP16", "100000 is past FP16's range (±65504)"),
         ([1, 10**300], "FP32", "1e+300 is past FP32's range"),
@@ -136,6 +141,10 @@ def test_json_values_of_another_type_are_refused_not_converted(
         ([[0, 1], [1, 0]], "INT64", [[0, 1], [1, 0]]),  # 0 and 1 are looked at, and are ids
         ([-128.0, 255], "INT16", [-128, 255]),
         ([2**63], "UINT64", [2**63]),
+        ([2**63 + 1, 0, 1], "UINT64", [2**63 + 1, 0, 1]),  # numpy: floats, the first 2**63
+        ([2**64 - 1, 0, 1], "UINT64", [2**64 - 1, 0, 1]),  # numpy: 2**64, refused
+        ([[2**53 + 1], [1.0]], "INT64", [[2**53 + 1], [1]]),  # numpy: 2**53 beside a float
+        ([-(2**63), 2**63 - 1, 0.0], "INT64", [-(2**63), 2**63 - 1, 0]),
         ([1, "NaN", "Infinity", "-Infinity"], "FP32", [1.0, np.nan, np.inf, -np.inf]),
         ([[True], [False]], "BOOL", [[True], [False]]),
         ([1.5, 2], "FP16", [1.5, 2.0]),
@@ -149,6 +158,28 @@ def test_json_values_of_the_tensors_type_convert_exactly(
     got = json_numbers(values, datatype)
     assert got.dtype == TO_NUMPY[datatype]
     np.testing.assert_array_equal(got, np.asarray(want, dtype=TO_NUMPY[datatype]))
+
+
+@st.composite
+def integers_of_a_datatype(draw: st.DrawFn) -> tuple[str, list[int | float]]:
+    """An integer datatype and values of its range, some (those a float holds exactly) as
+    floats."""
+    datatype = draw(st.sampled_from(sorted(INTEGER_RANGES)))
+    low, high = INTEGER_RANGES[datatype]
+    drawn = draw(st.lists(st.tuples(st.integers(low, high), st.booleans()), min_size=1, max_size=8))
+    return datatype, [float(v) if as_float and float(v) == v else v for v, as_float in drawn]
+
+
+@given(integers_of_a_datatype())
+def test_every_integer_of_a_datatypes_range_is_taken_exactly_whatever_shares_its_list(
+    drawn: tuple[str, list[int | float]],
+) -> None:
+    """numpy reads a list as one type: UINT64's 2**63 + 1 beside 0 became the float 2**63,
+    2**64 - 1 the float 2**64 (refused), and INT64's 2**53 + 1 beside 1.0 the float 2**53."""
+    datatype, values = drawn
+    got = json_numbers(values, datatype)
+    assert got.dtype == TO_NUMPY[datatype]
+    assert got.tolist() == [int(v) for v in values]
 
 
 @given(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=8))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from service.core.dataplane import OFFLOAD_BYTES
+from service.datatypes import INTEGER_RANGES, TO_NUMPY
 from service.errors import InvalidInput, PayloadTooLarge
 from service.inference import InferenceResult, OutputTensor
 from service.protocol import grpc as codec
@@ -52,6 +53,18 @@ def test_bad_requests_name_the_input(
 ) -> None:
     with pytest.raises(error, match=text):
         codec.decode_request(message, None, max_elements=1 << 24)
+
+
+@pytest.mark.parametrize("datatype", sorted(INTEGER_RANGES))
+def test_typed_contents_take_each_end_of_the_datatypes_range_exactly(datatype: str) -> None:
+    """uint64_contents [2**63 + 1, 0, 1] decoded as [2**63, 0, 1] (numpy read the list as
+    floats), and [2**64 - 1, 0, 1] was refused: 'a value is out of range'."""
+    low, high = INTEGER_RANGES[datatype]
+    values = [low, 0, high, high // 2 + 2, 1, 0]
+    field = {codec.CONTENTS_FIELD[datatype]: values}
+    decoded = codec.decode_request(request_with(datatype, [2, 3], **field), None)
+    assert decoded.inputs[0].data.dtype == TO_NUMPY[datatype]
+    assert decoded.inputs[0].data.reshape(-1).tolist() == values
 
 
 def test_raw_contents_must_cover_every_input() -> None:
