@@ -163,8 +163,10 @@ class ShapePolicy:
                 if (name, index) in targets:
                     n, target = targets[name, index]
                     widths[index] = (0, target - n)
-            if any(after for _, after in widths):
-                padded[name] = np.pad(array, widths)
+            if any(after for _, after in widths):  # BYTES with empty elements, not int 0
+                padded[name] = np.pad(
+                    array, widths, constant_values=b"" if array.dtype.kind == "O" else 0
+                )
         return padded, self._crop(targets)
 
     def _target(self, axis: Axis, dim: Dim, n: int, model: str) -> int:

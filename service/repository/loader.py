@@ -286,6 +286,14 @@ def _gate_and_warm(
     golden, tolerance = _check_artifact(path, config, manifest, runtimes, warnings)
     shapes = ShapePolicy.of(config, signature.inputs, manifest.shapes if manifest else None)
     warnings.extend(_unwarmed_dims(config, signature, shapes))
+    if shapes.axes and shapes.buckets and not shapes.check_agreement:  # no facts: on trust
+        said = (
+            "dynamic dims padded up to their buckets unverified, and outputs not cropped back "
+            "to the request's size: no manifest.json (export with `tensorgate export` to "
+            "measure whether padding leaves the answer unchanged)"
+        )
+        log.warning("model %s: %s", name, said)
+        warnings.append(said)
     _check_code(config, path, manifest, warnings)
     pipeline = pipeline_for(config, signature, path, name)
     check_names(pipeline, signature.inputs, signature.outputs, config.postprocessing is not None)

@@ -267,6 +267,20 @@ def test_a_loaded_version_is_frozen_and_knows_its_warm_shapes(tmp_path: Path) ->
         loaded.close()
 
 
+def test_padding_without_exports_facts_is_a_warning_of_its_own(tmp_path: Path) -> None:
+    """Without a manifest, a dynamic dim pads up to its bucket on trust and its outputs are not
+    cropped back: the metadata's warnings said only that the gates were skipped."""
+    write_identity_model(tmp_path / "identity", datatypes=("FP32",), width="w", buckets="[2, 4]")
+    config = load_model_config(tmp_path / "identity" / "config.yaml")
+    settings = Settings(model_repository=tmp_path)
+    loaded = load_version("identity", tmp_path / "identity" / "1", config, settings)
+    try:
+        (said,) = [w for w in loaded.warnings if "padded up to their buckets unverified" in w]
+        assert "outputs not cropped back" in said
+    finally:
+        loaded.close()
+
+
 def test_a_config_naming_only_inputs_is_refused_when_read(tmp_path: Path) -> None:
     from service.errors import ModelLoadError
 

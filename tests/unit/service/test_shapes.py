@@ -123,6 +123,11 @@ def test_without_export_facts_every_dynamic_dim_pads_and_nothing_is_cropped() ->
     unbounded = ShapePolicy.of(ModelConfig(backend="onnx", max_batch_size=4), [IMAGE], None)
     fitted, _ = unbounded.fit({"image": np.ones((1, 3, 300, 7), np.float32)}, "m")
     assert fitted["image"].shape == (1, 3, 300, 7)
+    texts = TensorConfig(name="texts", datatype="BYTES", shape=(-1,))
+    fitted, _ = ShapePolicy.of(CONFIG, [texts], None).fit(
+        {"texts": np.array([[b"a", b"b", b"c"]], dtype=object)}, "m"
+    )
+    assert fitted["texts"].tolist() == [[b"a", b"b", b"c"] + [b""] * 29]  # not the int 0
 
 
 def test_runtime_messages_lose_node_names_status_codes_and_paths() -> None:
