@@ -306,7 +306,7 @@ def _gate_and_warm(
         if manifest is not None and manifest.answers:
             served_models = pipeline.models
             if models is not None and served_models is models:
-                pipeline.models = _Recording(models, called)
+                pipeline.models = _Recording(models, called, name)
             try:
                 replay = partial(
                     _replay_answers, pipeline, path, manifest, runtimes, config, tolerance
@@ -367,12 +367,18 @@ class _Recording:
     """``models`` that notes which model (and version) each call asks for: the steps a
     pipeline's replay reaches."""
 
-    def __init__(self, models: Models, called: set[tuple[str, str | None]]) -> None:
-        self.models, self.called = models, called
+    def __init__(self, models: Models, called: set[tuple[str, str | None]], own: str) -> None:
+        self.models, self.called, self.own = models, called, own
 
     def infer(
         self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
     ) -> dict[str, np.ndarray]:
+        if model == self.own:  # it could never load: "unknown model" said nothing of why
+            raise ModelLoadError(
+                f"its pipeline calls its own model '{model}' as a step: a model's code runs "
+                "around its own network; a network it calls is a model of its own (export it "
+                "apart and call it by that name)"
+            )
         # as the step will be looked up: an int was kept as it came, and the version lookups of
         # readiness, metadata, the index and /metrics took it for a string (500s)
         self.called.add((model, None if version is None else str(version)))

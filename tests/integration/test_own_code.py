@@ -169,12 +169,13 @@ def eager(module: torch.nn.Module, x: list[float]) -> list[float]:
         return list(module(torch.tensor([x], dtype=torch.float32))[0].tolist())
 
 
-def write_chain(folder: Path) -> None:
-    """A model whose pipeline calls the scorer model: exported against the eager scorer."""
+def write_chain(folder: Path, step: str = "scorer") -> None:
+    """A model whose pipeline calls the scorer model (or ``step``): exported against the eager
+    scorer."""
     folder.mkdir(parents=True)
     (folder / "chain.py").write_text(CHAIN)
-    item = folder.parent / "chain-item.json"
-    item.write_text(json.dumps({"x": [0.5, 1.0, -1.0, 2.0]}))
+    item = folder.parent / f"{folder.name}-item.json"
+    item.write_text(json.dumps({"x": [0.5, 1.0, -1.0, 2.0], "step": step}))
     scorer = linear(0)
 
     def run_scorer(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -192,7 +193,7 @@ def write_chain(folder: Path) -> None:
         preprocessing=PythonSpec.model_validate(CHAIN_SPEC),
         answer_items=[item],
         formats=("onnx",),
-        models=LocalModels({"scorer": run_scorer}),
+        models=LocalModels({step: run_scorer}),
     )
     write_config(folder, CHAIN_SPEC)
 
@@ -265,6 +266,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     copy_model("wine", root / "wine")
     write_scorer(root / "scorer")
     write_chain(root / "chain")  # loads before the scorer it calls by name: the server waits
+    write_chain(root / "selfie", step="selfie")  # calls itself
     export_with_the_cli(root, tmp_path_factory.mktemp("user-src"))
     for change, _ in CHANGES:
         folder = root / ("edited_" + _folder_name(change))
@@ -622,6 +624,12 @@ def test_code_that_cannot_be_imported_is_a_load_refusal_in_one_line(server: Serv
     assert "preprocessing code scorer.Scorer failed to load: ModuleNotFoundError" in reason
     assert "No module named 'tiem'" in reason and "\n" not in reason
     assert "Traceback" in server.log()
+
+
+def test_code_that_calls_its_own_model_as_a_step_is_refused_saying_so(server: Server) -> None:
+    """It could never load, and its reason said "unknown model 'selfie'"."""
+    reason = _reason(server, "selfie")
+    assert "its pipeline calls its own model 'selfie' as a step" in reason, reason
 
 
 def test_code_is_only_loaded_from_the_repository(server: Server) -> None:
