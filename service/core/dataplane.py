@@ -41,7 +41,7 @@ from service.core.validation import (
     encoded_items,
     instance_tensors,
 )
-from service.datatypes import TO_NUMPY, json_answer
+from service.datatypes import TO_NUMPY, as_values, json_answer
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -391,7 +391,7 @@ def _classify(
     if classifier is not None and output in (CLASSIFICATION, classifier.output):
         source = outputs[classifier.output]
         return classification_tensor(classifier, source if model.batched else source[None], top_k)
-    values = outputs[output]
+    values = as_values(outputs[output], model.output_datatypes[output])  # BF16: its floats
     return top_values(values if model.batched else values[None], top_k or 1)
 
 

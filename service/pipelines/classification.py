@@ -62,14 +62,20 @@ class Classifier:
 
 
 def top_values(output: np.ndarray, top_k: int) -> np.ndarray:
-    """Rows of ``output`` → BYTES ``[rows, k]`` of ``"value:index"``, largest first: Triton's
-    classification of an output without labels (its values as they are, no softmax)."""
-    rows = output.reshape(len(output), -1).astype(np.float64)
+    """Rows of ``output`` (numbers) → BYTES ``[rows, k]`` of ``"value:index"``, largest first:
+    Triton's classification of an output without labels (its values as they are, no softmax;
+    integers as integers, ranked exactly, floats with 6 decimals)."""
+    rows = output.reshape(len(output), -1)
     k = min(top_k, rows.shape[1])
+    floats = rows.dtype.kind == "f"
+    written = "{:.6f}:{}" if floats else "{}:{}"
     array = np.empty((len(rows), k), dtype=object)
     for i, row in enumerate(rows):
-        top = np.argsort(-row, kind="stable")[:k]
-        array[i, :] = [f"{row[j]:.6f}:{j}".encode() for j in top.tolist()]
+        if floats:  # NaN last
+            top = np.argsort(-row, kind="stable")[:k]
+        else:  # integers exactly (-row wraps unsigned ones), ties lowest index first
+            top = (row.size - 1 - np.argsort(row[::-1], kind="stable")[::-1])[:k]
+        array[i, :] = [written.format(row[j].item(), j).encode() for j in top.tolist()]
     return array
 
 

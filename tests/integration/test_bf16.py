@@ -141,3 +141,18 @@ def test_typed_contents_for_bf16_are_invalid_argument_naming_raw_contents(server
     http = thttp.InferenceServerClient(server.url.removeprefix("http://"))
     with pytest.raises(InferenceServerException, match="binary data"):  # refused by the client
         http.infer("copy_bf16", _inputs(thttp, "copy_bf16", SPECIAL, binary=False))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_bf16_output_is_classified_by_its_values(server: Server, model: str) -> None:
+    """Triton's classification parameter on a BF16 output ranked and wrote the 2-byte words as
+    integers: [-1.0, 0.5, 2.0] answered 49024 (-1.0's bits) first."""
+    inputs = [{"name": "in_BF16", "datatype": "BF16", "shape": [1, 3], "data": [-1.0, 0.5, 2.0]}]
+    if model == "identity_bf16":
+        inputs.append({"name": "in_FP32", "datatype": "FP32", "shape": [1, 3], "data": [0.0] * 3})
+    asked = [{"name": "out_BF16", "parameters": {"classification": 2}}]
+    answer = server.client.post(
+        f"/v2/models/{model}/infer", json={"inputs": inputs, "outputs": asked}
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"][0]["data"] == ["2.000000:2", "0.500000:1"]
