@@ -259,6 +259,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._last is not None:  # a refusal waits for earlier answers: nothing is read
             self.flow.pause_reading()  # (again: an earlier request's receive() resumes it)
             return
+        if data[0] in b"\r\n" and not self._in_message and not data.strip(b"\r\n"):
+            # Empty lines between requests, which llhttp skips: they cancel no timer (one
+            # every few seconds cancelled uvicorn's keep-alive, started no head's, and held
+            # an idle connection open for good).
+            return
         self._unset_keepalive_if_required()
         framing = self._framing
         if framing.part == "head" and not framing.seen and len(data) <= framing.limit:  # idle

@@ -104,6 +104,28 @@ def test_a_connection_that_never_sends_is_answered_408_and_closed(guarded: Serve
     assert refused(guarded)["header_timeout"] == before + 1
 
 
+def test_empty_lines_between_requests_hold_no_connection_open(guarded: Server) -> None:
+    """A CRLF between requests (which the parser skips) cancelled uvicorn's keep-alive timer
+    and started no head's: one every 0.5 s held an answered connection open for good. Now the
+    keep-alive timeout (5 s) closes it all the same."""
+    with connect(guarded) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        sock.settimeout(0.5)
+        answered = time.monotonic()
+        closed = None
+        while closed is None and time.monotonic() - answered < 12:
+            try:
+                sock.sendall(b"\r\n")
+                if sock.recv(65536) == b"":
+                    closed = time.monotonic() - answered
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = time.monotonic() - answered
+    assert closed is not None and closed < 8, closed
+
+
 def test_a_head_sent_a_byte_at_a_time_is_cut_off(guarded: Server) -> None:
     """Slowloris: each byte arrives in time for any per-read timeout, the whole head never."""
     request = head()
