@@ -17,11 +17,12 @@ lookup; it is neither counted in a model's statistics nor logged (it never reach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import TracebackType
@@ -176,17 +177,27 @@ class DataPlane:
 
     async def preprocess(self, request: InferenceRequest) -> dict[str, np.ndarray]:
         """What ``infer`` would feed the model for the request: the tensors, not the answer.
-        Drained as inference is: refused past pre-stop, waited for before the exit."""
-        self.drain.admit()
+        Call it within :meth:`draining` (as the route does)."""
         _, served = self.repository.ready_model(request.model, whole=False)
         held = [0]
-        self.drain.in_flight += 1
         try:
             return await self._preprocess(served, request, held)
         finally:
-            self.drain.in_flight -= 1
             if self.budget is not None and held[0]:
                 self.budget.release(held[0])
+
+    @contextlib.contextmanager
+    def draining(self) -> Iterator[None]:
+        """Around a request that is not inference (``:preprocess``), from its decoding to its
+        answer: drained as inference is, refused past pre-stop and waited for before the exit
+        (counted from inside the model's work alone, a large body's decoding or its answer's
+        encoding could run past the exit)."""
+        self.drain.admit()
+        self.drain.in_flight += 1
+        try:
+            yield
+        finally:
+            self.drain.in_flight -= 1
 
     async def _preprocess(
         self, served: ServedVersion, request: InferenceRequest, held: list[int]

@@ -187,10 +187,11 @@ async def _predict(
 ) -> Answer:
     decode = (v1.decode_predict, route.model, body, content_type, timeout_s)
     if route.kind == "preprocess":
-        tensors = await dataplane.preprocess(
-            await dataplane.offload(v1.decode_work(body, content_type), *decode)
-        )
-        archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
+        with dataplane.draining():
+            tensors = await dataplane.preprocess(
+                await dataplane.offload(v1.decode_work(body, content_type), *decode)
+            )
+            archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
         return Answer(200, archive, {"content-type": "application/x-npz"})
     with dataplane.call("v1", route.model, None) as call:
         request = await call.decode(v1.decode_work(body, content_type), *decode)
