@@ -201,11 +201,13 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
         return 2
     if settings.models and settings.model_name is None:
-        folders = {p.name for p in settings.model_repository.iterdir() if p.is_dir()}
+        root = settings.model_repository  # a model's folder: one holding its config.yaml
+        folders = {p.name for p in root.iterdir() if (p / "config.yaml").is_file()}
         if missing := [name for name in settings.models if name not in folders]:
             sys.stderr.write(  # one line, not every worker's traceback
                 f"tensorgate: invalid setting: TG_MODELS: {', '.join(map(repr, missing))} not "
-                f"in {settings.model_repository} (its folders: {', '.join(sorted(folders))})\n"
+                f"in {root} (its model folders, each with a config.yaml: "
+                f"{', '.join(sorted(folders))})\n"
             )
             return 2
     worker = Worker.from_environment()

@@ -90,7 +90,7 @@ def test_the_health_command_fails_when_nothing_listens(tmp_path: Path) -> None:
         ),
         (  # was each worker's lifespan traceback
             {"TG_MODELS": "digits,nosuch"},
-            "tensorgate: invalid setting: TG_MODELS: 'nosuch' not in models (its folders: ",
+            "tensorgate: invalid setting: TG_MODELS: 'nosuch' not in models (its model folders",
         ),
         (
             {"TG_MODELS": "digits,,minilm"},
