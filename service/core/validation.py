@@ -59,15 +59,16 @@ def check_inputs(
     return batch
 
 
-def check_range(name: str, data: np.ndarray, bounds: tuple[float, float]) -> None:
-    """Every value within ``bounds`` (inclusive): an out-of-range id would fail the batch."""
+def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where: str = "") -> None:
+    """Every value within ``bounds`` (inclusive): an out-of-range id would fail the batch.
+    ``where`` comes before the message (whose values they are)."""
     if data.size == 0:
         return
     low, high = data.min(), data.max()
     if low < bounds[0] or high > bounds[1] or np.isnan(low) or np.isnan(high):
         raise InvalidInput(
-            f"input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; got values "
-            f"from {low:g} to {high:g}"
+            f"{where}input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; "
+            f"got values from {low:g} to {high:g}"
         )
 
 
@@ -194,9 +195,5 @@ def check_made(
                 f"{list(spec.shape)}"
             )
         if spec.range is not None:  # an id the item made, out of range: as one sent (a 400)
-            try:
-                check_range(spec.name, as_values(data, spec.datatype), spec.range)
-            except InvalidInput as exc:
-                raise InvalidInput(
-                    f"model '{name}': the item preprocesses to {exc.message}"
-                ) from None
+            made_by = f"model '{name}': the item preprocesses to "
+            check_range(spec.name, as_values(data, spec.datatype), spec.range, made_by)
