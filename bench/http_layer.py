@@ -109,7 +109,10 @@ def run(tree: Path, requests: int, counted: bool) -> float:
             env={**os.environ, "PYTHONHASHSEED": "0"},  # str hashes, and so dicts, alike each run
         )
     if counted:
-        return float(re.search(r"Collected : (\d+)", done.stderr).group(1))  # type: ignore[union-attr]
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind counted nothing:\n{done.stderr[-2000:]}")
+        return float(found.group(1))
     return float(done.stdout.split()[-1])
 
 
