@@ -266,7 +266,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._unset_keepalive_if_required()
         framing = self._framing
-        if framing.part == "head" and not framing.seen and len(data) <= framing.limit:  # idle
+        if framing.idle and len(data) <= framing.limit:
             # Nothing in a read of at most the limit, from between requests, can pass it: fed
             # whole (one request in one read, the usual case, cost 11 % more instructions cut
             # up: docs/performance.md); the framing follows it only where the read ends within
