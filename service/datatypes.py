@@ -240,8 +240,21 @@ def _exact_integers(sent: np.ndarray, datatype: str, target: np.dtype[np.generic
     converts each Python int as itself. Taken only for the few requests whose values numpy may
     have rounded (:data:`_EXACT_FLOATS`); it still loops in C, at two to three times the cost
     of numpy's own reading."""
-    _check_range(datatype, int(sent.min()), int(sent.max()))
+    low = sent.min()
+    if low <= _INT64_LOW and any(type(v) is float and v <= _INT64_LOW for v in sent.flat):
+        # JSON's reader gives an integer below int64's range as a float, which rounds to the
+        # lowest int64 from up to 1,024 below it: taken as sent, -9223372036854775809 was
+        # served as -9223372036854775808
+        low_end, high_end = INTEGER_RANGES[datatype]
+        raise ValueError(
+            f"a value is below {datatype}'s range [{low_end}, {high_end}] (or is {_INT64_LOW:.0f}"
+            " written as a float, which reads the same as one below it: write it as an integer)"
+        )
+    _check_range(datatype, int(low), int(sent.max()))
     return sent.astype(target)
+
+
+_INT64_LOW = -(2.0**63)
 
 
 def _check_range(datatype: str, low: int, high: int) -> None:
