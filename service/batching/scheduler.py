@@ -776,7 +776,9 @@ class _PreparationFailed(Exception):
 
 _ORT_NODE = re.compile(r"^.*Status Message:\s*", re.S)  # onnxruntime: the failed node, named
 _ORT_STATUS = re.compile(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*")
-_BACKTRACE = re.compile(r"^(?:frame #\d+:|Exception raised from )")  # c10::Error's C++ frames
+_BACKTRACE = re.compile(  # c10::Error's C++ frames, and the line standing for Python's
+    r"^(?:frame #\d+:|Exception raised from |\(<omitting python frames>\)$)"
+)
 _AOTI_RUN = re.compile(r"\brun_func_\(.*API call failed")
 _PATH = re.compile(r"(?:/[\w.+-]+)+/?")  # absolute paths of the runtime's or the model's files
 

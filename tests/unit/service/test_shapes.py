@@ -158,3 +158,12 @@ def test_runtime_messages_lose_node_names_status_codes_and_paths() -> None:
     assert runtime_message(aoti) == (
         "the compiled model.pt2 kernel failed on it (its error is in the server log)"
     )
+    torch_check = RuntimeError(  # c10::Error from an op called from Python: a line for its frames
+        "index 12 is out of bounds for dimension 0 with size 10\n"
+        "Exception raised from checkIndex at /pytorch/aten/src/ATen/native/Indexing.cpp:71 "
+        "(most recent call first):\nframe #0: c10::Error::Error() + 0x98 (0x7f in /x/libc10.so)\n"
+        "(<omitting python frames>)\n"
+        "frame #9: <unknown function> + 0x1098ec (0x7fb66b3278ec in /lib/libc.so.6)\n"
+        "(<omitting python frames>)"
+    )
+    assert runtime_message(torch_check) == "index 12 is out of bounds for dimension 0 with size 10"
