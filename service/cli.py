@@ -233,6 +233,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         log_config=None,
         access_log=False,  # tensorgate writes its own structured line per inference request
         loop="auto",
+        ws="none",  # no websockets are served: an upgrade to one is ignored, as h2c's is
         http=guarded_protocol(
             ConnectionLimits(
                 max_connections=settings.max_connections,

@@ -166,6 +166,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._heads: list[list[tuple[bytes, bytes]]] | None = None
         """Each head's headers, parsed in a read fed whole (:meth:`data_received`)."""
         self._in_message = False  # a request has begun and is not complete
+        self._upgrade = (0, False)  # how the body of a request that asked for an upgrade is framed
+        self._resuming = False  # the parser is being set on such a body (_resume)
         self._last: bytes | None = None  # a refusal written once the answers before it are
         self._trailers = _Trailers()
         self._unsent = 0  # bytes in the transport's send buffer, as the budget counts them
@@ -224,14 +226,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         an interim ``100 Continue`` (a 1xx every HTTP/1.1 client must accept before its
         answer): a client that left resets the connection, and its work is cancelled as for any
         disconnect; one that half-closed gets its answer, and the connection closes after it.
-        With no request under way, or one cut off in its head or body, it closes now as uvicorn
-        does (returning None closes the transport)."""
+        A request cut off in its head or body can never be whole: it is dropped, after the
+        answers owed to the requests before it on the connection (uvicorn closed at once, and
+        a pipelined client that half-closed lost them); with none owed, or none under way, the
+        connection closes now as uvicorn does (returning None closes the transport)."""
         if self._last is not None:  # a refusal waits for the answers before it
             return True
         cycle = self.cycle
-        if cycle is None or cycle.response_complete or cycle.more_body or self._in_head:
-            if isinstance(self.transport, Flushes):  # the loop closes the transport under it
-                self.transport.flush()
+        if self._in_head or (cycle is not None and cycle.more_body):
+            self._answer_last(b"")  # nothing to say to the request cut off: it is dropped
+            if self._last is not None:
+                return True  # the connection closes once the answers before it are written
+            self._flush()
+            return None
+        if cycle is None or cycle.response_complete:
+            self._flush()
             return None
         cycle.keep_alive = False  # its answer says ``connection: close`` and closes after
         if not cycle.response_started and cycle.scope.get("http_version") == "1.1":
@@ -241,6 +250,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._half_closed = True
             self.loop.call_later(PROBE_S, self._check_gone)
         return True
+
+    def _flush(self) -> None:
+        """Write what the transport holds, before the loop closes it under it."""
+        if isinstance(self.transport, Flushes):  # the loop closes the transport under it
+            self.transport.flush()
 
     def _check_gone(self) -> None:
         """After a probe: a reset, if the client left, is the socket's pending error."""
@@ -298,15 +312,40 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError:
             self._invalid()
             return False
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return False
+        except httptools.HttpParserUpgrade as upgrade:
+            return self._resume(data[upgrade.args[0] :])
         return True
 
+    def _resume(self, rest: bytes | memoryview) -> bool:
+        """After a request asking for an upgrade (``Upgrade: h2c``, as ``curl --http2`` asks on
+        an http:// URL; a websocket; ``CONNECT``), which llhttp hands over at its head's end:
+        the server takes none (it serves no websockets, and HTTP/2 on its gRPC port), so the
+        upgrade is ignored, as RFC 9110 allows, and the request is served as HTTP/1.1 with its
+        body. A new parser reads the body and what follows: after a head with the same framing,
+        whose callbacks are skipped. (llhttp parses nothing after an upgrade's head: a POST's
+        body was lost, its request answered as if empty, and every later request on the
+        connection went unparsed and unanswered.)"""
+        length, chunked = self._upgrade
+        self._upgrade = (0, False)
+        keep_alive = self.parser.should_keep_alive()
+        if not (length or chunked or keep_alive):
+            return True  # its answer closes the connection: nothing after it is parsed
+        self.parser = httptools.HttpRequestParser(self)
+        if length or chunked:
+            self._resuming = True
+            self.parser.feed_data(
+                b"POST / HTTP/1.1\r\n%s%s\r\n"
+                % (
+                    b"Transfer-Encoding: chunked\r\n"
+                    if chunked
+                    else b"Content-Length: %d\r\n" % length,
+                    b"" if keep_alive else b"Connection: close\r\n",
+                )
+            )
+        return self._feed(rest) if len(rest) else True
+
     def _invalid(self) -> None:
+        REFUSED["invalid_http"] += 1
         said = "Invalid HTTP request received."
         self.logger.warning(said)
         self.send_400_response(said)
@@ -338,16 +377,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        if self._resuming:  # the head that sets the parser after an upgrade on the body
+            return
         self._in_head = self._in_message = True
         if self._deadline is None:  # after a keep-alive pause: the head must now arrive in time
             self._expect("header_timeout", self.limits.header_timeout_s)
 
     def on_headers_complete(self) -> None:
+        if self._resuming:  # the same: the request is the upgrade's, already with its cycle
+            self._resuming = False
+            return
         self._in_head = False
         if self._heads is not None:  # a read fed whole: looked at only if the framing follows
-            self._heads.append(self.headers)  # (an upgrade ends the read's parse: never)
-        else:  # llhttp reads no body after an upgrade's head
-            self._framing.body(*_framed([] if self.parser.should_upgrade() else self.headers))
+            self._heads.append(self.headers)
+        else:  # an upgrade's body too: the upgrade is ignored, its body read (_resume)
+            self._framing.body(*_framed(self.headers))
         self._expect("body_timeout", self.limits.body_timeout_s)
         cycle = self.cycle
         super().on_headers_complete()
@@ -363,6 +407,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.headers = self._trailers  # type: ignore[assignment]  # appended to, iterated
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade():  # llhttp stops after an upgrade's head, body unread
+            self._upgrade = _framed(self.headers)
+            if self._upgrade != (0, False):
+                return  # complete once its body is read (_resume)
         self._deadline, self._in_body, self._in_message = None, False, False
         if not self.parser.should_keep_alive():  # llhttp parses nothing after it
             self._framing.untrack()

@@ -22,6 +22,7 @@ REASONS = (
     "too_large",
     "draining",
     "bad_request",
+    "invalid_http",
 )
 """Every reason :data:`REFUSED` counts, each exposed from 0 (a reason counted but missing here
 was never exposed: three were, until they were listed)."""
@@ -29,7 +30,8 @@ REFUSED: collections.Counter[str] = collections.Counter()
 """Connections and requests refused by a guard of the process, by reason: ``too_many``,
 ``too_many_from_client``,
 ``header_too_large``, ``chunk_line_too_large``, ``header_timeout``, ``body_timeout``,
-``write_timeout``
+``write_timeout``, ``invalid_http`` (bytes the HTTP/1.1 parser rejects: uvicorn's 400
+``Invalid HTTP request received.``)
 (:mod:`service.limits.connections`), ``body_budget`` (:mod:`service.limits.admission`), and
 the refusals made before a request reaches a model, which the request metrics never see:
 ``unauthorized`` (a missing or wrong token), ``too_large`` (a REST body past

@@ -223,7 +223,46 @@ def test_a_request_asking_for_an_upgrade_is_answered_as_it_was(guarded: Server) 
     with connect(guarded) as sock:
         sock.sendall(request)
         answer = sock.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        # and the connection goes on as HTTP/1.1 (llhttp parsed nothing after an upgrade's
+        # head: the next request went unanswered)
+        sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 200 ")
+
+
+UPGRADE = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.parametrize("apart", [False, True], ids=["one write", "head and body apart"])
+def test_a_post_asking_for_an_upgrade_is_served_with_its_body(
+    guarded: Server, framing: str, apart: bool
+) -> None:
+    """``curl --http2 -d @request.json http://...`` asks for h2c on its POST. llhttp reads no
+    body after an upgrade's head: the request was answered as if empty (400) and the body's
+    bytes went unparsed, as did every later request on the connection."""
+    if framing == "chunked":
+        request_head = head().replace(
+            b"Content-Length: %d\r\n" % len(DIGIT), b"Transfer-Encoding: chunked\r\n"
+        )
+        body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(DIGIT), DIGIT)
+    else:
+        request_head, body = head(), DIGIT
+    request_head = request_head.replace(b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r\n" + UPGRADE)
+    before = refused(guarded).get("invalid_http", 0)
+    with connect(guarded) as sock:
+        answer = sent_apart(
+            sock,
+            [request_head, body + head() + DIGIT]
+            if apart
+            else [request_head + body + head() + DIGIT],
+            close_after=True,
+        )
+    assert statuses(answer) == [200, 200, 200], answer[-300:]  # the two, and close_after's
+    first = answer.split(b"\r\n\r\n", 1)[1]
+    plain = guarded.client.post("/v2/models/digits/infer", content=DIGIT).json()
+    assert json.loads(first[: first.index(b"HTTP/1.1")])["outputs"] == plain["outputs"]
+    assert refused(guarded).get("invalid_http", 0) == before
 
 
 def test_trailers_past_the_limit_are_answered_431(guarded: Server) -> None:
@@ -269,13 +308,16 @@ def statuses(answer: bytes) -> list[int]:
     return [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)]
 
 
-def sent_apart(sock: socket.socket, writes: list[bytes]) -> bytes:
-    """Each of ``writes`` on its own, then everything the server sends until it closes."""
+def sent_apart(sock: socket.socket, writes: list[bytes], close_after: bool = False) -> bytes:
+    """Each of ``writes`` on its own, then everything the server sends until it closes (with
+    ``close_after``, once a last request asks it to)."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         for i, write in enumerate(writes):
             if i:
                 time.sleep(0.05)  # apart, so that the server reads them apart
             sock.sendall(write)
+        if close_after:
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     return read_all(sock)
 
 
@@ -291,11 +333,16 @@ def test_a_refusal_on_a_pipelined_connection_comes_after_the_earlier_answers(
         if bad == "too large"
         else b"GET /v2/health/live HTTP/1.1\r\nBad Header\r\n\r\n"
     )
-    before = digits_answered(guarded)
+    before, reason = (
+        digits_answered(guarded),
+        "header_too_large" if bad == "too large" else "invalid_http",
+    )
+    refusals = refused(guarded)[reason]
     with connect(guarded) as sock:
         answer = sent_apart(sock, [head() + DIGIT + head() + DIGIT + third])
     assert statuses(answer) == [200, 200, 431 if bad == "too large" else 400], answer[-300:]
     assert digits_answered(guarded) == before + 2  # the third reached no application
+    assert refused(guarded)[reason] == refusals + 1  # the parser's 400 was counted nowhere
 
 
 def exact_head(size: int) -> bytes:

@@ -143,6 +143,24 @@ def test_a_request_followed_by_a_half_close_is_answered(server: Server) -> None:
     assert server.client.post("/v2/models/digits/infer", content=DIGIT).status_code == 200
 
 
+@pytest.mark.parametrize("cut", ["in its head", "in its body"])
+def test_a_half_close_cutting_off_a_second_request_keeps_the_first_answer(
+    server: Server, cut: str
+) -> None:
+    """#28, round three: a whole request and a second one cut off by the client's FIN (it
+    can never be whole). uvicorn closed at once, and the answer owed to the first was lost."""
+    post = (
+        b"POST /v2/models/digits/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(DIGIT), DIGIT)
+    )
+    second = post[:40] if cut == "in its head" else post[:-10]
+    answer = exchange(server, post + second)
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"200"], answer[:300]
+    body = answer.partition(b"\r\n\r\n")[2]
+    plain = server.client.post("/v2/models/digits/infer", content=DIGIT).json()
+    assert json.loads(body)["outputs"] == plain["outputs"]
+
+
 MALFORMED = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, 4 GiB long: cut off
 
 
