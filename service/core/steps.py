@@ -33,7 +33,7 @@ from service.artifacts.shapes import Crop, apply_crop
 from service.batching.scheduler import Batch, rows_of
 from service.batching.stats import RequestTiming
 from service.core.validation import check_inputs
-from service.datatypes import FROM_NUMPY
+from service.datatypes import FROM_NUMPY, TO_NUMPY
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
@@ -89,7 +89,9 @@ class Steps:
                 _, served = self.repository.ready_model(model, version, whole=False)
                 loaded = served.loaded
                 tensors = [_tensor(name, array) for name, array in inputs.items()]
-                batch = check_inputs(tensors, loaded.signature, loaded.config, model)
+                batch = check_inputs(tensors, loaded.signature, loaded.config, model, empty=True)
+                if loaded.batched and not rows_of(batch, True):
+                    return _no_rows(loaded)
                 batch, crop = _warmed(loaded, batch)
                 ran = asyncio.run_coroutine_threadsafe(
                     _run(served, batch, deadline, CALLER.get()), self.loop
@@ -104,6 +106,16 @@ class Steps:
             raise ModelNotReady(f"model '{model}' was reloaded again and again meanwhile")
         except TensorgateError as exc:
             raise _named(exc, model) from None
+
+
+def _no_rows(loaded: LoadedVersion) -> dict[str, np.ndarray]:
+    """What a step of 0 rows answers, without running the model: each output with 0 rows, of
+    its datatype, its dynamic dims 0 (a detector that found nothing hands its classifier no
+    crops; ``infer`` refused that with a 400, so the code had to guard each call)."""
+    return {
+        spec.name: np.empty((0, *(max(dim, 0) for dim in spec.shape)), TO_NUMPY[spec.datatype])
+        for spec in loaded.signature.outputs
+    }
 
 
 def _warmed(loaded: LoadedVersion, batch: Batch) -> tuple[Batch, Crop]:

@@ -18,9 +18,14 @@ from service.runtimes.base import Signature, shape_fits
 
 
 def check_inputs(
-    inputs: list[InputTensor], signature: Signature, config: ModelConfig, name: str
+    inputs: list[InputTensor],
+    signature: Signature,
+    config: ModelConfig,
+    name: str,
+    empty: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Inputs that fit the signature → the batch to run (cast only where the config opts in)."""
+    """Inputs that fit the signature → the batch to run (cast only where the config opts in);
+    with ``empty``, a batch of 0 rows is one (a pipeline's step with nothing to run)."""
     declared = {t.name: t for t in signature.inputs}
     given = {t.name: t for t in inputs}
     if unknown := sorted(set(given) - set(declared)):
@@ -54,7 +59,7 @@ def check_inputs(
         batch[spec.name] = data
     if len(rows) > 1:
         raise InvalidInput(f"inputs have different batch sizes {sorted(rows)}")
-    if rows:
+    if rows and not (empty and 0 in rows):
         check_rows(rows.pop(), config, name)
     return batch
 

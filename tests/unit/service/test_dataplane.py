@@ -787,3 +787,26 @@ def test_an_id_a_pipeline_made_out_of_its_inputs_range_is_a_400_before_the_batch
             r"within \[0, 999\]",
         ):
             check_made({"item_id": np.array(made)}, signature, config, "ctr")
+
+
+def test_a_step_of_no_rows_answers_outputs_of_no_rows_without_running(core: InProcess) -> None:
+    """A detector that found nothing hands its classifier no crops: ``infer`` was a 400
+    ("needs at least 1 row"), so pipeline code had to guard every call."""
+    from service.core.steps import Steps
+    from service.datatypes import TO_NUMPY
+    from tests.identity import ONNX_TYPES
+
+    steps = Steps(core.dataplane.repository, core.loop, 5.0)
+    (served,) = [s for _, s in core.dataplane.repository.served_versions()]
+    before = served.stats.inference_count
+    none = steps.infer("identity", {t.name: t.data for t in all_inputs(0)})
+    assert {name: (array.shape, array.dtype) for name, array in none.items()} == {
+        f"out_{datatype}": ((0, 3), TO_NUMPY[datatype]) for datatype in ONNX_TYPES
+    }
+    assert served.stats.inference_count == before  # nothing ran
+    one = steps.infer("identity", {t.name: t.data for t in all_inputs(1)})
+    assert one["out_FP32"].shape == (1, 3)
+    assert served.stats.inference_count == before + 1
+    wrong = {t.name: t.data for t in all_inputs(0)} | {"in_FP32": np.zeros((0, 4), np.float32)}
+    with pytest.raises(InvalidInput, match="pipeline step 'identity': input 'in_FP32'"):
+        steps.infer("identity", wrong)  # 0 rows, and still checked
