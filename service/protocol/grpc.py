@@ -15,8 +15,8 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from service.datatypes import MAX_BYTES_ELEMENTS, TO_NUMPY, json_answer
-from service.errors import InvalidInput, PayloadTooLarge
+from service.datatypes import TO_NUMPY, json_answer
+from service.errors import InvalidInput
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.protocol import v2
 from service.protocol.pb import grpc_service_pb2 as pb
@@ -261,23 +261,11 @@ def _decode_input(
     name, datatype = tensor.name, tensor.datatype
     if not name:
         raise InvalidInput("every input needs a name")
-    if datatype not in TO_NUMPY:
-        raise InvalidInput(
-            f"input '{name}': datatype must be one of {', '.join(TO_NUMPY)} (got {datatype!r})"
-        )
+    v2.check_datatype(datatype, name)
     shape = tuple(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise InvalidInput(f"input '{name}': shape dims must be integers ≥ 0 (got {list(shape)})")
-    count = v2.element_count(shape, name)
-    if max_elements is not None and count > max_elements:
-        raise PayloadTooLarge(
-            f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
-        )
-    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
-        raise PayloadTooLarge(
-            f"input '{name}': shape {list(shape)} has {count} BYTES elements; the limit is "
-            f"{MAX_BYTES_ELEMENTS} (each element is an object of its own)"
-        )
+    count = v2.element_count(shape, datatype, name, max_elements)
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(f"input '{name}' has both 'contents' and raw_input_contents")

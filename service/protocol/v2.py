@@ -135,23 +135,10 @@ def _decode_input(
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"inputs[{index}].name must be a non-empty string")
-    datatype = raw.get("datatype")
-    if datatype not in TO_NUMPY:
-        raise InvalidInput(
-            f"input '{name}': datatype must be one of {', '.join(TO_NUMPY)} (got {datatype!r})"
-        )
+    datatype = check_datatype(raw.get("datatype"), name)
     shape = _shape(raw.get("shape"), f"input '{name}'")
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
-    count = element_count(shape, name)
-    if max_elements is not None and count > max_elements:
-        raise PayloadTooLarge(
-            f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
-        )
-    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
-        raise PayloadTooLarge(
-            f"input '{name}': shape {list(shape)} has {count} BYTES elements; the limit is "
-            f"{MAX_BYTES_ELEMENTS} (each element is an object of its own)"
-        )
+    count = element_count(shape, datatype, name, max_elements)
     size = parameters.get("binary_data_size")
     if size is not None:
         if "data" in raw:
@@ -184,14 +171,36 @@ def _shape(raw: Any, what: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
-def element_count(shape: tuple[int, ...], name: str) -> int:
-    """Elements a tensor of ``shape`` holds; 400 for an empty shape no array can have (a zero
-    dim beside others too large for numpy: a non-empty one can never match its data)."""
+def check_datatype(datatype: object, name: str) -> str:
+    """``datatype``, input ``name``'s, if the protocol names it; else 400."""
+    if not isinstance(datatype, str) or datatype not in TO_NUMPY:
+        raise InvalidInput(
+            f"input '{name}': datatype must be one of {', '.join(TO_NUMPY)} (got {datatype!r})"
+        )
+    return datatype
+
+
+def element_count(
+    shape: tuple[int, ...], datatype: str, name: str, max_elements: int | None
+) -> int:
+    """Elements input ``name`` of ``shape`` holds, within the bounds on what one tensor may
+    make the server hold: 413 past ``max_elements``, or for BYTES past
+    :data:`MAX_BYTES_ELEMENTS`; 400 for an empty shape no array can have (a zero dim beside
+    others too large for numpy: a non-empty one can never match its data)."""
     count = math.prod(shape)
     if count == 0 and (extent := math.prod(dim for dim in shape if dim)) > MAX_EXTENT:
         raise InvalidInput(
             f"input '{name}': shape {list(shape)} is too large for any tensor, even an empty "
             f"one (its non-zero dims multiply to {extent}; the most is {MAX_EXTENT})"
+        )
+    if max_elements is not None and count > max_elements:
+        raise PayloadTooLarge(
+            f"input '{name}': shape {list(shape)} has {count} elements; the limit is {max_elements}"
+        )
+    if datatype == "BYTES" and count > MAX_BYTES_ELEMENTS:
+        raise PayloadTooLarge(
+            f"input '{name}': shape {list(shape)} has {count} BYTES elements; the limit is "
+            f"{MAX_BYTES_ELEMENTS} (each element is an object of its own)"
         )
     return count
 
