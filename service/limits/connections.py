@@ -309,8 +309,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         rest of the read is not parsed, as in uvicorn's own."""
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._invalid()
+        except httptools.HttpParserError as exc:
+            self._invalid(str(exc))
             return False
         except httptools.HttpParserUpgrade as upgrade:
             return self._resume(data[upgrade.args[0] :])
@@ -344,9 +344,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             )
         return self._feed(rest) if len(rest) else True
 
-    def _invalid(self) -> None:
+    def _invalid(self, why: str = "") -> None:
+        """uvicorn's 400 for bytes its parser rejects, saying what llhttp found wrong
+        (``Invalid header value char``, ``Transfer-Encoding can't be present with
+        Content-Length``): uvicorn's own said only that the request was invalid."""
         REFUSED["invalid_http"] += 1
-        said = "Invalid HTTP request received."
+        said = "Invalid HTTP request received" + (f": {why}" if why else ".")
+        said = said.encode("ascii", "replace").decode()  # llhttp's words, ASCII as the answer
         self.logger.warning(said)
         self.send_400_response(said)
 

@@ -31,7 +31,7 @@ REFUSED: collections.Counter[str] = collections.Counter()
 ``too_many_from_client``,
 ``header_too_large``, ``chunk_line_too_large``, ``header_timeout``, ``body_timeout``,
 ``write_timeout``, ``invalid_http`` (bytes the HTTP/1.1 parser rejects: uvicorn's 400
-``Invalid HTTP request received.``)
+``Invalid HTTP request received: `` and what it found)
 (:mod:`service.limits.connections`), ``body_budget`` (:mod:`service.limits.admission`), and
 the refusals made before a request reaches a model, which the request metrics never see:
 ``unauthorized`` (a missing or wrong token), ``too_large`` (a REST body past

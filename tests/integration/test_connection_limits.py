@@ -343,6 +343,8 @@ def test_a_refusal_on_a_pipelined_connection_comes_after_the_earlier_answers(
     assert statuses(answer) == [200, 200, 431 if bad == "too large" else 400], answer[-300:]
     assert digits_answered(guarded) == before + 2  # the third reached no application
     assert refused(guarded)[reason] == refusals + 1  # the parser's 400 was counted nowhere
+    if bad == "malformed":  # saying what was wrong (uvicorn's said only that it was invalid)
+        assert answer.endswith(b"\r\n\r\nInvalid HTTP request received: Invalid header token")
 
 
 def exact_head(size: int) -> bytes:
