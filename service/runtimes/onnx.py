@@ -187,9 +187,15 @@ class OnnxRuntime(Runtime):
         shared = self._shared
         if shared is None:
             return
-        self._run(shared, batch)  # either may serve the shape; each timed once more
+        self._run(shared, batch)  # either may serve the shape
         rows = _rows(batch)
-        for wide, session in ((True, self._session), (False, shared)):
+        if all(self._alone.sides(rows).per_row):
+            # Seeded by an earlier shape of its size bucket (another size of it, or the same
+            # size at other dims): a seed is only where the first lone batches start, and
+            # timing every shape ran each twice more, 4 runs instead of 2 (efficientnet's 32
+            # sizes, minilm's 5 sizes × 5 lengths: half of a worker's startup).
+            return
+        for wide, session in ((True, self._session), (False, shared)):  # each timed once more
             started = time.perf_counter()
             self._run(session, batch)
             self._alone.seed(wide, time.perf_counter() - started, rows)

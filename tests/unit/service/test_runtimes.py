@@ -475,6 +475,9 @@ def test_onnx_runs_a_batch_beside_another_on_its_share_of_the_threads(
     runtime.warmup(x)  # both warmed, then each timed once: the lone choice's seeds
     assert used == [wide, shared, wide, shared]
     assert all(runtime._alone.sides(2).per_row)  # type: ignore[attr-defined]  # not on Runtime
+    used.clear()
+    runtime.warmup({"x": np.ones((3, 8), np.float32)})  # the same size bucket (2-3 rows)
+    assert used == [wide, shared]  # both warmed, neither timed again: half a worker's startup
     from service.runtimes.onnx import AloneChoice
 
     # The estimates this test sets, not the machine's timings: times per row no real run is as
