@@ -62,6 +62,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def lock_checks_started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """tests/e2e/test_locks.py's dry runs, started with the session when any of its tests is
+    selected: they wait on PyPI for one to two minutes, and so wait beside the tests before
+    them instead of in the suite's time (pip takes about half a CPU meanwhile)."""
+    if not any(item.path.name == "test_locks.py" for item in request.session.items):
+        yield
+        return
+    from tests.e2e import test_locks
+
+    test_locks.STARTED.update(test_locks.start_dry_runs(tmp_path_factory.mktemp("locks")))
+    try:
+        yield
+    finally:
+        test_locks.stop_dry_runs(test_locks.STARTED)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server on the bundled model repository, shared by the tests that only read."""

@@ -133,24 +133,39 @@ class DryRun:
 OLDEST_PYTHON_LOCKS = ["cpu.txt", "dev.txt", "deploy.txt"]
 
 
-@pytest.fixture(scope="module")
-def dry_runs(pypi: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DryRun]]:
+def start_dry_runs(folder: Path) -> dict[str, DryRun]:
     """Each lock's dry run, all started together: gpu.txt resolved for the GPU image's Python,
     the others each pin alone (``--no-deps``) for the oldest Python allowed."""
-    folder = tmp_path_factory.mktemp("locks")
     runs = {"gpu.txt": DryRun(folder / "gpu", GPU_PYTHON, REQUIREMENTS / "gpu.txt")}
     for lock in OLDEST_PYTHON_LOCKS:
         # the CPU lock's torch comes from local wheels or PyTorch's CPU index
         plain = folder / lock
         plain.write_text(re.sub(r"\+cpu$", "", (REQUIREMENTS / lock).read_text(), flags=re.M))
         runs[lock] = DryRun(folder / lock.removesuffix(".txt"), oldest_python(), plain, "--no-deps")
+    return runs
+
+
+def stop_dry_runs(runs: dict[str, DryRun]) -> None:
+    for run in runs.values():
+        if run.process.poll() is None:
+            run.process.kill()
+            run.process.communicate()
+
+
+STARTED: dict[str, DryRun] = {}
+"""The dry runs tests/conftest.py starts with the session when these tests are selected: they
+wait on PyPI for a minute or two beside the tests that run before these."""
+
+
+@pytest.fixture(scope="module")
+def dry_runs(pypi: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, DryRun]]:
+    """The locks' dry runs: those started with the session, else started now."""
+    runs = dict(STARTED) or start_dry_runs(tmp_path_factory.mktemp("locks"))
+    STARTED.clear()
     try:
         yield runs
     finally:
-        for run in runs.values():
-            if run.process.poll() is None:
-                run.process.kill()
-                run.process.communicate()
+        stop_dry_runs(runs)
 
 
 def test_gpu_lock_resolves_to_itself(dry_runs: dict[str, DryRun]) -> None:
