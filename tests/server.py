@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -56,6 +56,8 @@ class Server:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
         port: int | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "service", "serve"),
+        cwd: Path = REPO_ROOT,
     ) -> None:
         self.repository = repository
         self.port = port or free_port()
@@ -76,8 +78,8 @@ class Server:
         }
         self._log: IO[bytes] | None = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve"],
-            cwd=REPO_ROOT,
+            list(command),
+            cwd=cwd,
             env=environment,
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,

@@ -75,6 +75,22 @@ RESTART_BACKOFF_S = (1.0, 30.0)
 minute of starting, up to the second."""
 
 
+def worker_python(env: dict[str, str]) -> list[str]:
+    """The interpreter a worker runs in, importing the supervisor's own ``service``.
+
+    ``python -m`` puts the current directory first on ``sys.path``, so workers started from a
+    folder with a ``service`` package or module of its own (a user's project: a common name)
+    imported that instead of tensorgate and failed, or ran whatever it held. ``-P`` (Python
+    3.11) leaves the current directory out. Where the supervisor itself imported ``service``
+    from there (``python -m service`` in a checkout), its folder is put on the workers'
+    ``PYTHONPATH`` (in ``env``), so that they run the same code as the supervisor."""
+    root = Path(__file__).resolve().parents[2]
+    first = Path(sys.path[0] or os.getcwd()).resolve() if sys.path else None
+    if first == root:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), env.get("PYTHONPATH"))))
+    return [sys.executable, "-P"]
+
+
 @dataclass(frozen=True)
 class Worker:
     """This process's place among the workers of one server."""
@@ -228,7 +244,7 @@ class Supervisor:
         # `make run`) reaches the workers once, forwarded, instead of twice ("stop now").
         try:
             self.processes[index] = subprocess.Popen(
-                [sys.executable, "-m", "service", *self.argv],
+                [*worker_python(env), "-m", "service", *self.argv],
                 env=env,
                 start_new_session=True,
                 pass_fds=(fd, key),

@@ -13,6 +13,7 @@ import json
 import shutil
 import signal
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -500,6 +501,36 @@ def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path)
         assert code != 0, server.log()
         assert "Address already in use" in server.log()
         server.stop()
+
+
+def test_workers_run_tensorgate_not_a_service_package_of_the_current_folder(
+    tmp_path: Path,
+) -> None:
+    """`tensorgate serve` run in a user's project that has a `service` package of its own (a
+    common name): the workers, started as `python -m service`, imported the project's package
+    from the current folder, and the server could not start."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    project = tmp_path / "project"
+    (project / "service").mkdir(parents=True)
+    (project / "service" / "__init__.py").write_text(
+        "raise SystemExit('the project\\'s own service package was imported')\n"
+    )
+    script = Path(sys.executable).parent / "tensorgate"  # the console script, as a user runs it
+    server = Server(
+        root,
+        env={"TG_WORKERS": "2", "TG_MODEL_REPOSITORY": str(root)},
+        log_path=tmp_path / "server.log",
+        command=(str(script), "serve"),
+        cwd=project,
+    )
+    try:
+        server.wait_until()
+        answered = {server.client.get("/v2/health/ready").status_code for _ in range(8)}
+        assert answered == {200}
+        assert "own service package" not in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_a_new_version_found_by_poll_reaches_every_worker(tmp_path: Path) -> None:
