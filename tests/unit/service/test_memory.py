@@ -101,6 +101,20 @@ def test_this_c_library_trims_for_real() -> None:
     assert free_bytes is not None and free_bytes() >= 0
 
 
+def probe(script: str, mode: str, unset: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run in a fresh interpreter with ``mode`` as its argument, glibc's variable
+    ``unset`` left out of its environment."""
+    env = {k: v for k, v in os.environ.items() if k != unset}
+    return subprocess.run(
+        [sys.executable, "-c", script, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+
 ARENA_PROBE = """
 import ctypes, os, sys, threading
 from service.limits.memory import limit_arenas
@@ -128,17 +142,42 @@ ctypes.CDLL("libc.so.6").malloc_stats()  # one "Arena N:" block per arena, on st
 def test_the_server_keeps_to_two_malloc_arenas(mode: str) -> None:
     """glibc gives threads allocating at once arenas of their own, up to 8 per CPU, and what a
     burst leaves in them is never given back; a server process keeps to ARENAS."""
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    done = subprocess.run(
-        [sys.executable, "-c", ARENA_PROBE, mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    done = probe(ARENA_PROBE, mode, unset="MALLOC_ARENA_MAX")
     arenas = done.stderr.count("Arena ")
     if mode == "limited":
         assert 1 <= arenas <= ARENAS, done.stderr
     else:
         assert arenas > ARENAS, done.stderr  # the probe does make arenas: the test can fail
+
+
+MMAP_PROBE = """
+import ctypes, sys
+from service.limits.memory import fix_mmap_threshold
+if sys.argv[1] == "fixed":
+    assert fix_mmap_threshold()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in fields]
+libc.mallinfo2.restype = Info
+size = 30 << 20
+libc.free(libc.malloc(size))  # mapped and unmapped: glibc's own threshold rises past its size
+second = libc.malloc(size)
+print("mapped" if libc.mallinfo2().hblkhd >= size else "heap")
+libc.free(second)
+"""
+
+
+@pytest.mark.skipif(
+    malloc_trim() is None,
+    reason="needs glibc (mallopt, mallinfo2): this C library has no malloc_trim",
+)
+@pytest.mark.parametrize(("mode", "where"), [("fixed", "mapped"), ("as glibc likes", "heap")])
+def test_large_buffers_stay_mapped_after_one_is_freed(mode: str, where: str) -> None:
+    """glibc raises its mmap threshold to each mapped chunk freed (up to 32 MiB): after one
+    30 MiB body, the next came from the heap, where freed memory stays until trimmed, and
+    rounds of such requests peaked higher each round. A server process fixes the threshold."""
+    done = probe(MMAP_PROBE, mode, unset="MALLOC_MMAP_THRESHOLD_")
+    assert done.stdout.strip() == where, done.stderr  # glibc's own way shows: the test can fail
