@@ -85,8 +85,7 @@ def worker_python(env: dict[str, str]) -> list[str]:
     from there (``python -m service`` in a checkout), its folder is put on the workers'
     ``PYTHONPATH`` (in ``env``), so that they run the same code as the supervisor."""
     root = Path(__file__).resolve().parents[2]
-    first = Path(sys.path[0] or os.getcwd()).resolve() if sys.path else None
-    if first == root:
+    if Path(sys.path[0] or os.getcwd()).resolve() == root:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), env.get("PYTHONPATH"))))
     return [sys.executable, "-P"]
 

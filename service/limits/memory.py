@@ -58,11 +58,7 @@ def limit_arenas(count: int = ARENAS) -> bool:
     ``malloc_trim``: after 30 refused gRPC calls of 60 MiB, three thread arenas kept about
     30 MiB each (RSS 1.06–1.13 × where it started); with two arenas, 1.01–1.03 ×. Call it
     before the server starts its threads."""
-    mallopt = _glibc("mallopt")
-    if "MALLOC_ARENA_MAX" in os.environ or mallopt is None:
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_ARENA_MAX, count))
+    return _mallopt(_M_ARENA_MAX, count, "MALLOC_ARENA_MAX")
 
 
 MMAP_THRESHOLD = 4 * 1024 * 1024
@@ -80,11 +76,17 @@ def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
     with a dynamic dim peaked at 2.3–3.4 × a 256 MiB budget, rising round by round, against
     1.5–2.0 × with the threshold fixed (`test_batches_of_dynamic_dims_hold_their_copy_in_the_
     budget_and_memory_returns`). A fixed threshold also turns off that raising."""
+    return _mallopt(_M_MMAP_THRESHOLD, size, "MALLOC_MMAP_THRESHOLD_")
+
+
+def _mallopt(parameter: int, value: int, variable: str) -> bool:
+    """glibc's ``mallopt(parameter, value)``, unless the environment ``variable`` (glibc's own
+    for it) already says; True when set."""
     mallopt = _glibc("mallopt")
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or mallopt is None:
+    if variable in os.environ or mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, size))
+    return bool(mallopt(parameter, value))
 
 
 def _glibc(name: str) -> Any | None:
@@ -104,7 +106,9 @@ def malloc_trim() -> Callable[[], object] | None:
     return lambda: trim(0)
 
 
-class _Mallinfo2(ctypes.Structure):
+class Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (<malloc.h>)."""
+
     _fields_ = [
         (name, ctypes.c_size_t)
         for name in (
@@ -134,7 +138,7 @@ def malloc_free_bytes() -> Callable[[], int] | None:
     info = _glibc("mallinfo2")
     if info is None:
         return None
-    info.argtypes, info.restype = [], _Mallinfo2
+    info.argtypes, info.restype = [], Mallinfo2
     return lambda: int(info().fordblks)
 
 

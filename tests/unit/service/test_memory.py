@@ -152,16 +152,13 @@ def test_the_server_keeps_to_two_malloc_arenas(mode: str) -> None:
 
 MMAP_PROBE = """
 import ctypes, sys
-from service.limits.memory import fix_mmap_threshold
+from service.limits.memory import Mallinfo2, fix_mmap_threshold
 if sys.argv[1] == "fixed":
     assert fix_mmap_threshold()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-class Info(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in fields]
-libc.mallinfo2.restype = Info
+libc.mallinfo2.restype = Mallinfo2
 size = 30 << 20
 libc.free(libc.malloc(size))  # mapped and unmapped: glibc's own threshold rises past its size
 second = libc.malloc(size)
@@ -172,7 +169,7 @@ libc.free(second)
 
 @pytest.mark.skipif(
     malloc_trim() is None,
-    reason="needs glibc (mallopt, mallinfo2): this C library has no malloc_trim",
+    reason="needs glibc 2.33+ (mallopt, mallinfo2): this C library has no malloc_trim",
 )
 @pytest.mark.parametrize(("mode", "where"), [("fixed", "mapped"), ("as glibc likes", "heap")])
 def test_large_buffers_stay_mapped_after_one_is_freed(mode: str, where: str) -> None:
