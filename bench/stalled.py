@@ -1,12 +1,14 @@
 """gRPC messages stalled short of their end (#28 finding 2), against this tree and an older
 one, alternately. Loopback only, bounded.
 
-    .venv/bin/python -m bench.stalled [--against REV] [--rounds 2] [--hold 10]
+    .venv/bin/python -m bench.stalled [--against REV] [--rounds 2] [--hold 10] [--streams]
+                                      [--workers N]
 
 Each tree serves digits and the identity model with its defaults (several workers on 2 or
-more CPUs: gRPC through the supervisor's front). The attack: ``--calls`` connections, each one
-ModelInfer of 60 MiB passed through a proxy on 127.0.0.1 that stops 1 KiB short of the
-message's end and holds the connection open. Measured: the workers' RSS together before, their
+more CPUs: gRPC through the supervisor's front; ``--workers 1``: one worker on its own port).
+The attack: ``--calls`` connections, each one ModelInfer of 60 MiB (``--streams``: a
+ModelStreamInfer stream of one such request) passed through a proxy on 127.0.0.1 that stops
+1 KiB short of the message's end and holds the connection open. Measured: the workers' RSS together before, their
 peak (the sum of each worker's VmHWM, reset before the attack), their RSS 2 s after the attack
 went, and a normal gRPC client's latency throughout (a small digits call every 50 ms on a
 connection of its own, in a process of its own). Writes bench/results/stalled.md.
@@ -61,7 +63,9 @@ def workers(pid: int) -> list[int]:
     return [int(child) for child in children] or [pid]
 
 
-def attack(server: int, grpc_port: int, calls: int, hold: float) -> list[str]:
+def attack(
+    server: int, grpc_port: int, calls: int, hold: float, streams: bool, budget: int
+) -> list[str]:
     pids = workers(server)
     before = sum(status(pid, "VmRSS") for pid in pids)
     for pid in pids:
@@ -85,9 +89,14 @@ def attack(server: int, grpc_port: int, calls: int, hold: float) -> list[str]:
                 ],
             )
             channels.append(chan)
-            futures.append(pb_grpc.GRPCInferenceServiceStub(chan).ModelInfer.future(request))
+            stub = pb_grpc.GRPCInferenceServiceStub(chan)
+            if streams:
+                futures.append(stub.ModelStreamInfer(iter([request])))
+            else:
+                futures.append(stub.ModelInfer.future(request))
         time.sleep(hold)
         passed = proxy.passed_up
+        ended = sum(future.done() for future in futures)
     finally:
         proxy.close()
         for chan in channels:
@@ -98,10 +107,10 @@ def attack(server: int, grpc_port: int, calls: int, hold: float) -> list[str]:
     probe.join(30)
     peak = sum(status(pid, "VmHWM") for pid in pids)
     after = sum(status(pid, "VmRSS") for pid in pids)
-    budget = Settings().max_inflight_bytes
     latencies.sort()
     return [
         f"{passed / MIB:.0f} of {calls * size / MIB:.0f}",
+        f"{ended} of {calls}",
         f"{before / MIB:.0f}",
         f"{peak / MIB:.0f}",
         f"{(peak - before) / budget:.2f}",
@@ -117,7 +126,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--hold", type=float, default=10.0)
+    parser.add_argument("--streams", action="store_true", help="ModelStreamInfer, not ModelInfer")
+    parser.add_argument("--workers", type=int, help="TG_WORKERS (default: the server's own)")
     args = parser.parse_args()
+    settings = {} if args.workers is None else {"TG_WORKERS": str(args.workers)}
+    budget = Settings(workers=args.workers or 0).max_inflight_bytes  # a worker's, as it sizes it
     rows = []
     with (
         tempfile.TemporaryDirectory() as folder,
@@ -131,10 +144,14 @@ def main() -> None:
                 :: 1 - 2 * (turn % 2)
             ]:
                 grpc_port = free_port()
-                process, port = serve_tree(tree, root, {}, Path(folder) / "server.log", grpc_port)
+                log = Path(folder) / "server.log"
+                process, port = serve_tree(tree, root, settings, log, grpc_port)
                 try:
                     wait_until_up(f"http://127.0.0.1:{port}/v2/health/ready", timeout_s=300)
-                    rows.append([name, *attack(process.pid, grpc_port, args.calls, args.hold)])
+                    outcome = attack(
+                        process.pid, grpc_port, args.calls, args.hold, args.streams, budget
+                    )
+                    rows.append([name, *outcome])
                     print(" | ".join(rows[-1]), flush=True)
                 finally:
                     process.terminate()
@@ -142,15 +159,17 @@ def main() -> None:
     publish(
         "stalled",
         "# gRPC messages stalled 1 KiB short of 60 MiB (`python -m bench.stalled`)\n\n"
-        f"{args.calls} connections, one call each, held {args.hold:g} s; default settings.\n\n"
+        f"{args.calls} connections, one {'stream' if args.streams else 'call'} each, held "
+        f"{args.hold:g} s; default settings{', ' + str(settings) if settings else ''}.\n\n"
         + table(
             rows,
             [
                 "tree",
                 "MiB passed to the server",
+                "calls ended while held",
                 "workers' RSS before MiB",
                 "peak MiB",
-                "(peak − before) / budget",
+                "(peak − before) / a worker's budget",
                 "RSS after MiB",
                 "normal gRPC client median / max ms",
                 "normal client failed",

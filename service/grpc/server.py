@@ -152,6 +152,8 @@ class GrpcServer:
         otherwise hold the server for the whole grace), and stop within ``grace_s``."""
         self.servicer.closing.set()
         await self.server.stop(grace_s)
+        if self.servicer.arriving is not None:
+            await self.servicer.arriving.stop()
 
 
 async def start_grpc(cluster: Cluster, budget: BytesBudget | None = None) -> GrpcServer:

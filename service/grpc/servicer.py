@@ -28,6 +28,7 @@ from service.errors import (
     ServerBusy,
     TensorgateError,
 )
+from service.grpc.arriving import ArrivingStreams, Watched
 from service.grpc.streaming import completion_order
 from service.inference import InferenceResult
 from service.limits.admission import BytesBudget
@@ -166,6 +167,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Whether a ModelInfer message still arriving holds TG_MAX_BODY_BYTES of the budget
         until it has (:meth:`_receive`): on a port of its own, where no front counts what
         clients send (``service.cluster.front``)."""
+        self.arriving = (
+            ArrivingStreams.where_available(budget, self.dataplane.repository.model_changes)
+            if unseen
+            else None
+        )
+        """There, a stream whose next message is still arriving is ended once the heap grows
+        past half the budget while it waits (:mod:`service.grpc.arriving`)."""
         self.closing = asyncio.Event()
         """Set when the server stops: open streams stop reading and end."""
 
@@ -459,11 +467,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 return response.SerializeToString(), False
             return serialized, answered.compress
 
-        answers = completion_order(request_iterator, answer, STREAM_IN_FLIGHT, self.closing)
-        async for response, compress in answers:
-            if not compress:
-                context.disable_next_message_compression()
-            yield response
+        requests: AsyncIterator[codec.Unparsed] = request_iterator
+        watched: Watched[codec.Unparsed] | None = None
+        if self.arriving is not None:
+            requests = watched = await self.arriving.watch(request_iterator)
+        try:
+            answers = completion_order(requests, answer, STREAM_IN_FLIGHT, self.closing)
+            async for response, compress in answers:
+                if not compress:
+                    context.disable_next_message_compression()
+                yield response
+        finally:
+            if watched is not None:
+                watched.close()
+        if watched is not None and watched.ended is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, watched.ended)
         if self.closing.is_set():
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

@@ -135,11 +135,27 @@ def rss_bytes() -> int:
 def malloc_free_bytes() -> Callable[[], int] | None:
     """glibc's count of the bytes its heaps hold free (``mallinfo2().fordblks``, glibc 2.33
     on), or None where the C library has none."""
-    info = _glibc("mallinfo2")
+    info = _mallinfo2()
+    return None if info is None else lambda: int(info().fordblks)
+
+
+def malloc_in_use_bytes() -> Callable[[], int] | None:
+    """glibc's count of the bytes allocated and not freed, in its heaps and mapped each of its
+    own (``mallinfo2()``'s ``uordblks + hblkhd``), or None where the C library has none. It
+    walks the free lists (6 µs with the bundled models loaded, 0.8–5 ms once tens of thousands
+    of chunks are free): call it off the event loop (ctypes lets go of the GIL meanwhile)."""
+    info = _mallinfo2()
     if info is None:
         return None
-    info.argtypes, info.restype = [], Mallinfo2
-    return lambda: int(info().fordblks)
+    return lambda: int((got := info()).uordblks + got.hblkhd)
+
+
+def _mallinfo2() -> Callable[[], Mallinfo2] | None:
+    """glibc's ``mallinfo2`` (2.33 on), or None."""
+    info = _glibc("mallinfo2")
+    if info is not None:
+        info.argtypes, info.restype = [], Mallinfo2
+    return info
 
 
 class Trimmer:

@@ -138,7 +138,9 @@ class ModelRepository:
         """One load or unload of a model at a time; other models' go on beside it."""
         self._loads: dict[str, set[LoadBound]] = {}
         """Each model's loads under way: an unload, or the server stopping, ends them."""
-        self._guard = threading.Lock()  # guards the two dicts above
+        self._guard = threading.Lock()  # guards the two dicts above, and _changed
+        self._changed = 0
+        """Loads begun or ended and unloads done so far (:meth:`model_changes`)."""
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         self.steps: Models | None = None
         self.budget: BatchBudget | None = None
@@ -232,6 +234,7 @@ class ModelRepository:
         bound = LoadBound(self.stopping, self.settings.load_timeout_s)
         with self._guard:
             self._loads.setdefault(version.name, set()).add(bound)
+            self._changed += 1
         try:
             loaded = load_version(
                 version.name, version.path, config, self.settings, self.steps, bound
@@ -253,6 +256,7 @@ class ModelRepository:
         finally:
             with self._guard:
                 self._loads[version.name].discard(bound)
+                self._changed += 1
         version.waits_for_step = False
         version.served = ServedVersion(
             loaded,
@@ -321,6 +325,8 @@ class ModelRepository:
                 return
             self.models[name] = ModelEntry(name, entry.path, entry.config, unloaded=True)
         _retire(entry)
+        with self._guard:
+            self._changed += 1
         log.info("model %s unloaded", name)
 
     def _change(self, name: str) -> threading.Lock:
@@ -438,6 +444,12 @@ class ModelRepository:
         ]
 
     # -- state ----------------------------------------------------------------------------
+
+    def model_changes(self) -> tuple[int, bool]:
+        """How many loads have begun or ended and unloads been done, and whether a load is under
+        way: what the process holds changes with them (:mod:`service.grpc.arriving`)."""
+        with self._guard:
+            return self._changed, any(self._loads.values())
 
     def all_ready(self) -> bool:
         """Whether every model meant to load is READY."""

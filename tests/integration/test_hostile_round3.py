@@ -749,6 +749,23 @@ def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path:
         assert took < 35  # not held until TG_BODY_TIMEOUT_S
 
 
+@contextlib.contextmanager
+def one_worker_stalling(
+    tmp_path: Path, size: int
+) -> Iterator[tuple[Server, list[grpc.Channel], FaultyProxy, int]]:
+    """One worker on its own gRPC port (no front), a small call answered; a proxy to it that
+    stalls each connection ``size`` bytes in (closed after, if the test has not); the worker's
+    RSS before."""
+    with small_budget(tmp_path, workers=1) as (server, channels):
+        assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
+        before = rss_bytes(server.process.pid)
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
+        try:
+            yield server, channels, proxy, before
+        finally:
+            proxy.close()  # the stalled clients go (their connections reset)
+
+
 def test_grpc_messages_still_arriving_at_one_workers_own_port_hold_the_most_a_message_may_be(
     tmp_path: Path,
 ) -> None:
@@ -759,26 +776,61 @@ def test_grpc_messages_still_arriving_at_one_workers_own_port_hold_the_most_a_me
     other 16 left to messages that have arrived: one at once), and is UNAVAILABLE at once, let
     go, when that does not fit. A small call is answered meanwhile, and once the stalled clients go a 12 MiB call is read whole again."""
     size, count = 12 * MIB, 16
-    with small_budget(tmp_path, workers=1) as (server, channels):
+    with one_worker_stalling(tmp_path, size) as (server, channels, proxy, before):
+        calls, _ = stalled_calls(proxy, channels, size, count)
+        held = rss_bytes(server.process.pid) - before
+        refused = [call for call in calls if call.done()]
+        print(f"+{held / MIB:.0f} MiB held; {len(refused)} of {count} refused")
+        assert held < count * size * 0.4  # 192 MiB before: one message, and what passed
+        assert len(refused) >= count - 1  # the budget holds one message still arriving
+        for call in refused:
+            error = call.exception()
+            assert isinstance(error, grpc.RpcError)
+            assert error.code() is grpc.StatusCode.UNAVAILABLE, error
+            assert "TG_MAX_BODY_BYTES" in (error.details() or "")
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
-        before = rss_bytes(server.process.pid)
-        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
-        try:
-            calls, _ = stalled_calls(proxy, channels, size, count)
-            held = rss_bytes(server.process.pid) - before
-            refused = [call for call in calls if call.done()]
-            print(f"+{held / MIB:.0f} MiB held; {len(refused)} of {count} refused")
-            assert held < count * size * 0.4  # 192 MiB before: one message, and what passed
-            assert len(refused) >= count - 1  # the budget holds one message still arriving
-            for call in refused:
-                error = call.exception()
-                assert isinstance(error, grpc.RpcError)
-                assert error.code() is grpc.StatusCode.UNAVAILABLE, error
-                assert "TG_MAX_BODY_BYTES" in (error.details() or "")
-            assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
-        finally:
-            proxy.close()  # the stalled clients go (their connections reset)
+        proxy.close()  # the stalled clients go (their connections reset)
         read_whole_again(server, calls, size)
+
+
+def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_hold_memory(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 2, ModelStreamInfer where no front counts (one worker): a stream waiting for
+    its next request cannot tell an idle stream from one whose message is on its way, and 12
+    streams stalled short of the end of a 12 MiB message held +141 MiB for as long as their
+    clients liked. The server now looks at what its heap holds outside the budget while a
+    stream waits, and past half the budget (16 MiB here) ends the streams that waited: each
+    ends UNAVAILABLE saying so, the memory goes back, a small call is answered, and a 12 MiB
+    message is read whole again."""
+    size, count = 12 * MIB, 12
+    with one_worker_stalling(tmp_path, size) as (server, channels, proxy, before):
+        request = digits_call(None, bytes(size))[0]
+        streams = [
+            through(proxy, channels).ModelStreamInfer(iter([request]), timeout=30)
+            for _ in range(count)
+        ]
+        errors = []
+        for stream in streams:
+            with pytest.raises(grpc.RpcError) as ended:
+                list(stream)
+            errors.append(ended.value)
+        deadline = time.monotonic() + 10  # what grpc lets go is trimmed within seconds
+        while (held := rss_bytes(server.process.pid) - before) > count * size * 0.25:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        print(f"+{held / MIB:.0f} MiB held after the streams ended; passed {proxy.passed_up}")
+        assert proxy.passed_up > count * size * 0.9  # every message stalled near its end
+        for error in errors:
+            assert error.code() is grpc.StatusCode.UNAVAILABLE, error
+            assert "open a new stream" in (error.details() or ""), error
+        assert held < count * size * 0.25  # 144 MiB held, for good, before
+        assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
+        proxy.close()
+        assert re.search(r"ended \d+ gRPC stream\(s\) waiting for their next", server.log())
+        code = answered_code(server, digits_call(None, bytes(size))[0])
+        assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
 
 
 def test_a_slow_message_is_read_whole_where_the_budget_holds_one_message(tmp_path: Path) -> None:
