@@ -802,9 +802,20 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
     clients liked. The server now looks at what its heap holds outside the budget while a
     stream waits, and past half the budget (16 MiB here) ends the streams that waited: each
     ends UNAVAILABLE saying so, the memory goes back, a small call is answered, and a 12 MiB
-    message is read whole again."""
+    message is read whole again. An idle stream is left be until then, and is ended with
+    them (nothing tells it from a stalled one)."""
     size, count = 12 * MIB, 12
     with one_worker_stalling(tmp_path, size) as (server, channels, proxy, before):
+        quiet = threading.Event()
+
+        def idle() -> Iterator[pb.ModelInferRequest]:
+            quiet.wait(60)  # a client that keeps its stream open and sends nothing
+            yield from ()
+
+        channels.append(grpc.insecure_channel(server.grpc_url, options=FRONT_OPTIONS))
+        waiting = pb_grpc.GRPCInferenceServiceStub(channels[-1]).ModelStreamInfer(idle())
+        time.sleep(2)  # eight looks at a heap that did not grow: the idle stream is left be
+        assert waiting.is_active()
         request = digits_call(None, bytes(size))[0]
         streams = [
             through(proxy, channels).ModelStreamInfer(iter([request]), timeout=30)
@@ -826,6 +837,8 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
             assert error.code() is grpc.StatusCode.UNAVAILABLE, error
             assert "open a new stream" in (error.details() or ""), error
         assert held < count * size * 0.25  # 144 MiB held, for good, before
+        assert waiting.code() is grpc.StatusCode.UNAVAILABLE  # waiting then, ended too
+        quiet.set()
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         proxy.close()
         assert re.search(r"ended \d+ gRPC stream\(s\) waiting for their next", server.log())
