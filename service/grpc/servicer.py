@@ -28,7 +28,7 @@ from service.errors import (
     ServerBusy,
     TensorgateError,
 )
-from service.grpc.arriving import ArrivingStreams, Watched
+from service.grpc.arriving import Arriving, Waiting, Watched
 from service.grpc.streaming import completion_order
 from service.inference import InferenceResult
 from service.limits.admission import BytesBudget
@@ -167,13 +167,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Whether a ModelInfer message still arriving holds TG_MAX_BODY_BYTES of the budget
         until it has (:meth:`_receive`): on a port of its own, where no front counts what
         clients send (``service.cluster.front``)."""
-        self.arriving = (
-            ArrivingStreams.where_available(budget, self.dataplane.repository.model_changes)
-            if unseen
-            else None
-        )
-        """There, a stream whose next message is still arriving is ended once the heap grows
-        past half the budget while it waits (:mod:`service.grpc.arriving`)."""
+        self.arriving = Arriving.where_available(budget, self.dataplane.repository.model_changes)
+        """Reads of messages still arriving, the newest ended when the heap outside the budget
+        grows past half of it while they wait (:mod:`service.grpc.arriving`)."""
         self.closing = asyncio.Event()
         """Set when the server stops: open streams stop reading and end."""
 
@@ -317,12 +313,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         limit_s = self.settings.body_timeout_s
         reading = asyncio.ensure_future(context.read())
         held = 0
+        waiting: Waiting | None = None
+        if self.arriving is not None:  # behind the front too: interleaved calls arrive together
+            waiting = self.arriving.counting(reading, stream=False, after_s=ARRIVING_S)
         try:
             if self.unseen and self.budget is not None:
                 await asyncio.wait((reading,), timeout=ARRIVING_S)
                 if not reading.done():
                     held = self._hold_arriving(self.budget)
             message = await asyncio.wait_for(reading, limit_s)
+        except asyncio.CancelledError:
+            if waiting is not None and waiting.ended is not None and reading.cancelled():
+                raise ServerBusy(waiting.ended) from None
+            raise
         except TimeoutError:
             raise MessageTimeout(
                 f"the request message did not arrive in full within {limit_s:g} s "
@@ -330,6 +333,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             ) from None
         finally:
             reading.cancel()  # refused or timed out: grpc lets the message go with the call
+            if waiting is not None and self.arriving is not None:
+                self.arriving.done(waiting)
             if held and self.budget is not None:
                 self.budget.release(held)  # the message, whole, is counted as its size next
         if not isinstance(message, codec.Unparsed):  # grpc.aio.EOF: the client sent none

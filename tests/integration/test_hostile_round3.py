@@ -4,6 +4,7 @@ that could end the process, and the protocol's small print, each against a real 
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import io
 import itertools
@@ -691,6 +692,50 @@ def test_grpc_messages_still_arriving_hold_the_budget_not_the_memory(tmp_path: P
         read_whole_again(server, calls, size)
 
 
+def test_calls_interleaved_on_the_connection_the_front_reads_on_end_once_they_hold_memory(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 2 behind the front: past a worker's bound the front reads on the connection
+    with its oldest message arriving, and a client's calls on one connection arrive together,
+    frame by frame: one connection of 48 calls of 12 MiB, stalled after 400 MiB, held +178 MiB
+    in workers of 32 MiB budgets until TG_BODY_TIMEOUT_S. Each worker now ends the newest of
+    its calls still arriving once its heap outside the budget has grown past half of it,
+    keeping the oldest (at least one, so that a message can always arrive whole): within
+    seconds all but a few calls are answered (read whole) or UNAVAILABLE, and the memory is
+    back; the few kept end when their client goes."""
+    size, count, stall = 12 * MIB, 48, 400 * MIB
+    with small_budget(tmp_path) as (server, channels):
+        before = workers_rss(server)
+        proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=stall))
+        try:
+            stub = through(proxy, channels)
+            request = digits_call(None, bytes(size))[0]
+            calls = [stub.ModelInfer.future(request) for _ in range(count)]
+            deadline = time.monotonic() + 20  # all held until TG_BODY_TIMEOUT_S before
+            while sum(not call.done() for call in calls) > 8 and time.monotonic() < deadline:
+                time.sleep(0.25)
+            kept = sum(not call.done() for call in calls)
+            deadline = time.monotonic() + 10  # what grpc lets go is trimmed within seconds
+            while (held := workers_rss(server) - before) > stall * 0.15:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+            errors = [call.exception() for call in calls if call.done()]
+        finally:
+            proxy.close()  # the client goes: the calls kept end
+        codes = collections.Counter(getattr(error, "code", lambda: None)() for error in errors)
+        print(f"{kept} kept; +{held / MIB:.0f} MiB; passed {proxy.passed_up >> 20} MiB; {codes}")
+        assert kept <= 8  # holding together less than half the budget (16 MiB)
+        assert set(codes) == {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
+        for error in errors:
+            assert isinstance(error, grpc.RpcError)
+            if error.code() is grpc.StatusCode.UNAVAILABLE:
+                assert "retry shortly" in (error.details() or ""), error
+        assert held < stall * 0.15
+        assert re.search(r"ended \d+ gRPC read\(s\) waiting for their messages", server.log())
+        assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
+
+
 def test_a_stream_message_stalled_past_the_body_timeout_lets_its_share_go(tmp_path: Path) -> None:
     """#28 finding 2: a ModelStreamInfer message has no time limit of its own (a stream may
     wait for its next request as long as it likes), so streams stalled short of their
@@ -800,10 +845,10 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
     its next request cannot tell an idle stream from one whose message is on its way, and 12
     streams stalled short of the end of a 12 MiB message held +141 MiB for as long as their
     clients liked. The server now looks at what its heap holds outside the budget while a
-    stream waits, and past half the budget (16 MiB here) ends the streams that waited: each
+    stream waits, and past half the budget (16 MiB here) ends the newest reads that waited: each
     ends UNAVAILABLE saying so, the memory goes back, a small call is answered, and a 12 MiB
-    message is read whole again. An idle stream is left be until then, and is ended with
-    them (nothing tells it from a stalled one)."""
+    message is read whole again. An idle stream opened before them is left be: the oldest
+    reads waiting are kept (nothing tells an idle stream from a stalled one)."""
     size, count = 12 * MIB, 12
     with one_worker_stalling(tmp_path, size) as (server, channels, proxy, before):
         quiet = threading.Event()
@@ -837,11 +882,12 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
             assert error.code() is grpc.StatusCode.UNAVAILABLE, error
             assert "open a new stream" in (error.details() or ""), error
         assert held < count * size * 0.25  # 144 MiB held, for good, before
-        assert waiting.code() is grpc.StatusCode.UNAVAILABLE  # waiting then, ended too
+        assert waiting.is_active()  # the oldest read waiting is kept
         quiet.set()
+        assert waiting.code() is grpc.StatusCode.OK
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         proxy.close()
-        assert re.search(r"ended \d+ gRPC stream\(s\) waiting for their next", server.log())
+        assert re.search(r"ended \d+ gRPC read\(s\) waiting for their messages", server.log())
         code = answered_code(server, digits_call(None, bytes(size))[0])
         assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
 

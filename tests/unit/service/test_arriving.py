@@ -1,5 +1,6 @@
-"""Stream reads ended when the heap grows outside the budget while they wait
-(:mod:`service.grpc.arriving`), driven look by look with a heap count the test sets."""
+"""Reads of gRPC messages still arriving, the newest ended when the heap grows outside the
+budget while they wait (:mod:`service.grpc.arriving`), driven look by look with a heap count the
+test sets."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from service.grpc import arriving
-from service.grpc.arriving import ArrivingStreams
+from service.grpc.arriving import Arriving, Waiting
 from service.grpc.streaming import completion_order
 from service.limits.admission import BytesBudget
 from service.limits.memory import malloc_in_use_bytes
@@ -29,6 +30,143 @@ class Heap:
         return self.in_use
 
 
+@pytest.fixture(autouse=True)
+def no_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arriving, "WAITED_S", 0.0)
+    monkeypatch.setattr(arriving, "LOOK_EVERY_S", 3600.0)  # looks only where a test asks
+
+
+async def calls(watch: Arriving, count: int) -> list[tuple[asyncio.Future[None], Waiting]]:
+    """``count`` ModelInfer reads waiting, oldest first, each begun after a look."""
+    waiting = []
+    for _ in range(count):
+        await watch.look()
+        read: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting.append((read, watch.counting(read, stream=False)))
+    return waiting
+
+
+async def looks(watch: Arriving, count: int) -> None:
+    for _ in range(count):
+        await watch.look()
+
+
+def test_the_newest_reads_are_ended_in_proportion_to_what_the_heap_grew_by() -> None:
+    """Ten calls waiting while 64 MiB arrive outside a 32 MiB budget (half of it: 16 MiB): the
+    eight newest are ended after two looks (one look: perhaps a request's outputs being
+    encoded), the two oldest kept."""
+
+    async def run() -> None:
+        heap = Heap()
+        watch = Arriving(BytesBudget(32 * MIB), heap)
+        reads = await calls(watch, 10)
+        heap.in_use += 64 * MIB
+        await watch.look()
+        assert not any(read.cancelled() for read, _ in reads)
+        await watch.look()
+        assert [read.cancelled() for read, _ in reads] == [False] * 2 + [True] * 8
+        for _, waiting in reads[2:]:
+            assert waiting.ended is not None
+            assert "64 MiB" in waiting.ended and "retry shortly" in waiting.ended
+        for _, waiting in reads:
+            watch.done(waiting)
+        await watch.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("grown_mib", "held_mib", "looks_grown"),
+    [(15, 0, 3), (40, 40, 3), (40, 0, 1)],
+    ids=["below half the budget", "held in the budget", "one look only"],
+)
+def test_no_read_is_ended_where_the_heap_outside_the_budget_did_not_stay_grown(
+    grown_mib: int, held_mib: int, looks_grown: int
+) -> None:
+    async def run() -> None:
+        heap, budget = Heap(), BytesBudget(64 * MIB)
+        watch = Arriving(budget, heap, threshold=16 * MIB)
+        reads = await calls(watch, 4)
+        heap.in_use += grown_mib * MIB
+        budget.take(held_mib * MIB)
+        await looks(watch, looks_grown)
+        heap.in_use -= grown_mib * MIB
+        await looks(watch, 2)
+        assert not any(read.cancelled() for read, _ in reads)
+        await watch.stop()
+
+    asyncio.run(run())
+
+
+def test_one_read_is_always_kept() -> None:
+    """However far the heap grew, the oldest read is kept: one message can always arrive."""
+
+    async def run() -> None:
+        heap = Heap()
+        watch = Arriving(BytesBudget(32 * MIB), heap)
+        [(read, _)] = await calls(watch, 1)
+        heap.in_use += 1000 * MIB
+        await looks(watch, 4)
+        assert not read.cancelled()
+        await watch.stop()
+
+    asyncio.run(run())
+
+
+def test_a_read_that_has_not_waited_long_is_not_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arriving, "WAITED_S", 3600.0)
+
+    async def run() -> None:
+        heap = Heap()
+        watch = Arriving(BytesBudget(32 * MIB), heap)
+        reads = await calls(watch, 4)
+        heap.in_use += 100 * MIB
+        await looks(watch, 3)
+        assert not any(read.cancelled() for read, _ in reads)
+        await watch.stop()
+
+    asyncio.run(run())
+
+
+def test_a_call_whose_message_is_whole_at_once_is_never_counted() -> None:
+    async def run() -> None:
+        watch = Arriving(BytesBudget(32 * MIB), Heap())
+        loop = asyncio.get_running_loop()
+        whole, arriving_ = loop.create_future(), loop.create_future()
+        counted = [watch.counting(read, stream=False, after_s=0.01) for read in (whole, arriving_)]
+        whole.set_result(None)
+        await asyncio.sleep(0.05)
+        assert watch.reads == {counted[1]}
+        for waiting in counted:
+            watch.done(waiting)
+        assert not watch.reads
+        await watch.stop()
+
+    asyncio.run(run())
+
+
+def test_what_a_model_load_holds_is_no_messages() -> None:
+    """A model loaded (or loading) while reads wait grows the heap by the model: they begin
+    again from the look after it, and what grows after that still ends the newest."""
+
+    async def run() -> None:
+        heap, state = Heap(), [0, False]
+        watch = Arriving(BytesBudget(32 * MIB), heap, lambda: (state[0], state[1]))
+        reads = await calls(watch, 2)
+        state[:] = [1, True]  # a load begins
+        heap.in_use += 200 * MIB
+        await looks(watch, 3)
+        state[:] = [2, False]  # and ends
+        await looks(watch, 3)
+        assert not any(read.cancelled() for read, _ in reads)
+        heap.in_use += 40 * MIB  # then messages stall
+        await looks(watch, 2)
+        assert [read.cancelled() for read, _ in reads] == [False, True]
+        await watch.stop()
+
+    asyncio.run(run())
+
+
 async def one_then_wait(forever: asyncio.Event) -> AsyncIterator[int]:
     """A client that sends one request, then nothing (idle, or its next message stalled)."""
     yield 1
@@ -39,124 +177,26 @@ async def answer(n: int) -> str:
     return f"answer {n}"
 
 
-def streams_of(heap: Heap, budget: BytesBudget) -> ArrivingStreams:
-    return ArrivingStreams(budget, heap)  # threshold: half the budget, 16 MiB
-
-
-@pytest.fixture(autouse=True)
-def no_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arriving, "WAITED_S", 0.0)
-    monkeypatch.setattr(arriving, "LOOK_EVERY_S", 3600.0)  # looks only where a test asks
-
-
-async def waiting_stream(
-    streams: ArrivingStreams, forever: asyncio.Event
-) -> tuple[arriving.Watched[int], AsyncIterator[str], str]:
-    watched = await streams.watch(one_then_wait(forever))
-    answers = completion_order(watched, answer, limit=4)
-    first = await anext(answers)
-    while not streams.reads:  # its next read has begun
-        await asyncio.sleep(0)
-    return watched, answers, first
-
-
-def test_a_read_the_heap_grew_past_half_the_budget_for_is_ended_after_its_answers() -> None:
+def test_an_ended_stream_answers_what_it_read_then_ends_saying_why() -> None:
     async def run() -> None:
-        heap, budget = Heap(), BytesBudget(32 * MIB)
-        streams, forever = streams_of(heap, budget), asyncio.Event()
-        watched, answers, first = await waiting_stream(streams, forever)
-        assert first == "answer 1"
-        heap.in_use += 17 * MIB  # a stalled message, outside the budget
-        await streams.look()
-        assert watched.ended is None  # one look: perhaps a request's outputs being encoded
-        await streams.look()
-        assert watched.ended is not None and "open a new stream" in watched.ended
-        assert "17 MiB" in watched.ended
-        with pytest.raises(StopAsyncIteration):
-            await anext(answers)  # the requests read are answered, then the stream ends
-        assert not streams.reads
-        watched.close()
-        assert streams.streams == 0
-        await streams.stop()
-
-    asyncio.run(run())
-
-
-@pytest.mark.parametrize(
-    ("grown_mib", "held_mib", "looks"),
-    [(15, 0, 3), (17, 17, 3), (40, 0, 1)],
-    ids=["below half the budget", "held in the budget", "one look only"],
-)
-def test_a_read_is_not_ended_where_the_heap_outside_the_budget_did_not_stay_grown(
-    grown_mib: int, held_mib: int, looks: int
-) -> None:
-    async def run() -> None:
-        heap, budget = Heap(), BytesBudget(32 * MIB)
-        streams, forever = streams_of(heap, budget), asyncio.Event()
-        watched, answers, _ = await waiting_stream(streams, forever)
-        heap.in_use += grown_mib * MIB
-        budget.take(held_mib * MIB)
-        for _ in range(looks):
-            await streams.look()
-        heap.in_use -= grown_mib * MIB
-        await streams.look()
-        assert watched.ended is None
-        assert streams.reads  # still waiting
-        forever.set()  # the client half-closes: the stream ends as streams end
-        with pytest.raises(StopAsyncIteration):
-            await anext(answers)
-        watched.close()
-        await streams.stop()
-
-    asyncio.run(run())
-
-
-def test_what_a_model_load_holds_is_no_streams() -> None:
-    """A model loaded (or loading) while a stream waits grows the heap by the model: the read
-    begins again from the look after it, and what grows after that still ends it."""
-
-    async def run() -> None:
-        heap, budget = Heap(), BytesBudget(32 * MIB)
-        state = [0, False]
-        streams = ArrivingStreams(budget, heap, lambda: (state[0], state[1]))
+        heap = Heap()
+        watch = Arriving(BytesBudget(32 * MIB), heap)
+        [(older, _)] = await calls(watch, 1)  # kept: the oldest
         forever = asyncio.Event()
-        watched, answers, _ = await waiting_stream(streams, forever)
-        state[:] = [1, True]  # a load begins
-        heap.in_use += 200 * MIB
-        for _ in range(3):
-            await streams.look()
-        state[:] = [2, False]  # and ends
-        for _ in range(3):
-            await streams.look()
-        assert watched.ended is None
-        heap.in_use += 17 * MIB  # then a message stalls
-        for _ in range(2):
-            await streams.look()
-        assert watched.ended is not None
+        watched = await watch.watch(one_then_wait(forever))
+        answers = completion_order(watched, answer, limit=4)
+        assert await anext(answers) == "answer 1"
+        while len(watch.reads) < 2:  # its next read has begun
+            await asyncio.sleep(0)
+        heap.in_use += 40 * MIB
+        await looks(watch, 2)
+        assert not older.cancelled()
         with pytest.raises(StopAsyncIteration):
             await anext(answers)
+        assert watched.ended is not None and "open a new stream" in watched.ended
         watched.close()
-        await streams.stop()
-
-    asyncio.run(run())
-
-
-def test_a_read_that_has_not_waited_long_is_not_ended(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arriving, "WAITED_S", 3600.0)
-
-    async def run() -> None:
-        heap, budget = Heap(), BytesBudget(32 * MIB)
-        streams, forever = streams_of(heap, budget), asyncio.Event()
-        watched, answers, _ = await waiting_stream(streams, forever)
-        heap.in_use += 100 * MIB
-        for _ in range(3):
-            await streams.look()
-        assert watched.ended is None
-        forever.set()
-        with pytest.raises(StopAsyncIteration):
-            await anext(answers)
-        watched.close()
-        await streams.stop()
+        assert watch.streams == 0
+        await watch.stop()
 
     asyncio.run(run())
 
