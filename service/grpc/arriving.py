@@ -27,7 +27,10 @@ one message can always arrive whole, as the front's rule has it). An ended Model
 UNAVAILABLE; an ended stream answers the requests it has read, then ends UNAVAILABLE
 (``reason="body_budget"``); grpc lets their messages go. An idle stream waiting then is counted
 as any other read (nothing tells it from a stalled one), so it is kept only if it is among the
-oldest. Without glibc (musl) nothing is looked at.
+oldest. What the reads kept hold may not stay: once every look for ``TG_BODY_TIMEOUT_S`` has
+found the heap grown past a quarter of the budget, the reads waiting all that time are ended
+too (as a ModelInfer message not whole by then; a stream's next message has no limit of its
+own). Without glibc (musl) nothing is looked at.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class Arriving:
         in_use: Callable[[], int],
         model_changes: Callable[[], tuple[int, bool]] = lambda: (0, False),
         threshold: int | None = None,
+        timeout_s: float = 60.0,
     ) -> None:
         self.budget = budget
         self.in_use = in_use
@@ -93,6 +97,9 @@ class Arriving:
         model holds is no message's, so reads begin from the next look after one."""
         self._changes = model_changes()
         self.threshold = budget.limit // 2 if threshold is None else threshold
+        self.timeout_s = timeout_s
+        """TG_BODY_TIMEOUT_S: the reads kept are ended too once the heap has stayed grown past
+        half the threshold this long."""
         self.streams = 0
         """Streams open: the heap is looked at while there is one, or a read waits."""
         self.reads: set[Waiting] = set()
@@ -100,16 +107,21 @@ class Arriving:
         """The latest look: the heap in use less the budget's held bytes."""
         self._looks = 0
         """Looks in a row that found the heap grown past the threshold."""
+        self._grown_since: float | None = None
+        """Since when every look found it grown past half the threshold."""
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
     def where_available(
-        cls, budget: BytesBudget | None, model_changes: Callable[[], tuple[int, bool]]
+        cls,
+        budget: BytesBudget | None,
+        model_changes: Callable[[], tuple[int, bool]],
+        timeout_s: float,
     ) -> Arriving | None:
         in_use = malloc_in_use_bytes()
         if budget is None or in_use is None:
             return None
-        return cls(budget, in_use, model_changes)
+        return cls(budget, in_use, model_changes, timeout_s=timeout_s)
 
     async def watch(self, requests: AsyncIterator[Request]) -> Watched[Request]:
         """``requests``, a stream's, each read counted waiting, until :meth:`Watched.close`."""
@@ -167,16 +179,28 @@ class Arriving:
                 late.append(waiting)
         grown = now - min((waiting.since or now for waiting in late), default=now)
         self._looks = self._looks + 1 if grown > self.threshold else 0
+        if grown <= self.threshold // 2:
+            self._grown_since = None
+        elif self._grown_since is None:
+            self._grown_since = clock
+        late.sort(key=lambda waiting: waiting.began)
         if self._looks >= LOOKS:
             self._looks = 0  # what is let go takes a moment to leave the heap
-            self._end_newest(late, grown, clock)
+            keep = max(1, len(late) * self.threshold // grown)
+            why = f"past half of TG_MAX_INFLIGHT_BYTES, {self.threshold / MIB:.0f} MiB"
+            self._end(late[keep:], grown, clock, why, keep)
+        elif self._grown_since is not None and clock - self._grown_since >= self.timeout_s:
+            # what the reads kept hold has stayed: let it go, as a ModelInfer's at its timeout
+            waited = [waiting for waiting in late if waiting.began <= self._grown_since]
+            why = (
+                "past a quarter of TG_MAX_INFLIGHT_BYTES for TG_BODY_TIMEOUT_S, "
+                f"{self.timeout_s:g} s"
+            )
+            self._end(waited, grown, clock, why, len(late) - len(waited))
+            self._grown_since = None
 
-    def _end_newest(self, late: list[Waiting], grown: int, clock: float) -> None:
-        """End the newest of ``late``, keeping the oldest in the proportion the threshold
-        bears to what grew (at least one)."""
-        late.sort(key=lambda waiting: waiting.began)
-        keep = max(1, len(late) * self.threshold // grown)
-        ended = late[keep:]
+    def _end(self, ended: list[Waiting], grown: int, clock: float, why: str, kept: int) -> None:
+        """End the reads of ``ended``, their clients told ``why``."""
         for waiting in ended:
             what = (
                 "this stream waited {waited:.1f} s for its next request"
@@ -185,8 +209,7 @@ class Arriving:
             ).format(waited=clock - waiting.began)
             waiting.ended = (
                 f"{what} while the server's memory outside its budget grew by "
-                f"{grown / MIB:.0f} MiB (messages still arriving; past half of "
-                f"TG_MAX_INFLIGHT_BYTES, {self.threshold / MIB:.0f} MiB): "
+                f"{grown / MIB:.0f} MiB (messages still arriving; {why}): "
                 + ("open a new stream" if waiting.stream else "retry shortly")
             )
             waiting.read.cancel()
@@ -194,12 +217,12 @@ class Arriving:
             REFUSED["body_budget"] += len(ended)
             log.warning(
                 "ended %d gRPC read(s) waiting for their messages (%d of them streams'), and "
-                "kept the %d oldest: the heap grew by %.0f MiB outside the budget while they "
-                "waited",
+                "kept %d: the heap grew by %.0f MiB outside the budget while they waited (%s)",
                 len(ended),
                 sum(waiting.stream for waiting in ended),
-                keep,
+                kept,
                 grown / MIB,
+                why,
             )
 
     async def _look_while_waited_on(self) -> None:

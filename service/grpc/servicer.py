@@ -167,7 +167,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Whether a ModelInfer message still arriving holds TG_MAX_BODY_BYTES of the budget
         until it has (:meth:`_receive`): on a port of its own, where no front counts what
         clients send (``service.cluster.front``)."""
-        self.arriving = Arriving.where_available(budget, self.dataplane.repository.model_changes)
+        self.arriving = Arriving.where_available(
+            budget, self.dataplane.repository.model_changes, self.settings.body_timeout_s
+        )
         """Reads of messages still arriving, the newest ended when the heap outside the budget
         grows past half of it while they wait (:mod:`service.grpc.arriving`)."""
         self.closing = asyncio.Event()

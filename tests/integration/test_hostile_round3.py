@@ -796,12 +796,12 @@ def test_large_calls_together_past_the_fronts_bound_are_all_read_whole(tmp_path:
 
 @contextlib.contextmanager
 def one_worker_stalling(
-    tmp_path: Path, size: int
+    tmp_path: Path, size: int, **env: str
 ) -> Iterator[tuple[Server, list[grpc.Channel], FaultyProxy, int]]:
     """One worker on its own gRPC port (no front), a small call answered; a proxy to it that
     stalls each connection ``size`` bytes in (closed after, if the test has not); the worker's
     RSS before."""
-    with small_budget(tmp_path, workers=1) as (server, channels):
+    with small_budget(tmp_path, workers=1, **env) as (server, channels):
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         before = rss_bytes(server.process.pid)
         proxy = FaultyProxy(server.grpc_port, lambda _: Faults(stall_up_after=size))
@@ -809,6 +809,23 @@ def one_worker_stalling(
             yield server, channels, proxy, before
         finally:
             proxy.close()  # the stalled clients go (their connections reset)
+
+
+def ended_streams(
+    proxy: FaultyProxy, channels: list[grpc.Channel], size: int, count: int
+) -> list[grpc.RpcError]:
+    """How ``count`` streams through ``proxy``, each of one ``size`` message, ended (each must
+    end in an error within the clients' 30 s)."""
+    request = digits_call(None, bytes(size))[0]
+    streams = [
+        through(proxy, channels).ModelStreamInfer(iter([request]), timeout=30) for _ in range(count)
+    ]
+    errors = []
+    for stream in streams:
+        with pytest.raises(grpc.RpcError) as ended:
+            list(stream)
+        errors.append(ended.value)
+    return errors
 
 
 def test_grpc_messages_still_arriving_at_one_workers_own_port_hold_the_most_a_message_may_be(
@@ -861,16 +878,7 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
         waiting = pb_grpc.GRPCInferenceServiceStub(channels[-1]).ModelStreamInfer(idle())
         time.sleep(2)  # eight looks at a heap that did not grow: the idle stream is left be
         assert waiting.is_active()
-        request = digits_call(None, bytes(size))[0]
-        streams = [
-            through(proxy, channels).ModelStreamInfer(iter([request]), timeout=30)
-            for _ in range(count)
-        ]
-        errors = []
-        for stream in streams:
-            with pytest.raises(grpc.RpcError) as ended:
-                list(stream)
-            errors.append(ended.value)
+        errors = ended_streams(proxy, channels, size, count)
         deadline = time.monotonic() + 10  # what grpc lets go is trimmed within seconds
         while (held := rss_bytes(server.process.pid) - before) > count * size * 0.25:
             if time.monotonic() > deadline:
@@ -890,6 +898,23 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
         assert re.search(r"ended \d+ gRPC read\(s\) waiting for their messages", server.log())
         code = answered_code(server, digits_call(None, bytes(size))[0])
         assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
+
+
+def test_the_stream_kept_is_ended_once_the_heap_stays_grown_for_the_body_timeout(
+    tmp_path: Path,
+) -> None:
+    """The rule above keeps the oldest read (a message must be able to arrive whole), and a
+    stream's next message has no time limit of its own: the one stalled stream kept would hold
+    its 12 MiB for as long as its client liked. Once the heap has stayed grown past a quarter
+    of the budget for TG_BODY_TIMEOUT_S (3 s here), the reads waiting all that time are ended
+    too: every one of the 12 streams ends UNAVAILABLE."""
+    size, count = 12 * MIB, 12
+    with one_worker_stalling(tmp_path, size, TG_BODY_TIMEOUT_S="3") as (_, channels, proxy, _):
+        details = []
+        for error in ended_streams(proxy, channels, size, count):
+            assert error.code() is grpc.StatusCode.UNAVAILABLE, error
+            details.append(error.details() or "")
+        assert sum("TG_BODY_TIMEOUT_S, 3 s" in detail for detail in details) >= 1, details
 
 
 def test_a_slow_message_is_read_whole_where_the_budget_holds_one_message(tmp_path: Path) -> None:

@@ -113,6 +113,27 @@ def test_one_read_is_always_kept() -> None:
     asyncio.run(run())
 
 
+def test_the_reads_kept_are_ended_once_the_heap_stays_grown_for_the_body_timeout() -> None:
+    """The oldest read is kept however far the heap grew, but what it holds may not stay: once
+    every look for TG_BODY_TIMEOUT_S found the heap outside the budget grown past a quarter
+    of the budget, the reads waiting all that time are ended; one begun since is not."""
+
+    async def run() -> None:
+        heap = Heap()
+        watch = Arriving(BytesBudget(32 * MIB), heap, timeout_s=0.05)
+        [(kept, waiting)] = await calls(watch, 1)
+        heap.in_use += 12 * MIB  # under half the budget, over a quarter
+        await looks(watch, 2)
+        [(newer, _)] = await calls(watch, 1)
+        await asyncio.sleep(0.06)
+        await watch.look()
+        assert kept.cancelled() and not newer.cancelled()
+        assert waiting.ended is not None and "TG_BODY_TIMEOUT_S, 0.05 s" in waiting.ended
+        await watch.stop()
+
+    asyncio.run(run())
+
+
 def test_a_read_that_has_not_waited_long_is_not_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arriving, "WAITED_S", 3600.0)
 
