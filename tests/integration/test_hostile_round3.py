@@ -13,7 +13,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -722,15 +722,13 @@ def test_calls_interleaved_on_the_connection_the_front_reads_on_end_once_they_ho
             while sum(not call.done() for call in calls) > 8 and time.monotonic() < deadline:
                 time.sleep(0.25)
             kept = sum(not call.done() for call in calls)
-            deadline = time.monotonic() + 10  # what grpc lets go is trimmed within seconds
-            while (held := workers_rss(server) - before) > stall * 0.15:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.25)
+            held = held_once_settled(lambda: workers_rss(server) - before, stall * 0.15)
             errors = [call.exception() for call in calls if call.done()]
         finally:
             proxy.close()  # the client goes: the calls kept end
-        codes = collections.Counter(getattr(error, "code", lambda: None)() for error in errors)
+        for error in errors:
+            assert isinstance(error, grpc.RpcError)
+        codes = collections.Counter(error.code() for error in errors)
         print(f"{kept} kept; +{held / MIB:.0f} MiB; passed {proxy.passed_up >> 20} MiB; {codes}")
         assert kept <= 8  # holding together less than half the budget (16 MiB)
         assert set(codes) == {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
@@ -818,6 +816,15 @@ def one_worker_stalling(
             proxy.close()  # the stalled clients go (their connections reset)
 
 
+def held_once_settled(held: Callable[[], int], bound: float) -> int:
+    """What ``held`` says once it is within ``bound``, or after 10 s (what grpc lets go is
+    trimmed within seconds), polled."""
+    deadline = time.monotonic() + 10
+    while (now := held()) > bound and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return now
+
+
 def ended_streams(
     proxy: FaultyProxy, channels: list[grpc.Channel], size: int, count: int
 ) -> list[grpc.RpcError]:
@@ -886,11 +893,9 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
         time.sleep(2)  # eight looks at a heap that did not grow: the idle stream is left be
         assert waiting.is_active()
         errors = ended_streams(proxy, channels, size, count)
-        deadline = time.monotonic() + 10  # what grpc lets go is trimmed within seconds
-        while (held := rss_bytes(server.process.pid) - before) > count * size * 0.25:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+        held = held_once_settled(
+            lambda: rss_bytes(server.process.pid) - before, count * size * 0.25
+        )
         print(f"+{held / MIB:.0f} MiB held after the streams ended; passed {proxy.passed_up}")
         assert proxy.passed_up > count * size * 0.9  # every message stalled near its end
         for error in errors:
