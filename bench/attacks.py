@@ -9,7 +9,9 @@ and its workers, gRPC through the supervisor's front), serving digits, efficient
 identity model with a dynamic dim. For each attack in turn: the server's RSS before (every
 process of it), its peak during (each process's VmHWM, reset before each attack through
 /proc/PID/clear_refs, added up), its RSS two seconds after, and a normal client's latency
-throughout (a digits request over REST every 50 ms: median, max, and how many failed). Each
+throughout (a digits request over REST every 50 ms: median, max, and how many failed), and
+what became of 8 idle gRPC streams opened before it (each asked a request after: an idle
+stream's read looks like a stalled one to the heap rule of ``service.grpc.arriving``). Each
 attack is held ``--hold`` seconds where it holds anything; ``--repeat`` runs each attack that many
 times in a row on the same server, a row each (the normal client's worst varies from run to run
 more than between revisions: one run tells little). ``--client-nice N`` runs the threads of
@@ -30,6 +32,7 @@ import io
 import json
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import tempfile
@@ -116,6 +119,51 @@ class Probe:
         self._stop.set()
         self.latencies, self.failed = self._out.get(timeout=60)
         self._process.join(30)
+
+
+class IdleStreams:
+    """Bystanders: 8 ModelStreamInfer streams opened before an attack, one digits request
+    answered on each, idle throughout, each asked one more after. An idle stream's read looks
+    like a stalled one (``service.grpc.arriving``), and only the oldest reads are kept when the
+    heap grows: this says whether an attack's memory ends streams that sent nothing."""
+
+    COUNT = 8
+
+    def __init__(self, server: Server) -> None:
+        self._channel = channel(server)
+        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._requests: list[queue.Queue[pb.ModelInferRequest | None]] = []
+        self._answers = []
+        for _ in range(self.COUNT):
+            requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+            self._requests.append(requests)
+            self._answers.append(stub.ModelStreamInfer(iter(requests.get, None), timeout=900))
+        self._request = pb.ModelInferRequest(
+            model_name="digits",
+            inputs=[{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8]}],
+            raw_input_contents=[bytes(4 * 64)],
+        )
+
+    def ask(self) -> str:
+        """One request on each stream: how many were answered ("open"), and what ended the
+        others."""
+        results: list[object] = []
+        for requests, answers in zip(self._requests, self._answers, strict=True):
+            requests.put(self._request)
+            try:
+                answer = next(answers)
+                results.append(f"error {answer.error_message}" if answer.error_message else "open")
+            except grpc.RpcError as exc:
+                results.append(exc)
+            except StopIteration:
+                results.append("ended")
+        return outcome(results)
+
+    def close(self) -> None:
+        for requests, answers in zip(self._requests, self._answers, strict=True):
+            requests.put(None)
+            answers.cancel()
+        self._channel.close()
 
 
 def concurrently(count: int, work: Callable[[int], object]) -> list[object]:
@@ -368,9 +416,14 @@ def main() -> None:
                 before = sum(status(p, "VmRSS") for p in pids)
                 for p in pids:
                     Path(f"/proc/{p}/clear_refs").write_text("5")  # VmHWM := VmRSS
+                bystander = IdleStreams(server)
+                if (first := bystander.ask()) != f"{IdleStreams.COUNT} × open":
+                    raise RuntimeError(f"the idle streams' first requests: {first}")
                 with Probe(server.url) as probe:
                     what = attack(server, args.hold)
                 time.sleep(2)
+                stream = bystander.ask()
+                bystander.close()
                 after = sum(status(p, "VmRSS") for p in pids)
                 peak = sum(status(p, "VmHWM") for p in pids)
                 lat = sorted(probe.latencies)
@@ -387,6 +440,7 @@ def main() -> None:
                         if lat
                         else "-",
                         f"{probe.failed} of {len(lat)}",
+                        stream,
                     ]
                 )
                 print(" | ".join(rows[-1]), flush=True)
@@ -405,7 +459,8 @@ def main() -> None:
             + ". Peak: VmHWM of each process, added up, "
             f"reset before each attack; held {args.hold:g} s where the attack holds anything; "
             "after: 2 s after it ended. Normal client: a digits request over REST every 50 ms "
-            "throughout. Numbers in parentheses: the finding of #28.",
+            "throughout. Idle gRPC streams: 8 on one connection, opened before the attack, a "
+            "request answered on each, asked another 2 s after (open: answered). Numbers in parentheses: the finding of #28.",
             table(
                 rows,
                 [
@@ -418,6 +473,7 @@ def main() -> None:
                     "RSS after MiB",
                     "normal client median / max ms",
                     "normal client failed",
+                    "8 idle gRPC streams opened before",
                 ],
             ),
         ]

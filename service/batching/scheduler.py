@@ -32,7 +32,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -304,12 +304,14 @@ class Instance:
 
 
 class BatchBudget(Protocol):
-    """Where a batch's concatenated inputs are held
+    """Where a batch's concatenated inputs and its outputs are held
     (:class:`service.limits.admission.BytesBudget`)."""
 
     def try_take(self, size: int) -> bool: ...
 
     def release(self, size: int) -> None: ...
+
+    def hold_while_alive(self, arrays: Iterable[np.ndarray]) -> None: ...
 
 
 @dataclass(eq=False)
@@ -338,7 +340,8 @@ class Scheduler:
     """The server's budget: a batch of several requests holds its concatenation there while
     it runs; when that does not fit, its requests run one at a time, uncopied (#28 finding
     15: 7 same-shape requests of 61 MiB to a model with dynamic dims made a 427 MiB batch
-    beside their bodies, counted nowhere)."""
+    beside their bodies, counted nowhere). A batch's outputs are held there for as long as
+    they live."""
     queue: deque[Pending] = field(default_factory=deque)
     instances: list[Instance] = field(default_factory=list)
     _arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -585,6 +588,8 @@ class Scheduler:
             else:
                 ran = await asyncio.get_running_loop().run_in_executor(instance.executor, work)
             outputs, started, infer_ns, prepared_ns, begun, thread_ns = ran
+            if self.budget is not None:
+                self.budget.hold_while_alive(outputs.values())
             if shape is not None:
                 self._run_times.record(shape, infer_ns, thread_ns, config.inline_run_ns)
             if padded:

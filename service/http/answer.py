@@ -122,6 +122,11 @@ async def answer_inference(
     if answer is None:
         answer = Answer(CLIENT_GONE, b"")
     elif answer.status == 200:
+        # An answer made is held until it is sent (or compressed, one at a time when large):
+        # counted, as the body was (16 identity answers of 61 MiB waiting their turn to be
+        # compressed held as much again as the bodies the budget admitted).
+        budget = dataplane.budget
+        held = 0 if budget is None else budget.hold_for_request(len(answer.body))
         wanted = compression.choose(headers.get("accept-encoding", ""))
         if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
             packed = await dataplane.offload(
@@ -132,6 +137,8 @@ async def answer_inference(
                 encoded["content-encoding"] = wanted
             body = answer.body if packed is None else packed
             answer = Answer(answer.status, body, {**answer.headers, **encoded})
+            if budget is not None:
+                budget.hold_for_request(len(body), held)
     if trace is not None:
         trace.end(
             answer.status >= 500,

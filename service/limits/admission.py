@@ -13,14 +13,19 @@ is inflated further. Bytes stay counted until the request's answer has been sent
 decoding and inference hold them until then. gRPC inference requests hold their message's size
 in the same budget while they are answered (:mod:`service.grpc.servicer`): gRPC has received the
 message by then, so past the budget it is answered UNAVAILABLE at once and let go, instead of
-held through decoding and the queue.
+held through decoding and the queue. What the server makes for requests counts too, as made:
+a batch's outputs while they live, a REST answer until it is sent
+(:meth:`BytesBudget.hold_while_alive`, :meth:`BytesBudget.hold_for_request`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
 
+import numpy as np
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -31,6 +36,12 @@ from service.telemetry.logs import REQUEST_ID
 RESERVE = "tensorgate.reserve"
 """The ASGI scope key of a request's ``reserve(size)``: hold ``size`` more bytes for this request
 (its body inflating), or raise :class:`ServerBusy`. Callable from any thread."""
+
+
+HELD_MADE_BYTES = 64 << 10
+"""What the server made for requests, a batch's outputs (:meth:`BytesBudget.hold_while_alive`)
+or an answer (:meth:`BytesBudget.hold_for_request`), is counted from this size; smaller ones
+are not worth the bookkeeping."""
 
 
 def error_body(message: str) -> bytes:
@@ -45,19 +56,65 @@ def reserve_of(scope: Scope) -> Callable[[int], None] | None:
 
 
 class BytesBudget:
-    """The bytes of request bodies (and gRPC messages) this server holds, under ``limit``.
-    Made with the app and handed to what takes from it: :class:`BodyBudget` for REST, the
-    gRPC servicer for its messages."""
+    """The bytes of request bodies (and gRPC messages) this server holds, under ``limit``,
+    and what it made for them and still holds (a batch's outputs, answers not yet sent). Made
+    with the app and handed to what takes from it: :class:`BodyBudget` for REST, the gRPC
+    servicer for its messages, the schedulers for their batches.
+
+    What was made cannot be refused (the work is done); it makes the next large request wait
+    its turn. A small request (holding at most :attr:`small` bytes) is judged by the bodies
+    held alone: refusing it would spare next to nothing, and a normal client must go on being
+    answered while an attack's answers are made (a REST request of 14 KB was refused 503 when
+    16 identity answers of 61 MiB were counted against it)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.held = 0
-        """Bytes of the requests being handled now (declared or read so far, and what
-        compressed ones have inflated to)."""
+        self.small = max(HELD_MADE_BYTES, limit >> 8)
+        """A request holding at most this many bytes is judged by the bodies held alone."""
+        self._held = 0
+        self._made = 0
+        """Of ``_held``, what was made for requests (:meth:`hold_while_alive`,
+        :meth:`hold_for_request`)."""
         self.high = 0
         """The most held since :class:`service.limits.memory.Trimmer` last looked."""
         self._lock = threading.Lock()  # bodies inflate on the thread pool
+        self._let_go: deque[int] = deque()
+        """Sizes of arrays counted by :meth:`hold_while_alive` that have since been freed: a
+        finalizer appends (it may run in any thread, in a garbage collection that began with
+        the lock held), the next holder of the lock takes them off."""
         register_budget(self)
+
+    @property
+    def held(self) -> int:
+        """Bytes held now: the requests' (read so far, what compressed ones inflated to, ...)
+        and what was made for them."""
+        if self._let_go:
+            with self._lock:
+                self._settle()
+        return self._held
+
+    @property
+    def made(self) -> int:
+        """Of :attr:`held`, what was made for requests."""
+        if self._let_go:
+            with self._lock:
+                self._settle()
+        return self._made
+
+    def _settle(self) -> None:
+        """Take off what was let go (the lock held)."""
+        let_go = self._let_go
+        while let_go:
+            size = let_go.popleft()
+            self._held -= size
+            self._made -= size
+
+    def _count(self, size: int, made: int = 0) -> None:
+        """Count ``size`` more bytes, ``made`` of them made (the lock held)."""
+        self._held += size
+        self._made += made
+        if self._held > self.high:
+            self.high = self._held
 
     def take(self, size: int, already: int = 0) -> None:
         """Hold ``size`` more bytes for a request that holds ``already``, or raise
@@ -74,28 +131,29 @@ class BytesBudget:
                 "(TG_MAX_INFLIGHT_BYTES): send it in smaller requests, or its tensors in "
                 "binary (a JSON body holds about 20 times its size while it is decoded)"
             )
+        small = already + size <= self.small
         with self._lock:
-            if self.held + size > self.limit:
-                REFUSED["body_budget"] += 1
-                raise ServerBusy(
-                    f"the server holds {self.held} bytes of request bodies and this one "
-                    f"needs {size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): "
-                    "retry shortly"
-                )
-            self.held += size
-            if self.held > self.high:
-                self.high = self.held
+            self._settle()
+            held = self._held - self._made if small else self._held
+            busy = held + size > self.limit
+            if not busy:
+                self._count(size)
+        if busy:
+            REFUSED["body_budget"] += 1
+            raise ServerBusy(
+                f"the server holds {held} bytes for requests in flight and this one needs "
+                f"{size} more; its limit is {self.limit} (TG_MAX_INFLIGHT_BYTES): retry shortly"
+            )
 
     def try_take(self, size: int, spare: int = 0) -> bool:
         """Hold ``size`` more bytes if they fit with ``spare`` still free; False (nothing
         refused, nothing counted) if not: for what the server can do another way, such as a
         batch run a request at a time."""
         with self._lock:
-            if self.held + size + spare > self.limit:
+            self._settle()
+            if self._held + size + spare > self.limit:
                 return False
-            self.held += size
-            if self.held > self.high:
-                self.high = self.held
+            self._count(size)
             return True
 
     def hold(self, size: int) -> None:
@@ -103,14 +161,53 @@ class BytesBudget:
         refused: answers written and not yet taken by their clients
         (:mod:`service.limits.connections`). They make the next bodies wait their turn."""
         with self._lock:
-            self.held += size
-            if self.held > self.high:
-                self.high = self.held
+            self._settle()
+            self._count(size)
 
-    def release(self, size: int) -> None:
-        """Give back ``size`` bytes once the request that held them has been answered."""
+    def hold_while_alive(self, arrays: Iterable[np.ndarray]) -> None:
+        """Count ``arrays`` (a batch's outputs: the work is done, they cannot be refused) as
+        made, for as long as their memory lives, which is until the answers made from them are
+        encoded, views and all. Before, a model's outputs were counted nowhere: an identity
+        model's answers held as much again as the bodies the budget admitted, and gRPC's heap
+        rule (:mod:`service.grpc.arriving`) took them for messages arriving and ended idle
+        streams."""
+        owners: dict[int, np.ndarray] = {}
+        for array in arrays:
+            owner = array
+            while isinstance(owner.base, np.ndarray):  # a view: its memory is its base's
+                owner = owner.base
+            if owner.nbytes >= HELD_MADE_BYTES:
+                owners[id(owner)] = owner
+        for owner in owners.values():
+            size = owner.nbytes
+            with self._lock:
+                self._settle()
+                self._count(size, size)
+            weakref.finalize(owner, self._let_go.append, size)
+
+    def hold_for_request(self, size: int, was: int = 0) -> int:
+        """Count ``size`` bytes made for the REST request being handled (its answer, made and
+        not yet sent) in place of the ``was`` it counted before, until :class:`BodyBudget`
+        lets go of what the request holds, once its answer is sent; return what is counted: 0
+        for less than :data:`HELD_MADE_BYTES`, or outside such a request."""
+        held = REQUEST_HELD.get()
+        if held is None or len(held) < 2:
+            return 0
+        size = size if size >= HELD_MADE_BYTES else 0
+        if size != was:
+            with self._lock:
+                self._settle()
+                self._count(size - was, size - was)
+            held[1] += size - was
+        return size
+
+    def release(self, size: int, made: int = 0) -> None:
+        """Give back ``size`` bytes, and ``made`` bytes made for it, once the request that held
+        them has been answered."""
         with self._lock:
-            self.held -= size
+            self._settle()
+            self._held -= size + made
+            self._made -= made
 
 
 class BodyBudget:
@@ -124,7 +221,7 @@ class BodyBudget:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        held = [0]
+        held = [0, 0]  # the request's bytes, and what was made for it (its answer)
 
         def reserve(size: int) -> None:
             self.budget.take(size, held[0])
@@ -140,4 +237,4 @@ class BodyBudget:
         try:
             await self.app(scope, counting_receive, send)
         finally:
-            self.budget.release(held[0])
+            self.budget.release(held[0], held[1])

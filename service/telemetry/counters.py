@@ -43,7 +43,8 @@ body that does not inflate; a v1 ``Content-Type`` the model does not take is tha
 
 
 class HoldsBytes(Protocol):
-    held: int
+    @property
+    def held(self) -> int: ...
 
 
 _BUDGETS: weakref.WeakSet[HoldsBytes] = weakref.WeakSet()
@@ -64,7 +65,8 @@ REQUEST_HELD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
 )
 """The bytes the request being handled holds in the budget (its body, what it inflated to, its
 JSON's share, its gRPC message): what it takes next is refused 413 when the two together could
-never fit (:meth:`BytesBudget.take`'s ``already``)."""
+never fit (:meth:`BytesBudget.take`'s ``already``). A REST request's has a second item: what
+was made for it (its answer, :meth:`BytesBudget.hold_for_request`)."""
 
 
 def request_held() -> int:

@@ -407,8 +407,9 @@ class _RepositoryCollector(Collector):
         )
         yield GaugeMetricFamily(
             "tensorgate_request_body_bytes_in_flight",
-            "Request body bytes (and gRPC inference messages, and REST answers written and "
-            "not yet taken by their clients) held now over all connections "
+            "Request body bytes (and gRPC inference messages, REST answers written and not "
+            "yet taken by their clients, and what was made for requests: batches' outputs, "
+            "REST answers not yet sent) held now over all connections "
             "(TG_MAX_INFLIGHT_BYTES bounds it).",
             value=bytes_held(),
         )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import gzip
 import io
 import itertools
 import json
+import queue
 import re
 import socket
 import threading
@@ -487,6 +489,105 @@ def test_batches_of_dynamic_dims_hold_their_copy_in_the_budget_and_memory_return
         server.wait_for(lambda: vm(pid, "VmRSS") < start * 1.1, timeout=20)
     finally:
         server.stop()
+
+
+class IdleStreams:
+    """``count`` ModelStreamInfer streams to digits on one connection, each asked a request
+    when :meth:`ask` is called, idle in between: bystanders whose reads wait as a stalled
+    stream's would (:mod:`service.grpc.arriving`)."""
+
+    def __init__(self, server: Server, count: int) -> None:
+        self.channel = grpc.insecure_channel(server.grpc_url, options=FRONT_OPTIONS)
+        stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        self.requests: list[queue.Queue[pb.ModelInferRequest | None]] = []
+        self.answers = []
+        for _ in range(count):
+            requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+            self.requests.append(requests)
+            self.answers.append(stub.ModelStreamInfer(iter(requests.get, None), timeout=120))
+
+    def ask(self) -> list[str]:
+        """A request on each stream: "answered", or the code that ended it."""
+        said = []
+        for requests, answers in zip(self.requests, self.answers, strict=True):
+            requests.put(digits_call(None)[0])
+            try:
+                said.append(next(answers).error_message or "answered")
+            except grpc.RpcError as exc:
+                said.append(exc.code().name)
+        return said
+
+    def close(self) -> None:
+        for requests in self.requests:
+            requests.put(None)
+        self.channel.close()
+
+
+def test_outputs_and_answers_made_count_in_the_budget_and_end_no_idle_stream(
+    tmp_path: Path,
+) -> None:
+    """#28 finding 14, what the budget admits against what the server holds: 16 gzipped bodies
+    of 61 MiB to an identity model peaked at 1.9-2.0 × the budget. Each request's outputs, and
+    its answer made from them and waiting its turn to be compressed, held as much again as its
+    body, counted nowhere; and gRPC's heap rule took that memory for messages arriving and
+    ended 7 of 8 idle streams (``bench.attacks``). Now a batch's outputs (while they live) and
+    an answer (until it is sent) count in the budget as made: the next large bodies wait their
+    turn (503), small requests go on, and the heap outside the budget stays put."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    write_identity_model(root / "identity", max_batch_size=8, datatypes=("FP32",), width="w")
+    budget, size, count = 192 * MIB, 15 * MIB, 16
+    env = {"TG_WORKERS": "1", "TG_MAX_INFLIGHT_BYTES": str(budget)}
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    pid = server.process.pid
+    try:
+        server.wait_until()
+        body, header = binary_request(size // 4)
+        packed = gzip.compress(body, compresslevel=6)
+        headers = {"Inference-Header-Content-Length": str(header), "Content-Encoding": "gzip"}
+        url = f"{server.url}/v2/models/identity/infer"
+
+        def send(_: int) -> int:
+            return httpx.post(url, content=packed, headers=headers, timeout=120).status_code
+
+        assert send(0) == 200  # the first request's one-off allocations
+        streams = IdleStreams(server, 8)
+        try:
+            assert streams.ask() == ["answered"] * 8
+            start = vm(pid, "VmRSS")
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+            small: list[int] = []
+            done = threading.Event()
+
+            def normal_client() -> None:
+                with httpx.Client(base_url=server.url, timeout=30) as client:
+                    while not done.wait(0.05):
+                        request = {"inputs": [DIGIT_INPUT]}
+                        small.append(
+                            client.post("/v2/models/digits/infer", json=request).status_code
+                        )
+
+            beside = threading.Thread(target=normal_client)
+            beside.start()
+            try:
+                with ThreadPoolExecutor(count) as pool:
+                    codes = list(pool.map(send, range(count)))
+            finally:
+                done.set()
+                beside.join()
+            peak = vm(pid, "VmHWM") - start
+            print(f"{collections.Counter(codes)}; peak +{peak / MIB:.0f} MiB; small {small}")
+            assert set(codes) <= {200, 503} and 200 in codes, codes
+            assert small and set(small) == {200}, small  # a small request is never refused
+            assert peak < 1.35 * budget, f"peak +{peak / MIB:.0f} MiB, budget {budget / MIB:.0f}"
+            assert streams.ask() == ["answered"] * 8  # no idle stream was ended
+        finally:
+            streams.close()
+    finally:
+        server.stop()
+
+
+DIGIT_INPUT = {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}
 
 
 TOKEN = "api-s3cret-token-456"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from service.errors import PayloadTooLarge, ServerBusy
@@ -23,3 +24,60 @@ def test_try_take_holds_only_what_fits_with_room_to_spare() -> None:
         budget.take(101)  # more than the whole budget: never, not later
     budget.release(100)
     assert budget.try_take(100) and budget.held == 100
+
+
+def test_outputs_are_held_while_their_memory_lives_views_and_all() -> None:
+    """A batch's outputs were counted nowhere: an identity model's answers held as much again as
+    the bodies admitted, and gRPC's heap rule took them for messages arriving."""
+    budget = BytesBudget(limit=1 << 30)
+    outputs = {"y": np.ones((4, 64 << 10), np.float32), "small": np.ones((4, 8), np.float32)}
+    budget.hold_while_alive(outputs.values())
+    assert budget.held == 4 * (256 << 10)  # the small one is not worth a weak reference
+    parts = [outputs["y"][i : i + 1] for i in range(4)]  # split among the batch's requests
+    del outputs
+    assert budget.held == 4 * (256 << 10)  # the views keep the batch's memory
+    del parts[:3]
+    assert budget.held == 4 * (256 << 10)
+    del parts
+    assert budget.held == 0
+
+
+def test_outputs_sharing_memory_are_held_once() -> None:
+    budget = BytesBudget(limit=1 << 30)
+    whole = np.ones((2, 1 << 20), np.uint8)
+    budget.hold_while_alive([whole[:1], whole[1:], whole])
+    assert budget.held == 2 << 20
+
+
+def test_outputs_freed_while_the_budget_is_locked_are_let_go_after() -> None:
+    """A finalizer runs in whichever thread drops the last reference, also in a garbage
+    collection that began in :meth:`BytesBudget.take` with its lock held: it must not take the
+    lock (it would wait for itself), only leave the size for the next holder."""
+    budget = BytesBudget(limit=1 << 30)
+    output = np.ones(1 << 20, np.uint8)
+    budget.hold_while_alive([output])
+    with budget._lock:  # as a collection inside take would
+        del output  # the finalizer runs here
+    assert budget.held == 0
+    budget.take(10)
+    assert budget.held == 10
+
+
+def test_what_was_made_makes_large_requests_wait_not_small_ones() -> None:
+    """A normal client's small request was refused 503 while an attack's answers, made and
+    counted, filled the budget: refusing it would spare next to nothing."""
+    budget = BytesBudget(limit=64 << 20)  # small: at most 256 KiB
+    budget.take(40 << 20)  # bodies
+    budget.hold_while_alive([np.ones(30 << 20, np.uint8)])  # freed at once: counted, let go
+    assert budget.held == 40 << 20 and budget.made == 0
+    outputs = np.ones(30 << 20, np.uint8)
+    budget.hold_while_alive([outputs])
+    assert budget.held == 70 << 20 and budget.made == 30 << 20  # past the limit: made
+    with pytest.raises(ServerBusy):
+        budget.take(1 << 20)  # a large request's next megabyte waits
+    budget.take(200 << 10)  # a small request is judged by the bodies alone
+    with pytest.raises(ServerBusy):
+        budget.take(24 << 20)  # ... and a large one by everything
+    del outputs
+    budget.take(20 << 20)
+    assert budget.held == (40 << 20) + (200 << 10) + (20 << 20) and budget.made == 0

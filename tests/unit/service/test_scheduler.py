@@ -221,6 +221,24 @@ async def test_a_batch_holds_its_copy_in_the_budget_or_runs_its_requests_one_at_
     await s.stop()
 
 
+async def test_a_batchs_outputs_are_held_until_its_answers_are_let_go() -> None:
+    budget = BytesBudget(limit=1 << 30)
+    s = scheduler(doubling([]), max_queue_delay_s=0.05)
+    s.budget = budget
+    s.start()
+    inputs = [np.full((1, 64 << 10), i, np.float32) for i in range(2)]  # 256 KiB each
+    tasks = [asyncio.ensure_future(s.submit({"x": x}, None, None)) for x in inputs]
+    await asyncio.wait(tasks)
+    answers = [task.result() for task in tasks]
+    del tasks  # a task keeps its result (as gather's would, until its future goes)
+    assert budget.held == 2 * (256 << 10)  # the batch's outputs, split between the two
+    del answers[0]
+    assert budget.held == 2 * (256 << 10)  # one batch's memory: held until both are let go
+    answers.clear()
+    assert budget.held == 0
+    await s.stop()
+
+
 def _blocking() -> tuple[threading.Event, Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]]:
     release = threading.Event()
 
