@@ -390,7 +390,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await self._answer_infer(message, timeout_s)
         finally:
             if self.budget is not None:
-                self.budget.release(size)
+                self.budget.release(held[0])  # what the call holds now, all of it
 
     async def _answer_infer(self, parsed: codec.InferMessage, timeout_s: float | None) -> Answered:
         dataplane = self.dataplane

@@ -62,19 +62,19 @@ class BytesBudget:
     servicer for its messages, the schedulers for their batches.
 
     What was made cannot be refused (the work is done); it makes the next large request wait
-    its turn. A small request (holding at most :attr:`small` bytes) is judged by the bodies
-    held alone: refusing it would spare next to nothing, and a normal client must go on being
+    its turn. A small request (holding at most :attr:`small` bytes) may pass the limit by an
+    eighth: refusing it would spare next to nothing, and a normal client must go on being
     answered while an attack's answers are made (a REST request of 14 KB was refused 503 when
-    16 identity answers of 61 MiB were counted against it)."""
+    16 identity answers of 61 MiB were counted against it). Past that, small ones wait too: a
+    model whose outputs are far larger than its inputs cannot have small requests make more
+    without end."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.small = max(HELD_MADE_BYTES, limit >> 8)
-        """A request holding at most this many bytes is judged by the bodies held alone."""
+        self.small = limit >> 8
+        """A request holding at most this many bytes may pass ``limit`` by :attr:`slack`."""
+        self.slack = limit >> 3
         self._held = 0
-        self._made = 0
-        """Of ``_held``, what was made for requests (:meth:`hold_while_alive`,
-        :meth:`hold_for_request`)."""
         self.high = 0
         """The most held since :class:`service.limits.memory.Trimmer` last looked."""
         self._lock = threading.Lock()  # bodies inflate on the thread pool
@@ -93,26 +93,15 @@ class BytesBudget:
                 self._settle()
         return self._held
 
-    @property
-    def made(self) -> int:
-        """Of :attr:`held`, what was made for requests."""
-        if self._let_go:
-            with self._lock:
-                self._settle()
-        return self._made
-
     def _settle(self) -> None:
         """Take off what was let go (the lock held)."""
         let_go = self._let_go
         while let_go:
-            size = let_go.popleft()
-            self._held -= size
-            self._made -= size
+            self._held -= let_go.popleft()
 
-    def _count(self, size: int, made: int = 0) -> None:
-        """Count ``size`` more bytes, ``made`` of them made (the lock held)."""
+    def _count(self, size: int) -> None:
+        """Count ``size`` more bytes (the lock held)."""
         self._held += size
-        self._made += made
         if self._held > self.high:
             self.high = self._held
 
@@ -131,11 +120,11 @@ class BytesBudget:
                 "(TG_MAX_INFLIGHT_BYTES): send it in smaller requests, or its tensors in "
                 "binary (a JSON body holds about 20 times its size while it is decoded)"
             )
-        small = already + size <= self.small
+        limit = self.limit + self.slack if already + size <= self.small else self.limit
         with self._lock:
             self._settle()
-            held = self._held - self._made if small else self._held
-            busy = held + size > self.limit
+            held = self._held
+            busy = held + size > limit
             if not busy:
                 self._count(size)
         if busy:
@@ -180,34 +169,28 @@ class BytesBudget:
                 owners[id(owner)] = owner
         for owner in owners.values():
             size = owner.nbytes
-            with self._lock:
-                self._settle()
-                self._count(size, size)
+            self.hold(size)
             weakref.finalize(owner, self._let_go.append, size)
 
     def hold_for_request(self, size: int, was: int = 0) -> int:
-        """Count ``size`` bytes made for the REST request being handled (its answer, made and
-        not yet sent) in place of the ``was`` it counted before, until :class:`BodyBudget`
-        lets go of what the request holds, once its answer is sent; return what is counted: 0
-        for less than :data:`HELD_MADE_BYTES`, or outside such a request."""
+        """Count ``size`` bytes made for the request being handled (a REST answer, made and
+        not yet sent) in place of the ``was`` it counted before, in what the request holds,
+        until it lets go of that (:class:`BodyBudget`, once its answer is sent); return what is
+        counted: 0 for less than :data:`HELD_MADE_BYTES`, or outside a request."""
         held = REQUEST_HELD.get()
-        if held is None or len(held) < 2:
+        if held is None:
             return 0
         size = size if size >= HELD_MADE_BYTES else 0
         if size != was:
-            with self._lock:
-                self._settle()
-                self._count(size - was, size - was)
-            held[1] += size - was
+            self.hold(size - was)
+            held[0] += size - was
         return size
 
-    def release(self, size: int, made: int = 0) -> None:
-        """Give back ``size`` bytes, and ``made`` bytes made for it, once the request that held
-        them has been answered."""
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes once the request that held them has been answered."""
         with self._lock:
             self._settle()
-            self._held -= size + made
-            self._made -= made
+            self._held -= size
 
 
 class BodyBudget:
@@ -221,7 +204,7 @@ class BodyBudget:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        held = [0, 0]  # the request's bytes, and what was made for it (its answer)
+        held = [0]
 
         def reserve(size: int) -> None:
             self.budget.take(size, held[0])
@@ -237,4 +220,4 @@ class BodyBudget:
         try:
             await self.app(scope, counting_receive, send)
         finally:
-            self.budget.release(held[0], held[1])
+            self.budget.release(held[0])

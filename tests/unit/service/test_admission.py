@@ -63,21 +63,26 @@ def test_outputs_freed_while_the_budget_is_locked_are_let_go_after() -> None:
     assert budget.held == 10
 
 
-def test_what_was_made_makes_large_requests_wait_not_small_ones() -> None:
+def test_what_was_made_makes_large_requests_wait_and_small_ones_past_an_eighth_more() -> None:
     """A normal client's small request was refused 503 while an attack's answers, made and
-    counted, filled the budget: refusing it would spare next to nothing."""
-    budget = BytesBudget(limit=64 << 20)  # small: at most 256 KiB
+    counted, filled the budget: refusing it would spare next to nothing. Small ones may pass
+    the limit by an eighth, and no further: a model whose outputs far outgrow its inputs must
+    not have small requests make more without end."""
+    budget = BytesBudget(limit=64 << 20)  # small: at most 256 KiB; an eighth: 8 MiB
     budget.take(40 << 20)  # bodies
     budget.hold_while_alive([np.ones(30 << 20, np.uint8)])  # freed at once: counted, let go
-    assert budget.held == 40 << 20 and budget.made == 0
-    outputs = np.ones(30 << 20, np.uint8)
+    assert budget.held == 40 << 20
+    outputs = np.ones(26 << 20, np.uint8)
     budget.hold_while_alive([outputs])
-    assert budget.held == 70 << 20 and budget.made == 30 << 20  # past the limit: made
+    assert budget.held == 66 << 20  # past the limit: made, not refused
     with pytest.raises(ServerBusy):
         budget.take(1 << 20)  # a large request's next megabyte waits
-    budget.take(200 << 10)  # a small request is judged by the bodies alone
     with pytest.raises(ServerBusy):
-        budget.take(24 << 20)  # ... and a large one by everything
-    del outputs
-    budget.take(20 << 20)
-    assert budget.held == (40 << 20) + (200 << 10) + (20 << 20) and budget.made == 0
+        budget.take(200 << 10, already=100 << 10)  # 300 KiB in all: not a small request
+    for _ in range(30):
+        budget.take(200 << 10)  # small requests go on, into the eighth: 71.9 MiB held
+    with pytest.raises(ServerBusy):
+        budget.take(200 << 10)  # and no further than it (72 MiB)
+    del outputs  # its answers sent: a large request fits again
+    budget.take(16 << 20)
+    assert budget.held == (40 << 20) + 30 * (200 << 10) + (16 << 20)
