@@ -31,7 +31,7 @@ from service.errors import (
 from service.grpc.arriving import Arriving, Waiting, Watched
 from service.grpc.streaming import completion_order
 from service.inference import InferenceResult
-from service.limits.admission import BytesBudget
+from service.limits.admission import HELD_MADE_BYTES, BytesBudget
 from service.limits.auth import check_authorization
 from service.limits.compression import MIN_COMPRESS_BYTES, shrinks
 from service.protocol import grpc as codec
@@ -295,7 +295,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             answered = await self._infer(request, context.time_remaining(), parsed)
             if not answered.compress:
                 context.disable_next_message_compression()
-            return await self.dataplane.offload(answered.size, codec.serialized, answered.encoded)
+            serialized = await self.dataplane.offload(
+                answered.size, codec.serialized, answered.encoded
+            )
+            if (budget := self.budget) is not None and len(serialized) >= HELD_MADE_BYTES:
+                # Made, and held until its client has taken it (until the call is over), twice:
+                # grpc copies it into a buffer of its own and keeps these bytes until it is sent
+                # (unsent answers of 6 MiB grew the heap by 12 MiB each).
+                size = MESSAGE_COPIES * len(serialized)
+                budget.hold(size)
+                context.add_done_callback(lambda _: budget.release(size))
+            return serialized
 
         return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
 
@@ -480,10 +490,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             requests = watched = await self.arriving.watch(request_iterator)
         try:
             answers = completion_order(requests, answer, STREAM_IN_FLIGHT, self.closing)
+            budget = self.budget
             async for response, compress in answers:
                 if not compress:
                     context.disable_next_message_compression()
-                yield response
+                # made, and held (twice, as a ModelInfer answer) until it has been sent: the next
+                # answer is asked for then
+                if budget is None or len(response) < HELD_MADE_BYTES:
+                    yield response
+                    continue
+                size = MESSAGE_COPIES * len(response)
+                budget.hold(size)
+                try:
+                    yield response
+                finally:
+                    budget.release(size)
         finally:
             if watched is not None:
                 watched.close()

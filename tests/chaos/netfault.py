@@ -36,6 +36,10 @@ class Faults:
     stall_up_after: int | None = None
     """Pass no more client bytes once this many have passed, the connection left open (a
     client stalled mid-message)."""
+    stall_down_once_up: int | None = None
+    """Pass no more server bytes once this many client bytes have passed, the connection left
+    open: a client that sent its requests and stopped taking its answers (stalled before, it
+    would take no more flow-control window either, and send nothing more)."""
 
 
 def _reset(sock: socket.socket) -> None:
@@ -122,6 +126,8 @@ class _Pair:
     def __init__(self, proxy: FaultyProxy, client: socket.socket, server: socket.socket) -> None:
         self.proxy, self.client, self.server = proxy, client, server
         self.cut = False
+        self.up = 0
+        """Client bytes passed on, on this connection."""
         self._done = 0
         self._lock = threading.Lock()
 
@@ -152,6 +158,11 @@ class _Pair:
                     while not self.cut and not self.proxy._stop.wait(0.05):
                         pass  # held open, passing nothing, until closed or cut
                     break
+                stalled = source is self.server and faults.stall_down_once_up is not None
+                if stalled and self.up >= faults.stall_down_once_up:  # type: ignore[operator]
+                    while not self.cut and not self.proxy._stop.wait(0.05):
+                        pass  # held open, passing nothing more, until closed or cut
+                    break
                 if faults.latency_s:
                     time.sleep(faults.latency_s)
                 if faults.rate:
@@ -165,6 +176,7 @@ class _Pair:
     def _pass(self, sink: socket.socket, data: bytes, source: socket.socket) -> None:
         sink.sendall(data)
         if source is self.client:
+            self.up += len(data)
             with self.proxy._lock:
                 self.proxy.passed_up += len(data)
 

@@ -587,6 +587,70 @@ def test_outputs_and_answers_made_count_in_the_budget_and_end_no_idle_stream(
         server.stop()
 
 
+def test_grpc_answers_a_client_has_not_taken_count_in_the_budget(tmp_path: Path) -> None:
+    """gRPC answers made and not yet taken by their client sit in grpc's buffers, counted
+    nowhere: clients that stopped reading them made the heap grow outside the budget, which
+    gRPC's heap rule took for messages arriving and ended idle streams (1 of 8 in one of three
+    runs of ``bench.attacks --workers 2``'s 60 MiB calls). Now an answer counts from when it
+    is serialized until its call is over (a stream's until it is sent): the next large calls
+    are UNAVAILABLE while they are held, and no idle stream is ended."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    write_identity_model(root / "identity", max_batch_size=8, datatypes=("FP32",), width="w")
+    budget, size, count, waves = 128 * MIB, 6 * MIB, 8, 3
+    env = {
+        "TG_WORKERS": "1",
+        "TG_MAX_INFLIGHT_BYTES": str(budget),
+        "TG_MAX_BODY_BYTES": str(8 * MIB),  # what a message still arriving holds
+    }
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    # each connection: its requests sent, then none of its answers taken
+    stop_taking = Faults(stall_down_once_up=count * size)
+    proxy = FaultyProxy(server.grpc_port, lambda _: stop_taking)
+    channels: list[grpc.Channel] = []
+    try:
+        server.wait_until()
+        streams = IdleStreams(server, 8)
+        try:
+            assert streams.ask() == ["answered"] * 8
+            request = identity_message(size // 4)
+            calls = []
+            for _ in range(waves):  # a connection each, one after another
+                channels.append(
+                    grpc.insecure_channel(
+                        f"127.0.0.1:{proxy.port}",
+                        options=[*FRONT_OPTIONS, ("grpc.max_receive_message_length", -1)],
+                    )
+                )
+                stub = pb_grpc.GRPCInferenceServiceStub(channels[-1])
+                calls += [stub.ModelInfer.future(request, timeout=60) for _ in range(count)]
+                time.sleep(1.5)
+            time.sleep(2)  # eight looks at the heap, the answers held
+            held = metric(server, "tensorgate_request_body_bytes_in_flight ")
+            done = [call.code() for call in calls if call.done()]
+            print(f"held {held / MIB:.0f} MiB; ended: {collections.Counter(done)}")
+            assert streams.ask() == ["answered"] * 8  # no idle stream was ended
+            # those answered before their client stopped taking answers, and the next ones
+            # refused while the answers held wait their turn; the others wait
+            assert set(done) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, done
+            assert grpc.StatusCode.UNAVAILABLE in done, done
+        finally:
+            streams.close()
+    finally:
+        proxy.close()
+        for channel in channels:
+            channel.close()
+        server.stop()
+
+
+def identity_message(values: int) -> pb.ModelInferRequest:
+    return pb.ModelInferRequest(
+        model_name="identity",
+        inputs=[{"name": "in_FP32", "datatype": "FP32", "shape": [1, values]}],
+        raw_input_contents=[bytes(4 * values)],
+    )
+
+
 DIGIT_INPUT = {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}
 
 
