@@ -303,8 +303,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 # grpc copies it into a buffer of its own and keeps these bytes until it is sent
                 # (unsent answers of 6 MiB grew the heap by 12 MiB each).
                 size = MESSAGE_COPIES * len(serialized)
-                budget.hold(size)
-                context.add_done_callback(lambda _: budget.release(size))
+                budget.hold(size, made=True)
+                context.add_done_callback(lambda _: budget.release(0, size))
             return serialized
 
         return await self._answer(context, infer, span=f"{SERVICE}/ModelInfer")
@@ -500,11 +500,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     yield response
                     continue
                 size = MESSAGE_COPIES * len(response)
-                budget.hold(size)
+                budget.hold(size, made=True)
                 try:
                     yield response
                 finally:
-                    budget.release(size)
+                    budget.release(0, size)
         finally:
             if watched is not None:
                 watched.close()

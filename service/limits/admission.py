@@ -62,19 +62,21 @@ class BytesBudget:
     servicer for its messages, the schedulers for their batches.
 
     What was made cannot be refused (the work is done); it makes the next large request wait
-    its turn. A small request (holding at most :attr:`small` bytes) may pass the limit by an
-    eighth: refusing it would spare next to nothing, and a normal client must go on being
-    answered while an attack's answers are made (a REST request of 14 KB was refused 503 when
-    16 identity answers of 61 MiB were counted against it). Past that, small ones wait too: a
-    model whose outputs are far larger than its inputs cannot have small requests make more
-    without end."""
+    its turn. A small request (holding at most :attr:`small` bytes) is judged by what was not
+    made (bodies, messages) against the limit: refusing it would spare next to nothing, and a
+    normal client must go on being answered while an attack's answers are made (a REST request
+    of 14 KB was refused 503 when 16 identity answers of 61 MiB were counted against it, and
+    with an eighth of the limit to spare, 1 of 110 still was). And by everything held against
+    twice the limit: a model whose outputs far outgrow its inputs cannot have small requests
+    make more without end."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.small = limit >> 8
-        """A request holding at most this many bytes may pass ``limit`` by :attr:`slack`."""
-        self.slack = limit >> 3
+        """A request holding at most this many bytes is judged by what was not made."""
         self._held = 0
+        self._made = 0
+        """Of ``_held``, what was made for requests."""
         self.high = 0
         """The most held since :class:`service.limits.memory.Trimmer` last looked."""
         self._lock = threading.Lock()  # bodies inflate on the thread pool
@@ -93,15 +95,27 @@ class BytesBudget:
                 self._settle()
         return self._held
 
+    @property
+    def made(self) -> int:
+        """Of :attr:`held`, what was made for requests."""
+        if self._let_go:
+            with self._lock:
+                self._settle()
+        return self._made
+
     def _settle(self) -> None:
-        """Take off what was let go (the lock held)."""
+        """Take off what was let go (the lock held): all of it made."""
         let_go = self._let_go
         while let_go:
-            self._held -= let_go.popleft()
+            size = let_go.popleft()
+            self._held -= size
+            self._made -= size
 
-    def _count(self, size: int) -> None:
-        """Count ``size`` more bytes (the lock held)."""
+    def _count(self, size: int, made: bool = False) -> None:
+        """Count ``size`` more bytes, made for requests or not (the lock held)."""
         self._held += size
+        if made:
+            self._made += size
         if self._held > self.high:
             self.high = self._held
 
@@ -120,11 +134,14 @@ class BytesBudget:
                 "(TG_MAX_INFLIGHT_BYTES): send it in smaller requests, or its tensors in "
                 "binary (a JSON body holds about 20 times its size while it is decoded)"
             )
-        limit = self.limit + self.slack if already + size <= self.small else self.limit
+        small = already + size <= self.small
         with self._lock:
             self._settle()
             held = self._held
-            busy = held + size > limit
+            if small:
+                busy = held - self._made + size > self.limit or held + size > 2 * self.limit
+            else:
+                busy = held + size > self.limit
             if not busy:
                 self._count(size)
         if busy:
@@ -145,13 +162,14 @@ class BytesBudget:
             self._count(size)
             return True
 
-    def hold(self, size: int) -> None:
+    def hold(self, size: int, made: bool = False) -> None:
         """Count ``size`` more bytes (fewer when negative) that are already held and cannot be
         refused: answers written and not yet taken by their clients
-        (:mod:`service.limits.connections`). They make the next bodies wait their turn."""
+        (:mod:`service.limits.connections`), gRPC answers until their calls are over
+        (``made``). They make the next bodies wait their turn."""
         with self._lock:
             self._settle()
-            self._count(size)
+            self._count(size, made)
 
     def hold_while_alive(self, arrays: Iterable[np.ndarray]) -> None:
         """Count ``arrays`` (a batch's outputs: the work is done, they cannot be refused) as
@@ -169,28 +187,30 @@ class BytesBudget:
                 owners[id(owner)] = owner
         for owner in owners.values():
             size = owner.nbytes
-            self.hold(size)
+            self.hold(size, made=True)
             weakref.finalize(owner, self._let_go.append, size)
 
     def hold_for_request(self, size: int, was: int = 0) -> int:
-        """Count ``size`` bytes made for the request being handled (a REST answer, made and
+        """Count ``size`` bytes made for the REST request being handled (its answer, made and
         not yet sent) in place of the ``was`` it counted before, in what the request holds,
-        until it lets go of that (:class:`BodyBudget`, once its answer is sent); return what is
-        counted: 0 for less than :data:`HELD_MADE_BYTES`, or outside a request."""
+        until :class:`BodyBudget` lets go of that once its answer is sent; return what is
+        counted: 0 for less than :data:`HELD_MADE_BYTES`, or outside such a request."""
         held = REQUEST_HELD.get()
-        if held is None:
+        if held is None or len(held) < 2:
             return 0
         size = size if size >= HELD_MADE_BYTES else 0
         if size != was:
-            self.hold(size - was)
-            held[0] += size - was
+            self.hold(size - was, made=True)
+            held[1] += size - was
         return size
 
-    def release(self, size: int) -> None:
-        """Give back ``size`` bytes once the request that held them has been answered."""
+    def release(self, size: int, made: int = 0) -> None:
+        """Give back ``size`` bytes, and ``made`` bytes made for it, once the request that
+        held them has been answered."""
         with self._lock:
             self._settle()
-            self._held -= size
+            self._held -= size + made
+            self._made -= made
 
 
 class BodyBudget:
@@ -204,7 +224,7 @@ class BodyBudget:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        held = [0]
+        held = [0, 0]  # the request's bytes, and what was made for it (its answer)
 
         def reserve(size: int) -> None:
             self.budget.take(size, held[0])
@@ -220,4 +240,4 @@ class BodyBudget:
         try:
             await self.app(scope, counting_receive, send)
         finally:
-            self.budget.release(held[0])
+            self.budget.release(held[0], held[1])

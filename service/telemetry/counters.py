@@ -65,8 +65,8 @@ REQUEST_HELD: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
 )
 """The bytes the request being handled holds in the budget (its body, what it inflated to, its
 JSON's share, its gRPC message): what it takes next is refused 413 when the two together could
-never fit (:meth:`BytesBudget.take`'s ``already``); and what was made for it, its answer
-(:meth:`BytesBudget.hold_for_request`)."""
+never fit (:meth:`BytesBudget.take`'s ``already``). A REST request's has a second item: what
+was made for it, its answer (:meth:`BytesBudget.hold_for_request`)."""
 
 
 def request_held() -> int:

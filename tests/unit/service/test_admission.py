@@ -63,26 +63,28 @@ def test_outputs_freed_while_the_budget_is_locked_are_let_go_after() -> None:
     assert budget.held == 10
 
 
-def test_what_was_made_makes_large_requests_wait_and_small_ones_past_an_eighth_more() -> None:
+def test_what_was_made_makes_large_requests_wait_not_small_ones_up_to_twice_the_limit() -> None:
     """A normal client's small request was refused 503 while an attack's answers, made and
-    counted, filled the budget: refusing it would spare next to nothing. Small ones may pass
-    the limit by an eighth, and no further: a model whose outputs far outgrow its inputs must
-    not have small requests make more without end."""
-    budget = BytesBudget(limit=64 << 20)  # small: at most 256 KiB; an eighth: 8 MiB
+    counted, filled the budget: refusing it would spare next to nothing. Small requests are
+    judged by what was not made, and by everything against twice the limit: a model whose
+    outputs far outgrow its inputs must not have small requests make more without end."""
+    budget = BytesBudget(limit=64 << 20)  # small: at most 256 KiB
     budget.take(40 << 20)  # bodies
     budget.hold_while_alive([np.ones(30 << 20, np.uint8)])  # freed at once: counted, let go
-    assert budget.held == 40 << 20
-    outputs = np.ones(26 << 20, np.uint8)
+    assert budget.held == 40 << 20 and budget.made == 0
+    outputs = np.ones(60 << 20, np.uint8)
     budget.hold_while_alive([outputs])
-    assert budget.held == 66 << 20  # past the limit: made, not refused
+    assert budget.held == 100 << 20 and budget.made == 60 << 20  # past the limit: made
     with pytest.raises(ServerBusy):
         budget.take(1 << 20)  # a large request's next megabyte waits
     with pytest.raises(ServerBusy):
         budget.take(200 << 10, already=100 << 10)  # 300 KiB in all: not a small request
-    for _ in range(30):
-        budget.take(200 << 10)  # small requests go on, into the eighth: 71.9 MiB held
+    for _ in range(100):
+        budget.take(200 << 10)  # small requests go on: 60 MiB of bodies, 119.5 MiB held
+    budget.hold(9 << 20, made=True)  # a gRPC answer, say: 128.5 MiB held
     with pytest.raises(ServerBusy):
-        budget.take(200 << 10)  # and no further than it (72 MiB)
+        budget.take(200 << 10)  # not past twice the limit
+    budget.release(0, 9 << 20)
     del outputs  # its answers sent: a large request fits again
-    budget.take(16 << 20)
-    assert budget.held == (40 << 20) + 30 * (200 << 10) + (16 << 20)
+    budget.take(4 << 20)
+    assert budget.held == (40 << 20) + 100 * (200 << 10) + (4 << 20) and budget.made == 0
