@@ -180,6 +180,8 @@ class BytesBudget:
         streams."""
         owners: dict[int, np.ndarray] = {}
         for array in arrays:
+            if not isinstance(array, np.ndarray):  # a runtime's own kind: not counted
+                continue
             owner = array
             while isinstance(owner.base, np.ndarray):  # a view: its memory is its base's
                 owner = owner.base

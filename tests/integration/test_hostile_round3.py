@@ -581,6 +581,9 @@ def test_outputs_and_answers_made_count_in_the_budget_and_end_no_idle_stream(
             assert small and set(small) == {200}, small  # a small request is never refused
             assert peak < 1.35 * budget, f"peak +{peak / MIB:.0f} MiB, budget {budget / MIB:.0f}"
             assert streams.ask() == ["answered"] * 8  # no idle stream was ended
+            server.wait_for(  # what was made is let go with its request
+                lambda: metric(server, "tensorgate_request_body_bytes_in_flight ") == 0
+            )
         finally:
             streams.close()
     finally:
@@ -634,6 +637,10 @@ def test_grpc_answers_a_client_has_not_taken_count_in_the_budget(tmp_path: Path)
             # refused while the answers held wait their turn; the others wait
             assert set(done) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, done
             assert grpc.StatusCode.UNAVAILABLE in done, done
+            proxy.close()  # the clients go: what their answers held is let go
+            server.wait_for(
+                lambda: metric(server, "tensorgate_request_body_bytes_in_flight ") == 0, timeout=20
+            )
         finally:
             streams.close()
     finally:
