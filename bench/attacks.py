@@ -32,7 +32,6 @@ import io
 import json
 import multiprocessing
 import os
-import queue
 import socket
 import statistics
 import tempfile
@@ -49,7 +48,8 @@ from bench.common import publish, table
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.settings import Settings
-from tests.identity import binary_request, write_identity_model
+from tests.bystanders import IdleStreams
+from tests.identity import binary_request, identity_message, write_identity_model
 from tests.server import Server, copy_model
 
 MIB = 1 << 20
@@ -119,51 +119,6 @@ class Probe:
         self._stop.set()
         self.latencies, self.failed = self._out.get(timeout=60)
         self._process.join(30)
-
-
-class IdleStreams:
-    """Bystanders: 8 ModelStreamInfer streams opened before an attack, one digits request
-    answered on each, idle throughout, each asked one more after. An idle stream's read looks
-    like a stalled one (``service.grpc.arriving``), and only the oldest reads are kept when the
-    heap grows: this says whether an attack's memory ends streams that sent nothing."""
-
-    COUNT = 8
-
-    def __init__(self, server: Server) -> None:
-        self._channel = channel(server)
-        stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        self._requests: list[queue.Queue[pb.ModelInferRequest | None]] = []
-        self._answers = []
-        for _ in range(self.COUNT):
-            requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
-            self._requests.append(requests)
-            self._answers.append(stub.ModelStreamInfer(iter(requests.get, None), timeout=900))
-        self._request = pb.ModelInferRequest(
-            model_name="digits",
-            inputs=[{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8]}],
-            raw_input_contents=[bytes(4 * 64)],
-        )
-
-    def ask(self) -> str:
-        """One request on each stream: how many were answered ("open"), and what ended the
-        others."""
-        results: list[object] = []
-        for requests, answers in zip(self._requests, self._answers, strict=True):
-            requests.put(self._request)
-            try:
-                answer = next(answers)
-                results.append(f"error {answer.error_message}" if answer.error_message else "open")
-            except grpc.RpcError as exc:
-                results.append(exc)
-            except StopIteration:
-                results.append("ended")
-        return outcome(results)
-
-    def close(self) -> None:
-        for requests, answers in zip(self._requests, self._answers, strict=True):
-            requests.put(None)
-            answers.cancel()
-        self._channel.close()
 
 
 def concurrently(count: int, work: Callable[[int], object]) -> list[object]:
@@ -273,14 +228,6 @@ def channel(server: Server) -> grpc.Channel:
             ("grpc.max_receive_message_length", -1),
             ("grpc.use_local_subchannel_pool", 1),
         ],
-    )
-
-
-def identity_message(values: int, model: str = "identity") -> pb.ModelInferRequest:
-    return pb.ModelInferRequest(
-        model_name=model,
-        inputs=[{"name": "in_FP32", "datatype": "FP32", "shape": [1, values]}],
-        raw_input_contents=[bytes(4 * values)],
     )
 
 
@@ -416,13 +363,15 @@ def main() -> None:
                 before = sum(status(p, "VmRSS") for p in pids)
                 for p in pids:
                     Path(f"/proc/{p}/clear_refs").write_text("5")  # VmHWM := VmRSS
-                bystander = IdleStreams(server)
-                if (first := bystander.ask()) != f"{IdleStreams.COUNT} × open":
+                bystander = IdleStreams(server.grpc_url, 8)
+                if (first := bystander.ask()) != ["answered"] * 8:
                     raise RuntimeError(f"the idle streams' first requests: {first}")
                 with Probe(server.url) as probe:
                     what = attack(server, args.hold)
                 time.sleep(2)
-                stream = bystander.ask()
+                stream = outcome(
+                    ["open" if said == "answered" else said for said in bystander.ask()]
+                )
                 bystander.close()
                 after = sum(status(p, "VmRSS") for p in pids)
                 peak = sum(status(p, "VmHWM") for p in pids)
@@ -460,7 +409,8 @@ def main() -> None:
             f"reset before each attack; held {args.hold:g} s where the attack holds anything; "
             "after: 2 s after it ended. Normal client: a digits request over REST every 50 ms "
             "throughout. Idle gRPC streams: 8 on one connection, opened before the attack, a "
-            "request answered on each, asked another 2 s after (open: answered). Numbers in parentheses: the finding of #28.",
+            "request answered on each, asked another 2 s after (open: answered). Numbers in "
+            "parentheses: the finding of #28.",
             table(
                 rows,
                 [

@@ -26,13 +26,13 @@ from typing import Any
 
 import grpc
 
-from bench.attacks import MIB, identity_message, status
+from bench.attacks import MIB, status
 from bench.common import publish, serve_tree, table, wait_until_up, worktree
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
 from service.settings import Settings
 from tests.chaos.netfault import Faults, FaultyProxy
-from tests.identity import write_identity_model
+from tests.identity import identity_message, write_identity_model
 from tests.server import REPO_ROOT, copy_model, free_port
 
 DIGIT = pb.ModelInferRequest(

@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from service.protocol.pb import grpc_service_pb2 as pb
+
 ONNX_TYPES = {
     "BOOL": TensorProto.BOOL,
     "UINT8": TensorProto.UINT8,
@@ -70,3 +72,13 @@ def binary_request(values: int, fill: float = 1.0) -> tuple[bytes, int]:
         }
     ).encode()
     return header + data, len(header)
+
+
+def identity_message(values: int, model: str = "identity") -> pb.ModelInferRequest:
+    """A gRPC ModelInferRequest for the FP32 identity model (as :func:`write_identity_model`
+    writes it with ``width``): ``values`` zeros, as raw contents."""
+    return pb.ModelInferRequest(
+        model_name=model,
+        inputs=[{"name": "in_FP32", "datatype": "FP32", "shape": [1, values]}],
+        raw_input_contents=[bytes(4 * values)],
+    )

@@ -61,6 +61,8 @@ class FaultyProxy:
         self.cuts = 0
         self.passed_up = 0
         """Client bytes passed on to the server, over every connection."""
+        self.stopped_down = 0
+        """Connections that stopped passing server bytes (``stall_down_once_up``)."""
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
@@ -158,8 +160,10 @@ class _Pair:
                     while not self.cut and not self.proxy._stop.wait(0.05):
                         pass  # held open, passing nothing, until closed or cut
                     break
-                stalled = source is self.server and faults.stall_down_once_up is not None
-                if stalled and self.up >= faults.stall_down_once_up:  # type: ignore[operator]
+                stop_at = faults.stall_down_once_up if source is self.server else None
+                if stop_at is not None and self.up >= stop_at:
+                    with self.proxy._lock:
+                        self.proxy.stopped_down += 1
                     while not self.cut and not self.proxy._stop.wait(0.05):
                         pass  # held open, passing nothing more, until closed or cut
                     break

@@ -10,7 +10,6 @@ import gzip
 import io
 import itertools
 import json
-import queue
 import re
 import socket
 import threading
@@ -31,8 +30,9 @@ from PIL import Image
 from service.grpc.server import MAX_STREAMS_PER_CONNECTION
 from service.protocol.pb import grpc_service_pb2 as pb
 from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
+from tests.bystanders import IdleStreams
 from tests.chaos.netfault import Faults, FaultyProxy
-from tests.identity import binary_request, write_identity_model
+from tests.identity import binary_request, identity_message, write_identity_model
 from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
@@ -491,38 +491,6 @@ def test_batches_of_dynamic_dims_hold_their_copy_in_the_budget_and_memory_return
         server.stop()
 
 
-class IdleStreams:
-    """``count`` ModelStreamInfer streams to digits on one connection, each asked a request
-    when :meth:`ask` is called, idle in between: bystanders whose reads wait as a stalled
-    stream's would (:mod:`service.grpc.arriving`)."""
-
-    def __init__(self, server: Server, count: int) -> None:
-        self.channel = grpc.insecure_channel(server.grpc_url, options=FRONT_OPTIONS)
-        stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
-        self.requests: list[queue.Queue[pb.ModelInferRequest | None]] = []
-        self.answers = []
-        for _ in range(count):
-            requests: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
-            self.requests.append(requests)
-            self.answers.append(stub.ModelStreamInfer(iter(requests.get, None), timeout=120))
-
-    def ask(self) -> list[str]:
-        """A request on each stream: "answered", or the code that ended it."""
-        said = []
-        for requests, answers in zip(self.requests, self.answers, strict=True):
-            requests.put(digits_call(None)[0])
-            try:
-                said.append(next(answers).error_message or "answered")
-            except grpc.RpcError as exc:
-                said.append(exc.code().name)
-        return said
-
-    def close(self) -> None:
-        for requests in self.requests:
-            requests.put(None)
-        self.channel.close()
-
-
 def test_outputs_and_answers_made_count_in_the_budget_and_end_no_idle_stream(
     tmp_path: Path,
 ) -> None:
@@ -551,7 +519,7 @@ def test_outputs_and_answers_made_count_in_the_budget_and_end_no_idle_stream(
             return httpx.post(url, content=packed, headers=headers, timeout=120).status_code
 
         assert send(0) == 200  # the first request's one-off allocations
-        streams = IdleStreams(server, 8)
+        streams = IdleStreams(server.grpc_url, 8)
         try:
             assert streams.ask() == ["answered"] * 8
             start = vm(pid, "VmRSS")
@@ -613,12 +581,13 @@ def test_grpc_answers_a_client_has_not_taken_count_in_the_budget(tmp_path: Path)
     channels: list[grpc.Channel] = []
     try:
         server.wait_until()
-        streams = IdleStreams(server, 8)
+        streams = IdleStreams(server.grpc_url, 8)
         try:
             assert streams.ask() == ["answered"] * 8
             request = identity_message(size // 4)
             calls = []
             for _ in range(waves):  # a connection each, one after another
+                stopped = proxy.stopped_down
                 channels.append(
                     grpc.insecure_channel(
                         f"127.0.0.1:{proxy.port}",
@@ -626,9 +595,18 @@ def test_grpc_answers_a_client_has_not_taken_count_in_the_budget(tmp_path: Path)
                     )
                 )
                 stub = pb_grpc.GRPCInferenceServiceStub(channels[-1])
-                calls += [stub.ModelInfer.future(request, timeout=60) for _ in range(count)]
-                time.sleep(1.5)
-            time.sleep(2)  # eight looks at the heap, the answers held
+                sent = [stub.ModelInfer.future(request, timeout=60) for _ in range(count)]
+                calls += sent
+                server.wait_for(  # its answers stopped, or (calls refused) every call ended
+                    lambda sent=sent, stopped=stopped: (
+                        proxy.stopped_down > stopped or all(call.done() for call in sent)
+                    ),
+                    timeout=30,
+                )
+            # Nothing happens on a server that counts the answers: the heap rule's four looks a
+            # second are given time to end a stream (as they did before), with no event to
+            # wait for instead.
+            time.sleep(2)
             held = metric(server, "tensorgate_request_body_bytes_in_flight ")
             done = [call.code() for call in calls if call.done()]
             print(f"held {held / MIB:.0f} MiB; ended: {collections.Counter(done)}")
@@ -648,14 +626,6 @@ def test_grpc_answers_a_client_has_not_taken_count_in_the_budget(tmp_path: Path)
         for channel in channels:
             channel.close()
         server.stop()
-
-
-def identity_message(values: int) -> pb.ModelInferRequest:
-    return pb.ModelInferRequest(
-        model_name="identity",
-        inputs=[{"name": "in_FP32", "datatype": "FP32", "shape": [1, values]}],
-        raw_input_contents=[bytes(4 * values)],
-    )
 
 
 DIGIT_INPUT = {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.5] * 64}

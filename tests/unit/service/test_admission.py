@@ -45,7 +45,7 @@ def test_outputs_are_held_while_their_memory_lives_views_and_all() -> None:
 def test_outputs_sharing_memory_are_held_once() -> None:
     budget = BytesBudget(limit=1 << 30)
     whole = np.ones((2, 1 << 20), np.uint8)
-    budget.hold_while_alive([whole[:1], whole[1:], whole, [0.5] * 100_000])  # type: ignore[list-item]
+    budget.hold_while_alive([whole[:1], whole[1:], whole, [0.5] * 100_000])  # type: ignore[list-item]  # not an array, on purpose
     assert budget.held == 2 << 20  # and what is not an array is not counted, nor an error
 
 
