@@ -301,7 +301,8 @@ def pixels(count: int) -> bytes:
 def test_what_raw_items_decode_into_counts_in_the_budget(tmp_path: Path) -> None:
     """#28 finding 6: 1,024 one-pixel PNGs (108 KB) became 616 MB of float32 rows, counted
     nowhere: 4 such requests +4.0 GiB. Each row now takes its 3×224×224 float32 from the
-    budget before it is decoded."""
+    budget before it is decoded, and is held once: the rows were stacked once all were made,
+    twice what the budget counted (4 such requests peaked at 1.15 × it)."""
     root = tmp_path / "models"
     copy_model("efficientnet_lite0", root / "efficientnet_lite0")
     env = {
@@ -342,9 +343,19 @@ def test_what_raw_items_decode_into_counts_in_the_budget(tmp_path: Path) -> None
             pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(call, timeout=60)
         assert failed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, failed.value.details()
         assert "bytes held at once" in str(failed.value.details())
-        served = server.client.post(predict, content=pixels(50), timeout=120)
+        # What the budget counts is what is held: each row goes into its place in the batch as
+        # it is made, where made first and stacked after, the rows were held twice (+2.0 ×)
+        # (the first such request's one-off allocations, +49 MiB that stay, come first)
+        assert server.client.post(predict, content=pixels(100), timeout=120).status_code == 200
+        pid = server.process.pid
+        start = vm(pid, "VmRSS")
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+        served = server.client.post(predict, content=pixels(100), timeout=120)
+        peak = vm(pid, "VmHWM") - start
         assert served.status_code == 200, served.text[:300]
-        assert len(served.json()["predictions"]) == 50
+        assert len(served.json()["predictions"]) == 100
+        rows = 100 * 3 * 224 * 224 * 4
+        assert peak < 1.4 * rows, f"peak +{peak / MIB:.0f} MiB for {rows / MIB:.0f} MiB of rows"
         assert metric(server, "tensorgate_request_body_bytes_in_flight ") == 0  # given back
     finally:
         server.stop()

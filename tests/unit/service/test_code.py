@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from preprocessing.pipeline import BadInput, Item, Pipeline, answer_one, stack
+from preprocessing.pipeline import BadInput, Item, Pipeline, Rows, answer_one, stack
 from preprocessing.spec import PythonSpec, spec_hash
 from service.artifacts.code import AnswerPair, check_answers, check_code, code_facts
 from service.errors import ModelLoadError
@@ -138,6 +139,35 @@ def test_stack_refuses_items_of_different_shapes_as_bad_input() -> None:
     assert stack([{"x": np.zeros(2)}, {"x": np.ones(2)}])["x"].shape == (2, 2)
     with pytest.raises(BadInput, match=r"items make 'x' of different shapes \(\[2\], \[3\]\)"):
         stack([{"x": np.zeros(2)}, {"x": np.zeros(3)}])
+
+
+def test_rows_make_what_stack_makes_each_row_into_its_place_from_any_thread() -> None:
+    rows = [{"x": np.full((3, 2), i, np.float32), "m": np.arange(4) + i} for i in range(64)]
+    into = Rows(len(rows))
+    with ThreadPoolExecutor(4) as pool:  # put in whatever order the threads finish
+        list(pool.map(lambda i: into.put(i, rows[i]), reversed(range(len(rows)))))
+    batch, stacked = into.batch(), stack(rows)
+    assert batch.keys() == stacked.keys()
+    for name, array in stacked.items():
+        assert batch[name].dtype == array.dtype and np.array_equal(batch[name], array)
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        ({"x": np.zeros(3, np.float32)}, r"items make 'x' of different shapes \(\[2\], \[3\]\)"),
+        ({"x": np.zeros(2, np.float64)}, r"items make 'x' of different datatypes \(float64 and"),
+        ({"y": np.zeros(2, np.float32)}, r"some items make no 'x'"),
+    ],
+)
+def test_rows_refuse_items_whose_rows_differ_as_bad_input(
+    second: dict[str, np.ndarray], message: str
+) -> None:
+    into = Rows(2)
+    into.put(0, {"x": np.zeros(2, np.float32)})
+    into.put(1, second)
+    with pytest.raises(BadInput, match=message):
+        into.batch()
 
 
 def test_an_item_is_bytes_text_or_json_as_sent() -> None:

@@ -414,24 +414,25 @@ def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
 ) -> None:
     """1,024 one-pixel PNGs stack into 616 MB of efficientnet rows: stacked on the event loop,
     the copy held it 2.2 s (py-spy), and every other request and model with it (#28: a normal
-    client's worst request 1.6–1.9 s under that attack, 57 ms once stacked in the pool)."""
-    import service.core.dataplane as dataplane
+    client's worst request 1.6–1.9 s under that attack, 57 ms once stacked in the pool). Each
+    row is now copied into its place where it was made, in the pool."""
+    from preprocessing.pipeline import Rows
 
     threads: list[int] = []
-    real_stack = dataplane.stack
+    real_put = Rows.put
 
-    def stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def put(self: Rows, index: int, row: dict[str, np.ndarray]) -> None:
         threads.append(threading.get_ident())
-        return real_stack(rows)
+        real_put(self, index, row)
 
-    monkeypatch.setattr(dataplane, "stack", stack)
+    monkeypatch.setattr(Rows, "put", put)
     running = _serve_digits(tmp_path)
     try:
         loop = running.run(_loop_thread())
         _predict_pngs(running, 1, 4)
     finally:
         running.close()
-    assert threads and loop not in threads
+    assert len(threads) == 4 and loop not in threads
 
 
 def test_a_v1_predict_classifies_each_row_once(
