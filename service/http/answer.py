@@ -124,9 +124,11 @@ async def answer_inference(
     elif answer.status == 200:
         # An answer made is held until it is sent (or compressed, one at a time when large):
         # counted, as the body was (16 identity answers of 61 MiB waiting their turn to be
-        # compressed held as much again as the bodies the budget admitted).
+        # compressed held as much again as the bodies the budget admitted), from before it
+        # was made (``Call.encode``: as estimated then, as made now).
         budget = dataplane.budget
-        held = 0 if budget is None else budget.hold_for_request(len(answer.body))
+        if budget is not None:
+            budget.hold_for_request(len(answer.body))  # in place of what was estimated
         wanted = compression.choose(headers.get("accept-encoding", ""))
         if wanted is not None and len(answer.body) >= compression.MIN_COMPRESS_BYTES:
             packed = await dataplane.offload(
@@ -138,7 +140,7 @@ async def answer_inference(
             body = answer.body if packed is None else packed
             answer = Answer(answer.status, body, {**answer.headers, **encoded})
             if budget is not None:
-                budget.hold_for_request(len(body), held)
+                budget.hold_for_request(len(body))
     if trace is not None:
         trace.end(
             answer.status >= 500,

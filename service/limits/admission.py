@@ -192,18 +192,19 @@ class BytesBudget:
             self.hold(size, made=True)
             weakref.finalize(owner, self._let_go.append, size)
 
-    def hold_for_request(self, size: int, was: int = 0) -> int:
-        """Count ``size`` bytes made for the REST request being handled (its answer, made and
-        not yet sent) in place of the ``was`` it counted before, in what the request holds,
-        until :class:`BodyBudget` lets go of that once its answer is sent; return what is
-        counted: 0 for less than :data:`HELD_MADE_BYTES`, or outside such a request."""
+    def hold_for_request(self, size: int) -> int:
+        """Count ``size`` bytes as made for the REST request being handled (its answer: as
+        estimated while it is being made, then as made until it is sent), in place of what was
+        counted as made for it before, until :class:`BodyBudget` lets go of it once the answer
+        is sent; return what is counted: 0 for less than :data:`HELD_MADE_BYTES`, or outside
+        such a request."""
         held = REQUEST_HELD.get()
         if held is None or len(held) < 2:
             return 0
         size = size if size >= HELD_MADE_BYTES else 0
-        if size != was:
-            self.hold(size - was, made=True)
-            held[1] += size - was
+        if size != held[1]:
+            self.hold(size - held[1], made=True)
+            held[1] = size
         return size
 
     def release(self, size: int, made: int = 0) -> None:

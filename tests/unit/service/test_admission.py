@@ -7,6 +7,7 @@ import pytest
 
 from service.errors import PayloadTooLarge, ServerBusy
 from service.limits.admission import BytesBudget
+from service.telemetry.counters import REQUEST_HELD
 
 
 def test_try_take_holds_only_what_fits_with_room_to_spare() -> None:
@@ -88,3 +89,27 @@ def test_what_was_made_makes_large_requests_wait_not_small_ones_up_to_twice_the_
     del outputs  # its answers sent: a large request fits again
     budget.take(4 << 20)
     assert budget.held == (40 << 20) + 100 * (200 << 10) + (4 << 20) and budget.made == 0
+
+
+def test_a_requests_answer_is_counted_in_place_of_its_estimate_and_let_go_with_it() -> None:
+    """A REST answer is counted from before it is made (its outputs' size, an estimate), then
+    as made, then compressed: each count replaces the last, and the request's end lets go of
+    the last. Made first and counted after, 16 answers of 61 MiB peaked at 3 × their bodies
+    where 2 × was counted."""
+    budget = BytesBudget(limit=1 << 30)
+    held = [0, 0]
+    token = REQUEST_HELD.set(held)
+    try:
+        budget.take(10 << 20)  # the body (BodyBudget counts it in held[0])
+        held[0] += 10 << 20
+        assert budget.hold_for_request(40 << 20) == 40 << 20  # JSON text, estimated
+        assert budget.held == 50 << 20 and budget.made == 40 << 20
+        assert budget.hold_for_request(30 << 20) == 30 << 20  # as made
+        assert budget.hold_for_request(1000) == 0  # compressed: too small to count
+        assert budget.held == 10 << 20 and budget.made == 0 and held == [10 << 20, 0]
+        budget.hold_for_request(20 << 20)
+    finally:
+        REQUEST_HELD.reset(token)
+    budget.release(held[0], held[1])  # as BodyBudget does once the answer is sent
+    assert budget.held == 0 and budget.made == 0
+    assert budget.hold_for_request(20 << 20) == 0  # outside a REST request: not counted

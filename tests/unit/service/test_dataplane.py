@@ -409,6 +409,37 @@ def test_a_large_answer_asked_to_be_pooled_is_encoded_off_the_event_loop(
     assert (encoder == loop) is on_the_loop
 
 
+@pytest.mark.parametrize(("pooled", "counted"), [(False, 1), (True, 4)])
+def test_an_answer_is_counted_in_the_budget_before_it_is_made(
+    core: InProcess, monkeypatch: pytest.MonkeyPatch, pooled: bool, counted: int
+) -> None:
+    """Made first and counted after, each REST answer of 61 MiB was held beside its outputs
+    and body uncounted while it was made (3 × the body, 2 × counted). It is counted from before:
+    its outputs' size for a binary answer, four times that for JSON text."""
+    from service.inference import OutputTensor
+    from service.limits.admission import BytesBudget
+    from service.telemetry.counters import REQUEST_HELD
+
+    budget = BytesBudget(limit=1 << 30)
+    monkeypatch.setattr(core.dataplane, "budget", budget)
+    data = np.zeros(1 << 20, np.float32)  # 4 MiB
+    result = InferenceResult(
+        "identity", "1", None, [OutputTensor("o", "FP32", data)], {}, {}, None, True
+    )
+    seen: list[int] = []
+
+    async def run() -> list[int]:
+        held = [0, 0]
+        REQUEST_HELD.set(held)  # as BodyBudget sets it for a REST request
+        with core.dataplane.call("test", "identity", None) as call:
+            await call.encode(lambda r: seen.append(budget.made), result, pooled=pooled)
+        return held
+
+    held = core.run(run())
+    assert seen == [counted * data.nbytes] and held == [0, counted * data.nbytes]
+    budget.release(held[0], held[1])
+
+
 def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
