@@ -256,6 +256,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if isinstance(self.transport, Flushes):  # the loop closes the transport under it
             self.transport.flush()
 
+    def pause_writing(self) -> None:
+        """The transport's buffer passed its high-water mark: count what it holds now, not at
+        the next sweep. An answer is let go from the request's count once written to the
+        transport, and the bytes the client has not taken were counted nowhere until the sweep
+        (up to 0.25 s), while new bodies were let in."""
+        self._check_unsent(self.loop.time())
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self._check_unsent(self.loop.time())  # drained below its low-water mark
+        super().resume_writing()
+
     def _check_gone(self) -> None:
         """After a probe: a reset, if the client left, is the socket's pending error."""
         if not self._half_closed or self.transport.is_closing():
