@@ -190,20 +190,25 @@ def _check_row(row: Arrays) -> None:
 class Rows:
     """A batch of ``count`` items filled a row at a time: each item's row is copied into its
     place as soon as it is made (from any thread), so that it can be let go at once. What
-    :func:`stack` makes, without holding every row and their stack together: 1,024 one-pixel
-    PNGs make 616 MB of efficientnet rows, held twice while they were stacked."""
+    :func:`stack` makes (datatypes promoted alike), without holding every row and their stack
+    together: 1,024 one-pixel PNGs make 616 MB of efficientnet rows, held twice while they were
+    stacked."""
 
     def __init__(self, count: int) -> None:
         self._count = count
         self._lock = threading.Lock()
         self._batch: Arrays | None = None
+        self._filled: list[int] = []
         self._odd: dict[str, set[str]] = {}
-        """Input name → how the rows that did not fit the first row's array differed."""
+        """Input name → the shapes of the rows that did not fit the first row's, or
+        ``missing`` where some rows make the name and others do not."""
 
     def put(self, index: int, row: Arrays) -> None:
-        """Item ``index``'s row (a dict of arrays by input name, no batch dim) into its place."""
+        """Item ``index``'s row (a dict of arrays by input name, no batch dim) into its place.
+        The copy is made under the lock (a row's copy is short beside making it); a row whose
+        datatype is wider than the batch's so far widens it, as stacking would."""
         _check_row(row)
-        row = {name: np.asarray(value) for name, value in row.items()}  # lists, as stack takes
+        row = {name: np.asarray(value) for name, value in row.items()}  # lists too
         with self._lock:
             if self._batch is None:  # the first row made sets every row's shape
                 self._batch = {
@@ -211,31 +216,30 @@ class Rows:
                     for name, array in row.items()
                 }
             batch = self._batch
-        for name, target in batch.items():
-            array = row.get(name)
-            if array is not None and array.shape == target.shape[1:]:
-                if array.dtype == target.dtype:
-                    target[index] = array
+            for name in row.keys() ^ batch.keys():  # whichever side the first row was on
+                self._odd.setdefault(name, set()).add("missing")
+            for name in row.keys() & batch.keys():
+                array, target = row[name], batch[name]
+                if array.shape != target.shape[1:]:
+                    self._odd.setdefault(name, set()).add(str(list(array.shape)))
                     continue
-                what = f"{array.dtype} and {target.dtype}"
-            else:
-                what = "missing" if array is None else str(list(array.shape))
-            with self._lock:
-                self._odd.setdefault(name, set()).add(what)
+                if array.dtype != target.dtype:
+                    wider = np.result_type(target.dtype, array.dtype)
+                    if wider != target.dtype:
+                        grown = np.empty(target.shape, wider)
+                        grown[self._filled] = target[self._filled]
+                        batch[name] = target = grown
+                target[index] = array
+            self._filled.append(index)
 
     def batch(self) -> Arrays:
         """The batch, once every row is in; items whose rows differ are a :class:`BadInput`."""
         assert self._batch is not None, "no row was put"
         for name, odd in sorted(self._odd.items()):
             if "missing" in odd:
-                raise BadInput(f"some items make no '{name}'")
-            shapes = {what for what in odd if what.startswith("[")}
-            if shapes:
-                shapes.add(str(list(self._batch[name].shape[1:])))
-                raise BadInput(
-                    f"items make '{name}' of different shapes ({', '.join(sorted(shapes))})"
-                )
-            raise BadInput(f"items make '{name}' of different datatypes ({', '.join(sorted(odd))})")
+                raise BadInput(f"some items make '{name}' and others do not")
+            shapes = sorted(odd | {str(list(self._batch[name].shape[1:]))})
+            raise BadInput(f"items make '{name}' of different shapes ({', '.join(shapes)})")
         return self._batch
 
 

@@ -114,15 +114,21 @@ class DataPlane:
         one (``TG_PREPROCESS_THREADS``)."""
         return model.code_pool(self.settings.preprocess_threads)
 
-    async def offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+    async def offload(
+        self, size: int, fn: Callable[..., T], *args: Any, starting: Callable[[], object] = int
+    ) -> T:
         """``fn(*args)``, in the thread pool when ``size`` (the bytes it works on) is large, and
-        one at a time with the others of :data:`BULK_BYTES` or more."""
+        one at a time with the others of :data:`BULK_BYTES` or more; ``starting()`` is called
+        on the loop just before ``fn`` starts (once its turn has come)."""
         if size < OFFLOAD_BYTES:
+            starting()
             return fn(*args)
         loop = asyncio.get_running_loop()
         if size < BULK_BYTES:
+            starting()
             return await loop.run_in_executor(self.pool, fn, *args)
         async with self._bulk:
+            starting()
             return await loop.run_in_executor(self.pool, fn, *args)
 
     # -- health ---------------------------------------------------------------------------------
@@ -582,12 +588,19 @@ class Call:
         try:
             size = answer_bytes(result)
             budget = self.dataplane.budget
-            if budget is not None:
-                # A REST answer is counted from before it is made, beside its outputs: made
-                # first and counted after, 16 answers of 61 MiB peaked at 3 × their body each
-                # where 2 × was counted (the answer made is counted as it is in its place)
-                budget.hold_for_request(JSON_ANSWER_PER_BYTE * size if pooled else size)
-            return await self.dataplane.offload(size if pooled else 0, encode, result, *args)
+            if budget is None:
+                return await self.dataplane.offload(size if pooled else 0, encode, result, *args)
+            # A REST answer is counted from when it starts being made (large ones wait their
+            # turn uncounted): made first and counted after, each answer of 61 MiB was held
+            # beside its outputs and body uncounted; the answer made is counted in its place
+            estimate = JSON_ANSWER_PER_BYTE * size if pooled else size
+            return await self.dataplane.offload(
+                size if pooled else 0,
+                encode,
+                result,
+                *args,
+                starting=partial(budget.hold_for_request, estimate),
+            )
         finally:
             ended = time.perf_counter_ns()
             self.observation.timing.compute_output_ns += ended - started

@@ -261,12 +261,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         the next sweep. An answer is let go from the request's count once written to the
         transport, and the bytes the client has not taken were counted nowhere until the sweep
         (up to 0.25 s), while new bodies were let in."""
-        self._check_unsent(self.loop.time())
-        super().pause_writing()
+        try:
+            self._count_unsent()
+        finally:
+            super().pause_writing()
 
     def resume_writing(self) -> None:
-        self._check_unsent(self.loop.time())  # drained below its low-water mark
-        super().resume_writing()
+        try:
+            self._count_unsent()  # drained below its low-water mark
+        finally:
+            super().resume_writing()
 
     def _check_gone(self) -> None:
         """After a probe: a reset, if the client left, is the socket's pending error."""
@@ -475,12 +479,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if cls._open:
             cls._sweep = loop.call_later(interval, cls._sweep_once, loop, interval)
 
-    def _check_unsent(self, now: float) -> None:
-        transport = self.transport
-        unsent = transport.get_write_buffer_size()  # also while closing: it flushes first
+    def _count_unsent(self) -> int:
+        """Count what the transport has not sent in the budget, in place of the last count (a
+        transport's own callbacks call this: it never closes the transport)."""
+        unsent = self.transport.get_write_buffer_size()  # also while closing: it flushes first
         if self.budget is not None and unsent != self._unsent:
             self.budget.hold(unsent - self._unsent)
         self._unsent = unsent
+        return unsent
+
+    def _check_unsent(self, now: float) -> None:
+        transport = self.transport
+        unsent = self._count_unsent()
         if not unsent:
             self._filled_at = None
         elif self._filled_at is None:

@@ -153,21 +153,42 @@ def test_rows_make_what_stack_makes_each_row_into_its_place_from_any_thread() ->
 
 
 @pytest.mark.parametrize(
-    ("second", "message"),
+    ("first", "second", "message"),
     [
-        ({"x": np.zeros(3, np.float32)}, r"items make 'x' of different shapes \(\[2\], \[3\]\)"),
-        ({"x": np.zeros(2, np.float64)}, r"items make 'x' of different datatypes \(float64 and"),
-        ({"y": np.zeros(2, np.float32)}, r"some items make no 'x'"),
+        ({"x": np.zeros(2)}, {"x": np.zeros(3)}, r"'x' of different shapes \(\[2\], \[3\]\)"),
+        ({"x": np.zeros(2)}, {"y": np.zeros(2)}, r"some items make '(x|y)' and others do not"),
+        ({"x": np.zeros(2)}, {"x": np.zeros(2), "y": np.zeros(2)}, r"make 'y' and others do not"),
+        ({"x": np.zeros(2), "y": np.zeros(2)}, {"x": np.zeros(2)}, r"make 'y' and others do not"),
     ],
 )
 def test_rows_refuse_items_whose_rows_differ_as_bad_input(
-    second: dict[str, np.ndarray], message: str
+    first: dict[str, np.ndarray], second: dict[str, np.ndarray], message: str
 ) -> None:
+    """Whichever row comes first (the pool's first to finish): the same refusal."""
     into = Rows(2)
-    into.put(0, {"x": np.zeros(2, np.float32)})
+    into.put(0, first)
     into.put(1, second)
     with pytest.raises(BadInput, match=message):
         into.batch()
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [np.asarray([1, 2]), np.asarray([1.5, 2.0]), np.asarray([3, 4])],  # ints, floats
+        [np.zeros(2, np.float32), np.ones(2, np.float64)],
+        [np.array(["ab"]), np.array(["abcd"])],
+        [np.zeros(2, ">f8"), np.ones(2, "<f8")],
+    ],
+)
+def test_rows_widen_datatypes_as_stacking_does(rows: list[np.ndarray]) -> None:
+    items = [{"x": row} for row in rows]
+    into = Rows(len(items))
+    for index, row in enumerate(items):
+        into.put(index, row)
+    stacked = stack(items)
+    assert into.batch()["x"].dtype == stacked["x"].dtype
+    assert np.array_equal(into.batch()["x"], stacked["x"])
 
 
 def test_an_item_is_bytes_text_or_json_as_sent() -> None:

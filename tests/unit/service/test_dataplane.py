@@ -3,6 +3,7 @@ DataPlane, the loader and repository behind it, and the one inference route func
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 import threading
@@ -438,6 +439,38 @@ def test_an_answer_is_counted_in_the_budget_before_it_is_made(
     held = core.run(run())
     assert seen == [counted * data.nbytes] and held == [0, counted * data.nbytes]
     budget.release(held[0], held[1])
+
+
+def test_a_large_answer_waiting_its_turn_is_not_counted_until_it_starts(
+    core: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large answers are made one at a time: counted while they wait, 16 JSON answers of
+    61 MiB would count 3.9 GiB as made, refusing even small requests (past twice the budget)."""
+    from service.core.dataplane import BULK_BYTES
+    from service.inference import OutputTensor
+    from service.limits.admission import BytesBudget
+    from service.telemetry.counters import REQUEST_HELD
+
+    budget = BytesBudget(limit=1 << 30)
+    monkeypatch.setattr(core.dataplane, "budget", budget)
+    data = np.zeros(BULK_BYTES // 4, np.float32)
+    result = InferenceResult(
+        "identity", "1", None, [OutputTensor("o", "FP32", data)], {}, {}, None, True
+    )
+
+    async def run() -> tuple[int, int]:
+        REQUEST_HELD.set([0, 0])
+        async with core.dataplane._bulk:  # another large answer is being made
+            with core.dataplane.call("test", "identity", None) as call:
+                encoding = asyncio.ensure_future(call.encode(lambda r: None, result, pooled=True))
+                await asyncio.sleep(0.05)
+                waiting = budget.made
+        await encoding
+        return waiting, budget.made
+
+    waiting, made = core.run(run())
+    assert waiting == 0 and made == 4 * data.nbytes
+    budget.release(0, made)
 
 
 def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(

@@ -42,7 +42,7 @@ def test_stream_answers_are_serialized_by_the_handler_the_large_ones_off_the_eve
     serializing: dict[int, int] = {}  # answer bytes → the thread that serialized them
     real_offload = DataPlane.offload
 
-    async def offload(self: DataPlane, size: int, fn: Any, *args: Any) -> Any:
+    async def offload(self: DataPlane, size: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if fn is codec.serialized:
             serialize = fn
 
@@ -51,7 +51,7 @@ def test_stream_answers_are_serialized_by_the_handler_the_large_ones_off_the_eve
                 serializing[len(serialized)] = threading.get_ident()
                 return serialized
 
-        return await real_offload(self, size, fn, *args)
+        return await real_offload(self, size, fn, *args, **kwargs)
 
     monkeypatch.setattr(DataPlane, "offload", offload)
     settings = Settings(
