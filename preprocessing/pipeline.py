@@ -20,7 +20,7 @@ server's log.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -123,12 +123,8 @@ class Pipeline:
     def preprocess_batch(self, items: Sequence[Item], contexts: Sequence[dict[str, Any]]) -> Arrays:
         """Items → the model's batch. By default each item's :meth:`preprocess`, stacked: each
         row copied into its place as it is made, so that the rows are not held twice."""
-        if len(items) == 1:
-            return stack([self.preprocess(items[0], contexts[0])])  # a view, no copy
-        into = Rows(len(items))
-        for index, (item, context) in enumerate(zip(items, contexts, strict=True)):
-            into.put(index, self.preprocess(item, context))
-        return into.batch()
+        made = (self.preprocess(item, c) for item, c in zip(items, contexts, strict=True))
+        return stack(made, len(items))
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], context: dict[str, Any]) -> Any:
         """The model's outputs for one item (no batch dim) → its answer: JSON-serialisable
@@ -162,22 +158,22 @@ def answer_one(
     return {name: np.asarray(array).tolist() for name, array in row.items()}
 
 
-def stack(rows: Sequence[Arrays]) -> Arrays:
-    """Rows (one dict per item) → a batch: each name's arrays stacked on a new first dim; items
-    whose rows differ in shape are a :class:`BadInput`."""
-    for row in rows:
-        _check_row(row)
-    first = rows[0]
-    if len(rows) == 1:
-        return {name: array[None] for name, array in first.items()}  # a view, no copy
-    batch = {}
-    for name in first:
-        arrays = [row[name] for row in rows]
-        if len({a.shape for a in arrays}) > 1:
-            shapes = sorted({str(list(a.shape)) for a in arrays})
-            raise BadInput(f"items make '{name}' of different shapes ({', '.join(shapes)})")
-        batch[name] = np.stack(arrays)
-    return batch
+def stack(rows: Iterable[Arrays], count: int | None = None) -> Arrays:
+    """Rows (one dict per item) → a batch: each name's arrays stacked on a new first dim, their
+    datatypes widened alike (as ``np.stack``); items whose rows differ in shape or names are a
+    :class:`BadInput`. Given ``count``, ``rows`` may be a generator: each row is copied into its
+    place as it comes (:class:`Rows`), never all held at once."""
+    if count is None:
+        rows = list(rows)
+        count = len(rows)
+    if count == 1:
+        (first,) = rows
+        _check_row(first)
+        return {name: np.asarray(array)[None] for name, array in first.items()}  # a view
+    into = Rows(count)
+    for index, row in enumerate(rows):
+        into.put(index, row)
+    return into.batch()
 
 
 def _check_row(row: Arrays) -> None:

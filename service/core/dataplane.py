@@ -588,18 +588,13 @@ class Call:
         try:
             size = answer_bytes(result)
             budget = self.dataplane.budget
-            if budget is None:
-                return await self.dataplane.offload(size if pooled else 0, encode, result, *args)
             # A REST answer is counted from when it starts being made (large ones wait their
             # turn uncounted): made first and counted after, each answer of 61 MiB was held
             # beside its outputs and body uncounted; the answer made is counted in its place
             estimate = JSON_ANSWER_PER_BYTE * size if pooled else size
+            starting = int if budget is None else partial(budget.hold_for_request, estimate)
             return await self.dataplane.offload(
-                size if pooled else 0,
-                encode,
-                result,
-                *args,
-                starting=partial(budget.hold_for_request, estimate),
+                size if pooled else 0, encode, result, *args, starting=starting
             )
         finally:
             ended = time.perf_counter_ns()

@@ -278,7 +278,7 @@ def test_answers_a_client_does_not_take_count_in_the_budget_and_time_out(tmp_pat
         sampled_until = time.monotonic() + 1  # well within TG_WRITE_TIMEOUT_S (3 s)
         while time.monotonic() < sampled_until:
             seen.append(metric(server, bytes_held))
-            time.sleep(0.005)
+            time.sleep(0.005)  # paces the samples: this waits for nothing
         counted = list(itertools.dropwhile(lambda size: size == 0, seen))
         assert counted and 0 not in counted, seen
         held += [unread_answer(server, 1 << 20) for _ in range(2)]
@@ -629,7 +629,7 @@ def test_grpc_answers_a_client_has_not_taken_count_in_the_budget(tmp_path: Path)
             # Nothing happens on a server that counts the answers: the heap rule's four looks a
             # second are given time to end a stream (as they did before), with no event to
             # wait for instead.
-            time.sleep(2)
+            time.sleep(2)  # eight looks at the heap: the absence of an event, not a wait for one
             held = metric(server, "tensorgate_request_body_bytes_in_flight ")
             done = [call.code() for call in calls if call.done()]
             print(f"held {held / MIB:.0f} MiB; ended: {collections.Counter(done)}")
