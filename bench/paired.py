@@ -2,6 +2,7 @@
 like "this change costs nothing" or "this buys 5 %" needs on a shared, drifting machine.
 
     .venv/bin/python -m bench.paired --old d5a6af0 [--pairs 5] [--seconds 5] [--defaults]
+        [--backend torchscript|pt2]
 
 The old revision is checked out in a temporary git worktree and served by this venv (its
 packages are the same unless the locks changed between the two); the new side is the working
@@ -9,7 +10,8 @@ tree. Both servers serve one repository (efficientnet_lite0 and the W2 MLP) with
 settings and stay up; each pair runs every workload against one server and then the other (the
 order flips every pair), so that drift falls on both sides alike:
 W1 (a 640×480 JPEG → top-5, v1 predict) at 16 and at 1 connection; W2 (the 64→256→10 MLP, a JSON
-tensor, v2 infer) at 64 and at 1 connection. Loopback only; wrk is the client.
+tensor, v2 infer) at 64 and at 1 connection. Loopback only; wrk is the client. With
+``--backend``, efficientnet_lite0 is served from that artifact of its version instead of ONNX.
 Writes bench/results/paired.md.
 """
 
@@ -49,6 +51,9 @@ def main() -> None:
         action="store_true",
         help="both sides at the server's defaults (workers, threads), not one worker of 2 threads",
     )
+    parser.add_argument(
+        "--backend", choices=("onnx", "torchscript", "pt2"), default="onnx", help="W1's artifact"
+    )
     args = parser.parse_args()
     new_env = dict(item.split("=", 1) for item in args.new_env)
     workloads = {
@@ -60,6 +65,8 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, worktree(args.old, Path(tmp) / "old") as old_tree:
         repository = served_repository(Path(tmp))
+        if args.backend != "onnx":
+            switch_backend(repository / "efficientnet_lite0", args.backend)
         base = QUIET if args.defaults else ENV
         servers = {
             "old": serve_tree(old_tree, repository, base),
@@ -110,9 +117,24 @@ def main() -> None:
     publish(
         "paired",
         f"# old ({args.old}) vs new (working tree), {args.pairs} alternating pairs "
-        f"of {args.seconds} s{', default settings' if args.defaults else ''}\n\n"
+        f"of {args.seconds} s{', default settings' if args.defaults else ''}"
+        f"{'' if args.backend == 'onnx' else f', W1 from {args.backend}'}\n\n"
         f"median (min–max)\n\n{table(rows, header)}\n",
     )
+
+
+def switch_backend(folder: Path, backend: str) -> None:
+    """``folder`` (a link to a bundled model) made a folder of links to its files, with its
+    config served from ``backend``'s artifact."""
+    source = folder.resolve()
+    folder.unlink()
+    folder.mkdir()
+    for path in source.iterdir():
+        if path.name != "config.yaml":
+            (folder / path.name).symlink_to(path)
+    lines = (source / "config.yaml").read_text().splitlines()
+    switched = [f"backend: {backend}" if x.startswith("backend:") else x for x in lines]
+    (folder / "config.yaml").write_text("\n".join(switched) + "\n")
 
 
 if __name__ == "__main__":

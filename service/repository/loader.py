@@ -59,6 +59,7 @@ from service.errors import (
 from service.model_config import ModelConfig, TensorConfig
 from service.pipelines.classification import ANSWER, CLASSIFICATION, Classifier
 from service.pipelines.inputs import bounded_signature, check_names, pipeline_for
+from service.resources import CPU_USE
 from service.runtimes import (
     create_runtime,
     cuda_device_count,
@@ -560,7 +561,8 @@ def _warm_up(
             lengths = [dims[a.dims[0]] for a in shapes.axes if a.dims[0] in dims]
             started = time.perf_counter()
             try:
-                runtime.warmup(batch)
+                with CPU_USE:  # as a batch: two workers warming at once keep to their shares
+                    runtime.warmup(batch)
             except Exception as exc:
                 where = f"batch size {size}" + (f", dims {lengths}" if lengths else "")
                 raise ModelLoadError(f"warmup at {where} failed: {exc}") from exc

@@ -6,12 +6,14 @@ and :class:`~service.runtimes.pt2.Pt2Runtime` are siblings on it: each loads its
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from service.resources import CPU_USE
 from service.runtimes.base import Runtime, Signature
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -21,6 +23,10 @@ _TORCH_DTYPES = {
     "FP64": torch.float64,
     "BF16": torch.bfloat16,
 }
+
+
+_THREADS = threading.local()
+"""``count``: the intra-op threads torch was last given on this thread (by any runtime)."""
 
 
 class TorchRuntime(Runtime):
@@ -49,6 +55,7 @@ class TorchRuntime(Runtime):
     def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.inference_mode():
             if self._stream is None:
+                self._cpu_threads()
                 return self._outputs(self._module(*self._inputs(batch)))
             with torch.cuda.stream(self._stream):
                 replayed = self._replay(batch)
@@ -56,6 +63,24 @@ class TorchRuntime(Runtime):
                     return self._outputs(replayed)
                 result = self._module(*self._inputs(batch))
                 return self._outputs(result)  # .cpu() waits for this stream's work
+
+    def _cpu_threads(self) -> None:
+        """Give the calling thread the intra-op threads this batch runs with: every CPU's
+        (``intra_op_threads``) for a batch alone, the worker's share beside another batch
+        (:data:`service.resources.CPU_USE`), as ONNX Runtime's two sessions do. torch's ops
+        and AOTInductor's kernels parallelise with OpenMP, whose thread count is the calling
+        thread's own, so each instance thread sets it, and only when it changes.
+
+        Each worker's torch runtimes took every CPU always: two workers warming efficientnet
+        at once on 2 CPUs, each splitting every operator over 2 threads, took 125 s where one
+        thread each took 41 (docs/performance.md, "torch runtimes at the defaults")."""
+        options = self.options
+        wanted = options.intra_op_threads
+        if 0 < options.shared_threads < wanted and CPU_USE.contended():
+            wanted = options.shared_threads
+        if getattr(_THREADS, "count", 0) != wanted:
+            torch.set_num_threads(wanted)
+            _THREADS.count = wanted
 
     def _replay(self, batch: Mapping[str, np.ndarray]) -> Any:
         """A captured graph's outputs for ``batch``, or None to run the module (the default)."""

@@ -15,12 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import zipfile
-from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch._inductor.package import load_package  # type: ignore[attr-defined]  # not re-exported in its stubs
 
@@ -122,13 +119,4 @@ class Pt2Runtime(TorchRuntime):
             )
         except RuntimeError as exc:
             raise ModelLoadError(f"cannot load {path.name}: {exc}") from None
-        self._threads = threading.local()
         return self._bind(module, device, declared)
-
-    def run(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # The compiled kernels parallelise with OpenMP, whose thread count is per calling thread:
-        # each instance thread is given the configured count once, as torch's own ops are.
-        if not getattr(self._threads, "set", False):
-            torch.set_num_threads(self.options.intra_op_threads)
-            self._threads.set = True
-        return super().run(batch)
