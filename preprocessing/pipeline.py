@@ -69,7 +69,10 @@ class Item:
         try:
             return orjson.loads(self.data)
         except orjson.JSONDecodeError as exc:
-            raise BadInput(f"item is not valid JSON: {exc}") from None
+            sent = f" (sent as {self.content_type})" if self.content_type else ""
+            raise BadInput(
+                f"item is not valid JSON{sent}: {exc}; this model takes JSON records"
+            ) from None
 
 
 class Models(Protocol):

@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class ImageSpec(BaseModel):
@@ -70,6 +70,18 @@ class TextSpec(BaseModel):
     truncate: bool = True
     """Cut longer texts at max_length (and report it); false: refuse them with 400."""
     pad_id: int = Field(default=0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _says_how_to_hash(cls, data: Any) -> Any:
+        """The sha256 missing is a 400 saying how to make it (pydantic said "Field required")."""
+        if isinstance(data, dict) and "tokenizer_sha256" not in data:
+            name = data.get("tokenizer", "tokenizer.json")
+            raise ValueError(
+                "tokenizer_sha256 is required: the sha256 of the tokenizer file, in hex "
+                f"(`sha256sum {name}`), so that a changed tokenizer changes the spec's hash"
+            )
+        return data
 
     @field_validator("buckets")
     @classmethod

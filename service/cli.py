@@ -70,8 +70,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     export = commands.add_parser("export", help="export a PyTorch module into a model repository")
     export.add_argument("factory", help="module:callable returning the torch.nn.Module")
     export.add_argument("--name", required=True, help="model name (its folder in the repository)")
-    export.add_argument("--repository", type=Path, default=Path("models"))
-    export.add_argument("--version", type=int, default=1, dest="model_version")
+    export.add_argument(
+        "--repository",
+        type=Path,
+        default=Path("models"),
+        help="the model repository the model's folder is written into (default: models)",
+    )
+    export.add_argument(
+        "--version",
+        type=int,
+        default=1,
+        dest="model_version",
+        help="the version folder written (default: 1)",
+    )
     export.add_argument(
         "--input",
         action="append",
@@ -89,7 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an output without the batch dim, e.g. logits:FP32:1000 (cls:INT64 is one value "
         "a row)",
     )
-    export.add_argument("--max-batch-size", type=int, default=32)
+    export.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=32,
+        help="most rows in one batch, the exported batch dim's upper bound (default: 32; 0: the "
+        "model has no batch dim)",
+    )
     export.add_argument(
         "--formats",
         default="onnx,pt2",

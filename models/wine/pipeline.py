@@ -84,7 +84,12 @@ class WinePipeline(Pipeline):
             values[index] = value
         context["missing"] = [f for f, m in zip(self.fields, missing, strict=True) if m]
         scaled = (values - self.mean) / self.std
-        return {"features": np.concatenate([scaled, missing]).astype(np.float32)}
+        with np.errstate(over="ignore"):  # said below, by field
+            features = np.concatenate([scaled, missing]).astype(np.float32)
+        if not np.isfinite(features).all():  # finite as sent, past float32 once scaled
+            huge = [f for f, x in zip(self.fields, features, strict=False) if not np.isfinite(x)]
+            raise BadInput(f"fields {huge} are out of range: infinite as the model's float32")
+        return {"features": features}
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], context: dict[str, Any]) -> Any:
         logits = outputs["logits"].astype(np.float64)

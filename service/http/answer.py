@@ -89,6 +89,8 @@ async def answer_inference(
     looked_up = False  # whether the request reached its model (its metrics count it then)
     try:
         check_authorization(headers.get("authorization", ""), settings.api_token, "api")
+        if route.kind == "infer":
+            v2.check_media_type(headers.get("content-type", ""), route.model)
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)
         encoding = headers.get("content-encoding")
         if encoding is not None:

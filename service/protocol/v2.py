@@ -24,7 +24,7 @@ from service.datatypes import (
     json_numbers,
     json_values,
 )
-from service.errors import InvalidInput, PayloadTooLarge
+from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -32,6 +32,23 @@ MAX_EXTENT = 2**40
 """Most a shape's non-zero dims may multiply to beside a zero dim: numpy refuses even an empty
 array whose other dims multiply past what it can index."""
 _MAX_NESTING = 64
+
+
+NOT_JSON = ("image/", "audio/", "video/", "multipart/")
+"""Media types a v2 request never is: answered 415 naming where such a body goes, before it is
+read (parsed as JSON it was a 400 about UTF-8 surrogates)."""
+
+
+def check_media_type(content_type: str, model: str) -> None:
+    """415 for a body of a media type that is never a v2 request (an image, a form)."""
+    media = content_type.split(";")[0].strip().lower()
+    if media.startswith(NOT_JSON):
+        raise UnsupportedMediaType(
+            f"Content-Type {media!r} is not accepted by v2 infer, which takes a JSON request "
+            "(binary tensors may follow its JSON header, Inference-Header-Content-Length); "
+            f"send a raw image to POST /v1/models/{model}:predict, or as an element of a BYTES "
+            "input"
+        )
 
 
 def parse_header_length(value: str | None, body_length: int) -> int | None:

@@ -243,7 +243,8 @@ class ModelRepository:
             version.state, version.reason = ModelState.UNAVAILABLE, self.relative(str(exc))
             version.waits_for_step = isinstance(exc, StepNotReady)
             version.stopped = isinstance(exc, LoadStopped)
-            log.error("model %s version %d is unavailable: %s", version.name, version.version, exc)
+            # a reload's version may fail while the one serving goes on (load_model says so)
+            log.error("model %s version %d did not load: %s", version.name, version.version, exc)
             return
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # the last two: a model's code
             version.state = ModelState.UNAVAILABLE
@@ -297,6 +298,9 @@ class ModelRepository:
                     self.models[name] = fresh  # its metadata says why, as at startup
                 else:
                     old.last_load_error = reasons
+                    serving = [str(v.version) for v in old.versions.values() if v.served]
+                    which = ("version " if len(serving) == 1 else "versions ") + ", ".join(serving)
+                    log.error("model %s: reload refused, %s serving on: %s", name, which, reasons)
                 if any(v.stopped for v in versions):
                     raise ModelLoadStopped(f"the load of '{name}' did not finish: {reasons}")
                 raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
@@ -517,7 +521,7 @@ def _scan_model(name: str, folder: Path) -> ModelEntry:
         entry.config = load_model_config(folder / "config.yaml")
     except ModelLoadError as exc:
         entry.error = str(exc)
-        log.error("model %s is unavailable: %s", name, exc)
+        log.error("model %s cannot be loaded: %s", name, exc)
         return entry
     found = sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and _is_number(p.name))
     chosen = select_versions(found, entry.config.version_policy)
@@ -527,7 +531,7 @@ def _scan_model(name: str, folder: Path) -> ModelEntry:
             f"{entry.config.version_policy.model_dump(exclude_defaults=True)}); "
             "run `make models` or export one"
         )
-        log.error("model %s is unavailable: %s", name, entry.error)
+        log.error("model %s cannot be loaded: %s", name, entry.error)
     for number in chosen:
         entry.versions[number] = ModelVersion(name, number, folder / str(number))
     return entry

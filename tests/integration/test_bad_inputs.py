@@ -164,6 +164,15 @@ CASES = [
         415,
         "Content-Type 'text/plain' is not accepted",
     ),
+    (
+        "an image to v2 infer",  # it was a 400 about UTF-8 surrogates, the JPEG parsed as JSON
+        "POST",
+        "/v2/models/efficientnet_lite0/infer",
+        b"\xff\xd8\xff\xe0 a JPEG",
+        "image/jpeg",
+        415,
+        "send a raw image to POST /v1/models/efficientnet_lite0:predict",
+    ),
     ("unknown model metadata", "GET", "/v2/models/nope", b"", "", 404, "unknown model 'nope'"),
     ("unknown model ready", "GET", "/v2/models/nope/ready", b"", "", 404, "unknown model"),
     ("traversal path", "GET", "/v2/models/..%2F..%2Fetc", b"", "", 404, "no route"),

@@ -182,6 +182,11 @@ def test_a_load_that_refuses_one_version_is_400_and_leaves_the_server_as_it_was(
         answer = server.client.post("/v2/repository/models/pair/load", headers=admin)
         assert answer.status_code == 400, answer.text
         assert "failed to load 'pair': version 1: READY; version 2: " in answer.json()["error"]
+        # the log says what serves on, not that the model is unavailable (it said so)
+        log = server.log()
+        assert "model pair: reload refused, version 1 serving on: version 1: READY" in log, log
+        assert "model pair version 2 did not load: " in log
+        assert "model pair version 2 is unavailable" not in log
         assert server.client.get("/v2/models/pair/versions/1/ready").status_code == 200
         assert server.client.get("/v2/models/pair/versions/2/ready").status_code == 404
         assert server.client.post("/v2/models/pair/infer", json=DIGIT).status_code == 200

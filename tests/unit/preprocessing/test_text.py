@@ -71,3 +71,11 @@ def test_a_tokenizer_that_differs_from_the_spec_is_refused(tmp_path: Path) -> No
 def test_invalid_text_specs_say_what_is_wrong(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         spec(**changes)
+
+
+def test_a_text_spec_without_its_tokenizers_hash_says_how_to_make_it() -> None:
+    """It said "Field required", and nothing in the docs named the field."""
+    fields = spec().model_dump()
+    del fields["tokenizer_sha256"]
+    with pytest.raises(ValidationError, match=r"the sha256 of the tokenizer file.*`sha256sum "):
+        TextSpec.model_validate(fields)
