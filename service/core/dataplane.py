@@ -58,7 +58,7 @@ from service.pipelines.classification import (
     classification_tensor,
     top_values,
 )
-from service.pipelines.inputs import BUILT_IN, Prepared
+from service.pipelines.inputs import BUILT_IN, ImageInput, Prepared, TextInput
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository, ModelState
 from service.repository.serving import ServedVersion
@@ -288,7 +288,15 @@ class DataPlane:
                 )
             )
             batch = _as_batch(model, _guarded(into.batch, model.name))
-        return _fitted(model, batch, contexts) if dynamic else Prepared(batch, contexts)
+        if not dynamic:
+            return Prepared(batch, contexts)
+        try:
+            return _fitted(model, batch, contexts)
+        except InvalidInput as exc:
+            if isinstance(pipeline, ImageInput):  # "dim 3 is 100": of the image, which is it?
+                exc.message += pipeline.dims_said(model.batched)
+                exc.args = (exc.message,)
+            raise
 
     def _tensors(self, model: LoadedVersion, request: InferenceRequest) -> Prepared:
         """Tensors (or v1 rows) sent for the model itself, checked and fitted to its buckets."""
@@ -649,6 +657,14 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
         return [Item(row) if isinstance(row, bytes) else Item(value=row) for row in request.rows]
     if request.raw is not None:
         return [Item(item, request.raw_type) for item in request.raw]
+    if request.rows is not None and isinstance(pipeline, TextInput):
+        # texts are strings; objects are rows of the model's own inputs (token ids)
+        odd = [i for i, row in enumerate(request.rows) if not isinstance(row, str | dict)]
+        if odd:
+            raise InvalidInput(
+                f"model '{model.name}' takes texts: send each instance as a string (instance "
+                f"{odd[0]} is {type(request.rows[odd[0]]).__name__})"
+            )
     if request.rows is not None and request.raw_in_json:
         raise InvalidInput(
             f"model '{model.name}' takes encoded items: send every instance as {{\"b64\": ...}}"

@@ -71,6 +71,16 @@ class ImageInput(Pipeline):
         Image.new("RGB", (512, 384), (128, 64, 32)).save(buffer, format="JPEG")
         self.pipeline(buffer.getvalue())
 
+    def dims_said(self, batched: bool) -> str:
+        """Which of the input's dims are the image's height and width, for a 400 that names a
+        dim by its number (a client sent a picture, not a tensor)."""
+        offset = 1 if batched else 0
+        height = offset + (1 if self.pipeline.spec.layout == "NCHW" else 0)
+        return (
+            f" (dim {height} is the image's height and dim {height + 1} its width, in pixels "
+            "after its preprocessing's resize and crop)"
+        )
+
 
 class TextInput(Pipeline):
     """UTF-8 texts → token ids and attention mask, padded to a bucket (a batch at once: the

@@ -125,6 +125,14 @@ def test_truncation_is_reported_per_text(server: Server) -> None:
     assert none == {}
 
 
+def test_an_instance_that_is_not_a_text_is_a_400_saying_texts_are_strings(server: Server) -> None:
+    """It said "the model takes 2 inputs; send each instance as an object naming them"."""
+    answer = server.client.post("/v1/models/minilm:predict", json={"instances": ["a text", 42]})
+    assert answer.status_code == 400, answer.text
+    said = "model 'minilm' takes texts: send each instance as a string (instance 1 is int)"
+    assert said in answer.json()["error"]
+
+
 def test_padding_to_buckets_changes_nothing(server: Server) -> None:
     module = build_script("minilm").build_module()
     texts = ["short text", "a somewhat longer sentence that needs more tokens than the first"]
