@@ -33,6 +33,8 @@ class TorchRuntime(Runtime):
     """A loaded torch module (``_bind``) run on one device."""
 
     _half: torch.dtype | None = None
+    shares_threads = True
+    """Whether a batch beside another keeps to the worker's share (:meth:`_cpu_threads`)."""
 
     def _bind(self, module: Any, device: torch.device, declared: Signature) -> Signature:
         """Take ``module`` (loaded on ``device``) as the one ``run`` calls."""
@@ -67,16 +69,17 @@ class TorchRuntime(Runtime):
     def _cpu_threads(self) -> None:
         """Give the calling thread the intra-op threads this batch runs with: every CPU's
         (``intra_op_threads``) for a batch alone, the worker's share beside another batch
-        (:data:`service.resources.CPU_USE`), as ONNX Runtime's two sessions do. torch's ops
-        and AOTInductor's kernels parallelise with OpenMP, whose thread count is the calling
-        thread's own, so each instance thread sets it, and only when it changes.
+        (:data:`service.resources.CPU_USE`), as ONNX Runtime's two sessions do, unless the
+        runtime keeps every CPU's (:attr:`shares_threads`). torch's ops and AOTInductor's
+        kernels parallelise with OpenMP, whose thread count is the calling thread's own, so
+        each instance thread sets it, and only when it changes.
 
-        Each worker's torch runtimes took every CPU always: two workers warming efficientnet
-        at once on 2 CPUs, each splitting every operator over 2 threads, took 125 s where one
-        thread each took 41 (docs/performance.md, "torch runtimes at the defaults")."""
+        TorchScript took every CPU always: two workers warming efficientnet at once on 2 CPUs,
+        each splitting every operator over 2 threads, took 125 s where one thread each took
+        41 (docs/performance.md, "torch runtimes at the defaults")."""
         options = self.options
         wanted = options.intra_op_threads
-        if 0 < options.shared_threads < wanted and CPU_USE.contended():
+        if self.shares_threads and 0 < options.shared_threads < wanted and CPU_USE.contended():
             wanted = options.shared_threads
         if getattr(_THREADS, "count", 0) != wanted:
             torch.set_num_threads(wanted)

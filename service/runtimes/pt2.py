@@ -70,6 +70,11 @@ class Pt2Runtime(TorchRuntime):
     """Runs ``model.pt2`` (``torch._inductor.aoti_compile_and_package``) on CPU or CUDA."""
 
     artifact = "model.pt2"
+    shares_threads = False
+    """Its batches keep every CPU's threads, beside another batch too: switching them per batch
+    as TorchScript does served efficientnet_lite0 at W1 c=16 with a p99/p50 of 4.0 and 5.9
+    against 1.45 and 1.47, in two sittings (docs/performance.md, "torch runtimes at the
+    defaults"); why, I did not find."""
 
     def load(self, path: Path, declared: Signature | None, max_batch_size: int) -> Signature:
         if declared is None:
