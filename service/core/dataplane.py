@@ -659,11 +659,11 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
         return [Item(item, request.raw_type) for item in request.raw]
     if request.rows is not None and isinstance(pipeline, TextInput):
         # texts are strings; objects are rows of the model's own inputs (token ids)
-        odd = [i for i, row in enumerate(request.rows) if not isinstance(row, str | dict)]
-        if odd:
+        odd = next((i for i, r in enumerate(request.rows) if not isinstance(r, str | dict)), None)
+        if odd is not None:
             raise InvalidInput(
                 f"model '{model.name}' takes texts: send each instance as a string (instance "
-                f"{odd[0]} is {type(request.rows[odd[0]]).__name__})"
+                f"{odd} is {type(request.rows[odd]).__name__})"
             )
     if request.rows is not None and request.raw_in_json:
         raise InvalidInput(

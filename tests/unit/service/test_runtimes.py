@@ -79,7 +79,23 @@ def test_a_torch_runtime_takes_every_cpu_alone_and_its_share_beside_another_batc
     thread.start()
     thread.join()
     assert seen == expected
-    assert not Pt2Runtime.shares_threads  # measured worse switching (its docstring says how)
+
+
+def test_pt2_keeps_every_cpus_threads_beside_another_batch() -> None:
+    """Switching them per batch, as TorchScript does, measured a p99/p50 of 4 to 6 served
+    (Pt2Runtime.shares_threads says where); only the thread count is asked of it here."""
+    runtime = Pt2Runtime(RuntimeOptions("cpu", 2, shared_threads=1))
+    seen: list[int] = []
+
+    def beside_another() -> None:
+        with CPU_USE, CPU_USE:
+            runtime._cpu_threads()
+            seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=beside_another)
+    thread.start()
+    thread.join()
+    assert seen == [2]
 
 
 def test_torchscript_without_declared_signature_is_refused(train_mode_archive: Path) -> None:
