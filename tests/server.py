@@ -108,6 +108,11 @@ class Server:
             time.sleep(0.05)
         raise TimeoutError(f"condition never held within {timeout}s:\n{self.log(5000)}")
 
+    def wait_log(self, text: str, timeout: float = 10) -> None:
+        """Wait until ``text`` is in the log: the server writes its log from a thread of its
+        own, so a line may reach the file after the answer that followed it reached us."""
+        self.wait_for(lambda: text in self.log(), timeout)
+
     def log(self, tail: int | None = None) -> str:
         if self.log_path is None or not self.log_path.exists():
             return "(no log captured)"

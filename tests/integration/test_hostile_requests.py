@@ -183,8 +183,8 @@ def test_a_load_that_refuses_one_version_is_400_and_leaves_the_server_as_it_was(
         assert answer.status_code == 400, answer.text
         assert "failed to load 'pair': version 1: READY; version 2: " in answer.json()["error"]
         # the log says what serves on, not that the model is unavailable (it said so)
+        server.wait_log("model pair: reload refused, version 1 serving on: version 1: READY")
         log = server.log()
-        assert "model pair: reload refused, version 1 serving on: version 1: READY" in log, log
         assert "model pair version 2 did not load: " in log
         assert "model pair version 2 is unavailable" not in log
         assert server.client.get("/v2/models/pair/versions/1/ready").status_code == 200

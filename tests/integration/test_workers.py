@@ -252,7 +252,7 @@ def test_the_control_socket_answers_no_process_without_the_servers_key(two: Serv
         for _ in range(16)
     ]
     assert codes == [200] * 16  # every worker still serves
-    assert "control socket: a question without this server's key, refused" in two.log()
+    two.wait_log("control socket: a question without this server's key, refused")
 
 
 def test_a_dead_worker_is_replaced_while_the_other_serves(two: Server) -> None:
@@ -443,7 +443,7 @@ def test_a_wedged_worker_is_killed_and_replaced(tmp_path: Path) -> None:
     try:
         victim.suspend()
         server.wait_for(lambda: victim.pid not in {p.pid for p in workers(server)}, timeout=60)
-        assert "s (TG_STUCK_INSTANCE_S): killing it to start another" in server.log()
+        server.wait_log("s (TG_STUCK_INSTANCE_S): killing it to start another")
         server.wait_for(lambda: len(workers(server)) == 2, timeout=60)
         server.wait_for(
             lambda: fresh("GET", f"{server.url}/v2/health/ready").status_code == 200, timeout=120
