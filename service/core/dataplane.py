@@ -618,11 +618,18 @@ value is up to 16 bytes of text (``-1.2345679e-05,``)."""
 
 def answer_bytes(result: InferenceResult) -> int:
     """What a result's outputs hold: the bytes an encoder goes through, at least (a loop, not
-    a generator: asked of every JSON answer)."""
+    a generator: asked of every JSON answer). A BYTES output counts its elements' lengths: its
+    ``nbytes`` is 8 an element (the pointers), whatever the strings hold."""
     total = 0
     for output in result.outputs:
-        total += output.data.nbytes
+        data = output.data
+        total += data.nbytes if data.dtype != object else _object_bytes(data)
     return total
+
+
+def _object_bytes(data: np.ndarray) -> int:
+    """An object array's bytes: its pointers, and the length of each bytes or str element."""
+    return data.nbytes + sum(len(item) for item in data.flat if isinstance(item, bytes | str))
 
 
 def _fitted(

@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
+from service.core.dataplane import answer_bytes
 from service.errors import (
     InvalidInput,
     ModelExecutionError,
@@ -25,7 +26,13 @@ from service.errors import (
     UnsupportedMediaType,
 )
 from service.http.answer import Route, answer_inference
-from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
+from service.inference import (
+    InferenceRequest,
+    InferenceResult,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+)
 from service.model_config import load_model_config
 from service.repository.loader import LoadBound, LoadedVersion, load_version
 from service.settings import Settings
@@ -875,3 +882,21 @@ def test_a_step_of_no_rows_answers_outputs_of_no_rows_without_running(core: InPr
     wrong = {t.name: t.data for t in all_inputs(0)} | {"in_FP32": np.zeros((0, 4), np.float32)}
     with pytest.raises(InvalidInput, match="pipeline step 'identity': input 'in_FP32'"):
         steps.infer("identity", wrong)  # 0 rows, and still checked
+
+
+def test_a_bytes_answer_counts_what_its_strings_hold() -> None:
+    """A BYTES output's ``nbytes`` is its pointers, 8 an element: 4 strings of 1 MiB were an
+    answer of 32 bytes to the budget while it was made."""
+    texts = np.array([b"x" * (1 << 20)] * 3 + ["\u00e9" * (1 << 20)], dtype=object)
+    floats = np.zeros((2, 5), np.float32)
+    result = InferenceResult(
+        "m",
+        "1",
+        None,
+        [OutputTensor("text", "BYTES", texts), OutputTensor("score", "FP32", floats)],
+        {},
+        {},
+        None,
+        True,
+    )
+    assert answer_bytes(result) == 4 * (1 << 20) + texts.nbytes + floats.nbytes
