@@ -46,11 +46,12 @@ def check_inputs(
         elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
             raise InvalidInput(
                 f"input '{spec.name}': expected {spec.datatype} {list(want)}, "
-                f"got {tensor.datatype} {list(tensor.shape)}"
+                f"got {tensor.datatype} {list(tensor.shape)}{_short(batched, spec, tensor)}"
             )
         if not shape_fits(want, tensor.shape):
             raise InvalidInput(
-                f"input '{spec.name}': expected shape {list(want)}, got {list(tensor.shape)}"
+                f"input '{spec.name}': expected shape {list(want)}, "
+                f"got {list(tensor.shape)}{_short(batched, spec, tensor)}"
             )
         if spec.range is not None:
             check_range(spec.name, as_values(data, spec.datatype), spec.range)
@@ -62,6 +63,15 @@ def check_inputs(
     if rows and not (empty and 0 in rows):
         check_rows(rows.pop(), config, name)
     return batch
+
+
+def _short(batched: bool, spec: TensorConfig, tensor: InputTensor) -> str:
+    """What to add where a batched input came one dim short, the likeliest slip: a row's
+    lone value sent bare (``{"item_id": 3}`` for rows of shape [1])."""
+    if not batched or len(tensor.shape) != len(spec.shape) or tensor.datatype != spec.datatype:
+        return ""
+    lone = " (a row's lone value is sent as [v], not v)" if spec.shape == (1,) else ""
+    return f": one dim short; the first dim counts rows, each of shape {list(spec.shape)}{lone}"
 
 
 def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where: str = "") -> None:

@@ -400,6 +400,30 @@ def test_json_for_a_model_without_preprocessing_is_400_naming_what_it_takes(
     assert "model 'shifted' has no preprocessing to decode b64 instances" in answer.text
 
 
+def test_a_rows_lone_value_sent_bare_is_400_saying_so(server: Server) -> None:
+    """``item_id`` takes rows of shape [1]: an instance's ``"item_id": 3`` was told only
+    "expected INT64 [-1, 1], got INT64 [1]"."""
+    row = {"item_id": 3, "dense": [0.5] * 8}
+    answer = server.client.post("/v1/models/ctr:predict", json={"instances": [row]})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"].startswith(
+        "input 'item_id': expected INT64 [-1, 1], got INT64 [1]: one dim short; the first dim "
+        "counts rows, each of shape [1] (a row's lone value is sent as [v], not v)"
+    )
+    row["item_id"] = [3]
+    answer = server.client.post("/v1/models/ctr:predict", json={"instances": [row]})
+    assert answer.status_code == 200, answer.text
+    flat = {"name": "dense", "datatype": "FP32", "shape": [8], "data": [0.5] * 8}
+    ids = {"name": "item_id", "datatype": "INT64", "shape": [1, 1], "data": [3]}
+    answer = server.client.post("/v2/models/ctr/infer", json={"inputs": [ids, flat]})
+    assert answer.status_code == 400, answer.text  # v2: a row of 8 without its batch dim
+    assert (
+        "input 'dense': expected FP32 [-1, 8], got FP32 [8]: one dim short; the first dim "
+        "counts rows, each of shape [8]" in answer.json()["error"]
+    )
+    assert "lone value" not in answer.text
+
+
 def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:
     pooled = user_models.PooledClassifier()
     response = infer(server.client, "pooled", image=np.zeros((1, 3, 40, 40), np.float32))
