@@ -46,7 +46,8 @@ def check_inputs(
         elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
             raise InvalidInput(
                 f"input '{spec.name}': expected {spec.datatype} {list(want)}, "
-                f"got {tensor.datatype} {list(tensor.shape)}{_short(batched, spec, tensor)}"
+                f"got {tensor.datatype} {list(tensor.shape)}"
+                f"{_short(batched, spec, tensor) if tensor.datatype == spec.datatype else ''}"
             )
         if not shape_fits(want, tensor.shape):
             raise InvalidInput(
@@ -68,7 +69,7 @@ def check_inputs(
 def _short(batched: bool, spec: TensorConfig, tensor: InputTensor) -> str:
     """What to add where a batched input came one dim short, the likeliest slip: a row's
     lone value sent bare (``{"item_id": 3}`` for rows of shape [1])."""
-    if not batched or len(tensor.shape) != len(spec.shape) or tensor.datatype != spec.datatype:
+    if not batched or len(tensor.shape) != len(spec.shape):
         return ""
     lone = " (a row's lone value is sent as [v], not v)" if spec.shape == (1,) else ""
     return f": one dim short; the first dim counts rows, each of shape {list(spec.shape)}{lone}"

@@ -36,6 +36,7 @@ from tests.identity import binary_request, identity_message, write_identity_mode
 from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
+ENDED_READS = r"ended \d+ gRPC read\(s\) waiting for their messages"
 
 MIB = 1 << 20
 
@@ -902,7 +903,7 @@ def test_calls_interleaved_on_the_connection_the_front_reads_on_end_once_they_ho
             if error.code() is grpc.StatusCode.UNAVAILABLE:
                 assert "retry shortly" in (error.details() or ""), error
         assert held < stall * 0.15
-        assert re.search(r"ended \d+ gRPC read\(s\) waiting for their messages", server.log())
+        server.wait_for(lambda: bool(re.search(ENDED_READS, server.log())), timeout=10)
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
 
 
@@ -1072,7 +1073,7 @@ def test_stream_messages_still_arriving_at_one_workers_own_port_end_once_they_ho
         assert waiting.code() is grpc.StatusCode.OK
         assert answered_code(server, digits_call(None)[0]) is grpc.StatusCode.OK
         proxy.close()
-        assert re.search(r"ended \d+ gRPC read\(s\) waiting for their messages", server.log())
+        server.wait_for(lambda: bool(re.search(ENDED_READS, server.log())), timeout=10)
         code = answered_code(server, digits_call(None, bytes(size))[0])
         assert code is grpc.StatusCode.INVALID_ARGUMENT  # read whole, answered
 

@@ -1,0 +1,60 @@
+"""A request's inputs against a model's signature (``service.core.validation``): the 400s'
+words, where a slip is likely."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.core.validation import check_inputs
+from service.errors import InvalidInput
+from service.inference import InputTensor
+from service.model_config import ModelConfig, TensorConfig
+from service.runtimes.base import Signature
+
+ID = TensorConfig(name="item_id", datatype="INT64", shape=(1,))
+DENSE = TensorConfig(name="dense", datatype="FP32", shape=(8,))
+SIGNATURE = Signature(inputs=(ID, DENSE), outputs=())
+
+
+def tensor(name: str, datatype: str, data: np.ndarray) -> InputTensor:
+    return InputTensor(name, datatype, data.shape, data)
+
+
+def config(**fields: object) -> ModelConfig:
+    return ModelConfig.model_validate({"backend": "onnx", "max_batch_size": 8, **fields})
+
+
+def refusal(inputs: list[InputTensor], model: ModelConfig) -> str:
+    with pytest.raises(InvalidInput) as refused:
+        check_inputs(inputs, SIGNATURE, model, "ctr")
+    return str(refused.value)
+
+
+def test_a_rows_lone_value_sent_bare_is_told_how_to_send_it() -> None:
+    dense = tensor("dense", "FP32", np.zeros((1, 8), np.float32))
+    bare = tensor("item_id", "INT64", np.array([3]))
+    assert refusal([bare, dense], config()) == (
+        "input 'item_id': expected INT64 [-1, 1], got INT64 [1]: one dim short; the first dim "
+        "counts rows, each of shape [1] (a row's lone value is sent as [v], not v)"
+    )
+    # cast from another datatype, the same slip is told the same
+    bare = tensor("item_id", "INT32", np.array([3], np.int32))
+    assert refusal([bare, dense], config(cast_inputs=True)).endswith(
+        "got [1]: one dim short; the first dim counts rows, each of shape [1] "
+        "(a row's lone value is sent as [v], not v)"
+    )
+
+
+def test_a_row_without_its_batch_dim_is_one_dim_short_and_other_shapes_are_not() -> None:
+    ids = tensor("item_id", "INT64", np.array([[3]]))
+    row = tensor("dense", "FP32", np.zeros(8, np.float32))
+    assert refusal([ids, row], config()).endswith(
+        "got FP32 [8]: one dim short; the first dim counts rows, each of shape [8]"
+    )
+    wide = tensor("dense", "FP32", np.zeros((1, 9), np.float32))
+    assert refusal([ids, wide], config()) == "input 'dense': expected FP32 [-1, 8], got FP32 [1, 9]"
+    other = tensor("dense", "FP64", np.zeros(8))  # its datatype is what is wrong first
+    assert refusal([ids, other], config()) == "input 'dense': expected FP32 [-1, 8], got FP64 [8]"
+    unbatched = config(max_batch_size=0)  # no rows to count: [8] is what it takes
+    check_inputs([tensor("item_id", "INT64", np.array([3])), row], SIGNATURE, unbatched, "ctr")
