@@ -21,6 +21,7 @@ global and one context variable (docs/performance.md, "Tracing").
 from __future__ import annotations
 
 import contextvars
+import difflib
 import logging
 import os
 import re
@@ -81,6 +82,10 @@ def start(
         log.warning("tracing is off: %s", exc)
         return None
     _PROVIDER, TRACER = provider, provider.get_tracer("tensorgate", version)
+    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    if sampler in RATIO_SAMPLERS:
+        sampler += f" {os.environ.get('OTEL_TRACES_SAMPLER_ARG', '').strip() or '1.0'}"
+    log.info("tracing is on: sampler %s", sampler)
     return provider
 
 
@@ -109,14 +114,25 @@ def _provider(version: str, exporter: SpanExporter | None) -> TracerProvider:
 
 
 RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+SAMPLERS = ("always_on", "always_off", "parentbased_always_on", "parentbased_always_off")
+SAMPLERS += RATIO_SAMPLERS
+"""The samplers the SDK's tracer provider reads from ``OTEL_TRACES_SAMPLER``."""
 
 
 def _check_sampler(environ: Mapping[str, str]) -> None:
-    """ValueError for a ratio sampler's argument the SDK cannot read: it warned and sampled
-    every request (``OTEL_TRACES_SAMPLER_ARG=1%``: all 20 of 20 traced, where full tracing cuts
-    a small model's throughput to 0.30 ×)."""
+    """ValueError for a sampler, or a ratio sampler's argument, the SDK cannot read: it warned
+    and sampled every request (``OTEL_TRACES_SAMPLER_ARG=1%``, or the sampler
+    ``parentbased_traceid_ratio``: all 20 of 20 traced, where full tracing cuts a small model's
+    throughput to 0.30 ×)."""
     sampler = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
     argument = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if sampler and sampler not in SAMPLERS:
+        close = difflib.get_close_matches(sampler, SAMPLERS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(
+            f"OTEL_TRACES_SAMPLER={sampler!r} is no sampler the SDK knows ({hint}"
+            f"it knows {', '.join(SAMPLERS)})"
+        )
     if sampler not in RATIO_SAMPLERS or not argument:
         return
     try:

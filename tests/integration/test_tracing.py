@@ -289,6 +289,13 @@ def test_an_unusable_configuration_is_a_warning_and_tracing_stays_off(
         # the SDK warned and sampled every request
         (f"{ratio} OTEL_TRACES_SAMPLER_ARG=1%", "'1%' is no ratio from 0 to 1"),
         (f"{ratio} OTEL_TRACES_SAMPLER_ARG=2", "'2' is no ratio from 0 to 1"),
+        # so it did for a sampler it did not know (20 of 20 traced at "0.01")
+        (
+            "OTEL_TRACES_SAMPLER=parentbased_traceid_ratio OTEL_TRACES_SAMPLER_ARG=0.01",
+            "OTEL_TRACES_SAMPLER='parentbased_traceid_ratio' is no sampler the SDK knows (did "
+            "you mean parentbased_traceidratio?",
+        ),
+        ("OTEL_TRACES_SAMPLER=bogus", "'bogus' is no sampler the SDK knows (it knows always_on"),
     ):
         with monkeypatch.context() as patched:
             patched.setenv("OTEL_TRACES_EXPORTER", "otlp")
