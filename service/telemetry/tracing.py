@@ -114,8 +114,13 @@ def _provider(version: str, exporter: SpanExporter | None) -> TracerProvider:
 
 
 RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
-SAMPLERS = ("always_on", "always_off", "parentbased_always_on", "parentbased_always_off")
-SAMPLERS += RATIO_SAMPLERS
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    *RATIO_SAMPLERS,
+)
 """The samplers the SDK's tracer provider reads from ``OTEL_TRACES_SAMPLER``."""
 
 
