@@ -166,6 +166,17 @@ class VersionPolicy(_Strict):
     specific: tuple[int, ...] | None = None
     all: bool = False
 
+    @model_validator(mode="after")
+    def _one_policy(self) -> Self:
+        # all, then specific, then latest would win: a config naming two says one of them
+        named = [k for k, v in (("latest", self.latest), ("specific", self.specific)) if v]
+        named += ["all: true"] if self.all else []
+        if len(named) > 1:
+            raise ValueError(
+                f"name one of latest, specific and all: true (got {' and '.join(named)})"
+            )
+        return self
+
 
 class ModelConfig(_Strict):
     """What ``models/<name>/config.yaml`` holds."""

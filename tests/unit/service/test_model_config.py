@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from service.errors import ModelLoadError
 from service.model_config import VersionPolicy, load_model_config
@@ -68,6 +69,22 @@ def test_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: 
 )
 def test_version_policy_selects_versions(policy: VersionPolicy, expected: list[int]) -> None:
     assert select_versions([1, 3, 7], policy) == expected
+
+
+@pytest.mark.parametrize(
+    ("policy", "named"),
+    [
+        ({"latest": 1, "all": True}, "latest and all: true"),
+        ({"latest": 2, "specific": [1]}, "latest and specific"),
+        ({"specific": [1], "all": True}, "specific and all: true"),
+    ],
+)
+def test_a_version_policy_naming_two_is_refused(policy: dict[str, object], named: str) -> None:
+    """``{latest: 1, all: true}`` loaded every version without a word (all won)."""
+    with pytest.raises(ValidationError) as caught:
+        VersionPolicy.model_validate(policy)
+    assert f"name one of latest, specific and all: true (got {named})" in str(caught.value)
+    assert VersionPolicy.model_validate({"latest": 2, "all": False}).latest == 2
 
 
 def test_a_value_range_is_written_only_when_set() -> None:
