@@ -53,8 +53,17 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
     if entry.last_load_error:  # a reload was refused: say what serves instead, and why
         metadata["last_load_error"] = entry.last_load_error
         if state is ModelState.READY and found is not None:  # else its own reason stands
-            reason = f"version {found.version} serves; the last reload was refused: "
-            reason += entry.last_load_error
+            serving = (
+                [found.version]
+                if version
+                else sorted(
+                    number for number, each in entry.versions.items() if each.served is not None
+                )
+            )
+            which = "version" if len(serving) == 1 else "versions"
+            reason = f"{which} {', '.join(map(str, serving))} serve"
+            reason += "s" if len(serving) == 1 else ""
+            reason += "; the last reload was refused: " + entry.last_load_error
     if reason:
         metadata["reason"] = reason
     if loaded is not None:

@@ -166,29 +166,37 @@ def test_a_load_that_refuses_one_version_is_400_and_leaves_the_server_as_it_was(
     hostile: tuple[Server, Path],
 ) -> None:
     """A reload where one version of several fails: it answered 200, swapped in the broken
-    version UNAVAILABLE beside the good one, and made the whole server unready."""
+    version UNAVAILABLE beside the good ones, and made the whole server unready."""
     server, root = hostile
     admin = {"Authorization": f"Bearer {ADMIN}"}
     staged, folder = root.parent / "pair-staged", root / "pair"
     copy_model("digits", staged)
+    shutil.copytree(staged / "1", staged / "2")
     config = staged / "config.yaml"
     config.write_text(config.read_text().replace("{latest: 1}", "{all: true}"))
     staged.rename(folder)  # whole at once: --poll may load it first, as the request would
     try:
         assert server.client.post("/v2/repository/models/pair/load", headers=admin).is_success
-        shutil.copytree(folder / "1", folder / "2.tmp")
-        (folder / "2.tmp" / "model.pt").write_bytes(b"not a TorchScript model")
-        (folder / "2.tmp").rename(folder / "2")
+        shutil.copytree(folder / "1", folder / "3.tmp")
+        (folder / "3.tmp" / "model.pt").write_bytes(b"not a TorchScript model")
+        (folder / "3.tmp").rename(folder / "3")
         answer = server.client.post("/v2/repository/models/pair/load", headers=admin)
         assert answer.status_code == 400, answer.text
-        assert "failed to load 'pair': version 1: READY; version 2: " in answer.json()["error"]
+        error = answer.json()["error"]
+        assert "failed to load 'pair': version 1: READY; version 2: READY; version 3: " in error
         # the log says what serves on, not that the model is unavailable (it said so)
-        server.wait_log("model pair: reload refused, version 1 serving on: version 1: READY")
+        server.wait_log("model pair: reload refused, versions 1, 2 serving on: version 1: READY")
         log = server.log()
-        assert "model pair version 2 did not load: " in log
-        assert "model pair version 2 is unavailable" not in log
-        assert server.client.get("/v2/models/pair/versions/1/ready").status_code == 200
-        assert server.client.get("/v2/models/pair/versions/2/ready").status_code == 404
+        assert "model pair version 3 did not load: " in log
+        assert "model pair version 3 is unavailable" not in log
+        # the model's reason names every version serving (it named the latest alone)
+        reason = server.client.get("/v2/models/pair").json()["reason"]
+        assert reason.startswith("versions 1, 2 serve; the last reload was refused: "), reason
+        reason = server.client.get("/v2/models/pair/versions/1").json()["reason"]
+        assert reason.startswith("version 1 serves; the last reload was refused: "), reason
+        for version in (1, 2):
+            assert server.client.get(f"/v2/models/pair/versions/{version}/ready").is_success
+        assert server.client.get("/v2/models/pair/versions/3/ready").status_code == 404
         assert server.client.post("/v2/models/pair/infer", json=DIGIT).status_code == 200
         assert server.client.get("/v2/health/ready").status_code == 200
     finally:
