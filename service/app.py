@@ -197,7 +197,7 @@ async def _poll_once(dataplane: DataPlane) -> None:
         except TensorgateError as exc:
             log.error("poll: model %s did not load: %s", name, exc.message)
     for name in gone:
-        await dataplane.unload_model(name)
+        await dataplane.unload_model(name, requested=False)
         log.info("poll: model %s unloaded (its folder is gone)", name)
 
 

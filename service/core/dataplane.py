@@ -327,8 +327,9 @@ class DataPlane:
             if version.served is not None:
                 version.served.start()
 
-    async def unload_model(self, name: str) -> None:
-        await asyncio.to_thread(self.repository.unload_model, name)
+    async def unload_model(self, name: str, requested: bool = True) -> None:
+        """``requested``: asked for (the repository API), so ``--poll`` leaves it unloaded."""
+        await asyncio.to_thread(self.repository.unload_model, name, requested)
 
 
 def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -> None:

@@ -79,6 +79,9 @@ class ModelEntry:
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     unloaded: bool = False
     """Unloaded on request: not served, and not counted against readiness."""
+    held_unloaded: bool = False
+    """Unloaded through the repository API: ``--poll`` does not load it again when its folder
+    changes (it undid the operator's unload); a load through the API does."""
     last_load_error: str = ""
     """Why the last reload of this model was refused, while these versions serve on."""
     refused: bool = False
@@ -318,8 +321,10 @@ class ModelRepository:
             bound.cancel(f"model '{name}' was unloaded meanwhile")
         return bool(loading)
 
-    def unload_model(self, name: str) -> None:
-        """Stop serving a model; in-flight requests finish first. Blocking."""
+    def unload_model(self, name: str, requested: bool = True) -> None:
+        """Stop serving a model; in-flight requests finish first. Blocking. ``requested``:
+        through the repository API, so that ``--poll`` leaves it unloaded (else: its folder
+        went, and a folder of its name that comes back is loaded)."""
         if not self.stop_loading(name):
             self.entry(name)  # 404 before waiting on anything
         with self._change(name):
@@ -327,7 +332,11 @@ class ModelRepository:
             if entry is None:  # its first load, stopped: nothing served to retire
                 log.info("model %s: its load was stopped by an unload", name)
                 return
-            self.models[name] = ModelEntry(name, entry.path, entry.config, unloaded=True)
+            self.models[name] = ModelEntry(
+                name, entry.path, entry.config, unloaded=True, held_unloaded=requested
+            )
+            # a folder of its name that comes back is new, also with the same files' times
+            self._fingerprints.pop(name, None)
         _retire(entry)
         with self._guard:
             self._changed += 1
@@ -339,14 +348,17 @@ class ModelRepository:
 
     def changes(self) -> tuple[list[str], list[str]]:
         """Models whose folder changed since they were loaded, and models whose folder is gone
-        (for ``--poll``). A model that failed to load is retried only when its folder changes."""
+        (for ``--poll``). A model that failed to load is retried only when its folder changes;
+        one unloaded through the API stays unloaded until it is loaded through it."""
         every = self.on_disk()
         chosen = self.on_disk(chosen_only=True)
         loaded = {n for n, e in self.models.items() if not e.unloaded}  # also through the API
+        held = {n for n, e in self.models.items() if e.held_unloaded}
         changed = [
             name
             for name, folder in every.items()
             if (name in chosen or name in loaded)
+            and name not in held
             and NAME_PATTERN.match(name)
             and self._fingerprints.get(name) != fingerprint(folder)
         ]

@@ -127,6 +127,46 @@ def test_a_version_folder_with_a_non_ascii_name_does_not_stop_polling(
         shutil.rmtree(root / "digits" / "²")
 
 
+def test_poll_leaves_a_model_unloaded_through_the_api_and_loads_a_folder_that_comes_back(
+    hostile: tuple[Server, Path],
+) -> None:
+    """An operator's unload was undone by --poll at the model's next change ("poll: model
+    wine2 reloaded"); a folder removed and put back as it was (copied with its files' times)
+    was never loaded again."""
+    server, root = hostile
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    folder, marker = root / "kept", root / "marker"
+
+    def state(name: str) -> str:
+        return str(server.client.get(f"/v2/models/{name}").json().get("state"))
+
+    copy_model("digits", folder)
+    try:
+        server.wait_for(lambda: state("kept") == "READY", timeout=60)
+        assert server.client.post("/v2/repository/models/kept/unload", headers=admin).is_success
+        reloads = server.log().count("poll: model kept reloaded")  # its first load, by --poll
+        config = folder / "config.yaml"
+        config.write_text(config.read_text() + "# changed after the unload\n")
+        copy_model("digits", marker)  # loaded by a poll that has seen the change too
+        server.wait_for(lambda: state("marker") == "READY", timeout=60)
+        assert state("kept") == "UNLOADED"
+        assert server.log().count("poll: model kept reloaded") == reloads
+        assert server.client.post("/v2/repository/models/kept/load", headers=admin).is_success
+        assert state("kept") == "READY"
+        # its folder goes (--poll unloads it), and comes back as it was: --poll loads it
+        shutil.move(folder, root.parent / "kept-away")
+        server.wait_log("poll: model kept unloaded (its folder is gone)")
+        shutil.move(root.parent / "kept-away", folder)
+        server.wait_for(lambda: state("kept") == "READY", timeout=60)
+        assert server.client.post("/v2/models/kept/infer", json=DIGIT).status_code == 200
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(root.parent / "kept-away", ignore_errors=True)
+        shutil.rmtree(marker, ignore_errors=True)
+        # --poll unloads them (their folders are gone) before the next test counts models
+        server.wait_for(lambda: "READY" not in {state("kept"), state("marker")}, timeout=30)
+
+
 def test_a_failed_load_of_a_new_model_is_shown_and_leaves_the_server_ready(
     hostile: tuple[Server, Path],
 ) -> None:
