@@ -88,6 +88,10 @@ class ModelEntry:
     """Its load, asked for while the server ran (nothing of it serving), failed: shown
     UNAVAILABLE with why (metadata, the index, inference's 503), and not counted against
     readiness: a failed load leaves the server serving what it served."""
+    shown_loading: bool = False
+    """Stands for a load asked for while the server ran, nothing of the model serving: its
+    versions say LOADING until the load ends (it said UNLOADED, or 404 for a new folder), and
+    it is not counted against readiness, as a refused one."""
 
     def why_not(self, ready_too: bool = True) -> str:
         """Why it has nothing to serve: its error, or each version's reason (``ready_too``
@@ -284,8 +288,12 @@ class ModelRepository:
             # Recorded first: a model that fails is retried by --poll only when it changes.
             self._fingerprints[name] = fingerprint(folder)
             fresh = self._scan_model(name, folder)
-            self._load_entry(fresh)
             old = self.models.get(name)
+            if (old is None or old.unloaded or old.refused) and fresh.versions:
+                # nothing of it serves: shown LOADING meanwhile (fresh's own versions are
+                # not: one READY would take requests before the load is known to succeed)
+                self.models[name] = _shown_loading(fresh)
+            self._load_entry(fresh)
             versions = fresh.versions.values()
             if (
                 fresh.error
@@ -479,7 +487,7 @@ class ModelRepository:
         return {
             name: entry.why_not(ready_too=False)
             for name, entry in self.models.items()
-            if not (entry.unloaded or entry.refused)
+            if not (entry.unloaded or entry.refused or entry.shown_loading)
             and (
                 entry.error
                 or not entry.versions
@@ -563,6 +571,12 @@ def fingerprint(folder: Path) -> tuple[object, ...]:
             stat = path.stat()
             entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
     return tuple(entries)
+
+
+def _shown_loading(entry: ModelEntry) -> ModelEntry:
+    """What stands for ``entry`` while it loads: its versions, LOADING, serving nothing."""
+    versions = {n: ModelVersion(v.name, n, v.path) for n, v in entry.versions.items()}
+    return ModelEntry(entry.name, entry.path, entry.config, versions=versions, shown_loading=True)
 
 
 def _retire(entry: ModelEntry) -> None:

@@ -396,6 +396,12 @@ def write_slow_model(folder: Path, rows: int = 180, width: int = 1024, depth: in
     (folder / "config.yaml").write_text(config)
 
 
+def state(server: Server, model: str) -> str | None:
+    """A model's state in its metadata (None when it is unknown)."""
+    metadata: dict[str, str] = server.client.get(f"/v2/models/{model}").json()
+    return metadata.get("state")
+
+
 def test_a_long_load_blocks_no_other_model_and_ends_on_unload_or_its_timeout(
     tmp_path: Path,
 ) -> None:
@@ -424,6 +430,20 @@ def test_a_long_load_blocks_no_other_model_and_ends_on_unload_or_its_timeout(
         server.wait_until()
         write_slow_model(root / "slow")
         slow, answers = load_in_background("slow")
+        # While it loads it is LOADING, wherever it is shown (it was 404 "unknown model" for
+        # a new folder, UNLOADED for one unloaded), and the server stays ready
+        server.wait_for(lambda: state(server, "slow") == "LOADING", timeout=60)
+        refused = server.client.post("/v2/models/slow/infer", json={"inputs": []})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "model 'slow' version 1 is LOADING" in refused.json()["error"]
+        rows = server.client.post("/v2/repository/index", headers=admin).json()
+        assert {"name": "slow", "version": "1", "state": "LOADING"}.items() <= next(
+            row for row in rows if row["name"] == "slow"
+        ).items()
+        assert 'tensorgate_model_state{model="slow",state="LOADING",version="1"} 1.0' in (
+            server.client.get("/metrics").text
+        )
+        assert server.client.get("/v2/health/ready").status_code == 200
         # Meanwhile another model unloads, loads again and serves
         assert httpx.post(f"{repository}/digits/unload", headers=admin, timeout=300).is_success
         assert httpx.post(f"{repository}/digits/load", headers=admin, timeout=300).is_success
