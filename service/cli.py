@@ -228,6 +228,19 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{', '.join(sorted(folders))})\n"
             )
             return 2
+    if (
+        settings.model_name is not None
+        and not (settings.model_repository / "config.yaml").is_file()
+    ):
+        root = settings.model_repository
+        holds = sorted(p.name for p in root.iterdir() if (p / "config.yaml").is_file())
+        if len(holds) != 1:
+            sys.stderr.write(  # one line, not every worker's traceback
+                f"tensorgate: invalid setting: TG_MODEL_NAME: {settings.model_name!r} is set, so "
+                f"{root} must be one model's folder (config.yaml at its root) or hold exactly one "
+                f"model folder; it holds {holds or 'none'}\n"
+            )
+            return 2
     worker = Worker.from_environment()
     logs.configure(settings.log_level, None if worker is None else worker.index)
     if worker is None:
@@ -237,6 +250,11 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             log.warning(settings.sizing_warning)
         if settings.workers > 1:
             return Supervisor(settings, argv).run()
+        for kind, port in (("HTTP", settings.port), ("gRPC", settings.grpc_port)):
+            if port and (why := _cannot_listen(settings.host, port)):  # one line, up front:
+                # uvicorn found it after loading every model, grpcio as a startup traceback
+                log.error("cannot listen on the %s port %s:%d (%s): stopping", kind, *why)
+                return 1
     else:
         die_with_supervisor(worker)
         if worker.cpu_use_path.is_file():  # the other workers' batches, for the runtimes
@@ -274,6 +292,21 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         server.run(sockets=[inherited_listener()])
     _leave_hung_code()
     return 0
+
+
+def _cannot_listen(host: str, port: int) -> tuple[str, int, str] | None:
+    """Why ``host:port`` cannot be listened on (as the servers will: SO_REUSEADDR, no
+    SO_REUSEPORT), or None; checked by binding it, and letting it go."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return host, port, exc.strerror or str(exc)
+    return None
 
 
 def _leave_hung_code(wait_s: float = 1.0) -> None:

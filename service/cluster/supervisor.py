@@ -163,7 +163,16 @@ class Supervisor:
         # queue: a worker takes a connection when its loop gets to it, so a busy worker takes
         # fewer (SO_REUSEPORT hashed each connection to a worker whatever its load: 16
         # connections split 11/5 made the tail), and no other process can bind beside it.
-        reserved = shared_listener(self.settings.host, self.settings.port)
+        try:
+            reserved = shared_listener(self.settings.host, self.settings.port)
+        except OSError as exc:  # one line, as the gRPC port's (it was a traceback)
+            log.error(
+                "cannot listen on the HTTP port %s:%d (%s): stopping",
+                self.settings.host,
+                self.settings.port,
+                exc.strerror,
+            )
+            return 1
         self.listener = reserved
         # gRPC: grpcio takes no inherited socket, and SO_REUSEPORT would let a stranger take
         # the calls: the supervisor listens, and forwards each connection to a worker's unix

@@ -499,8 +499,37 @@ def test_a_server_whose_workers_cannot_start_exits_with_an_error(tmp_path: Path)
         )
         code = server.process.wait(60)
         assert code != 0, server.log()
-        assert "Address already in use" in server.log()
+        port = taken.getsockname()[1]
+        said = f"cannot listen on the HTTP port 127.0.0.1:{port} (Address already in use)"
+        assert said in server.log()
+        assert "Traceback" not in server.log()  # one line (it was a traceback)
         server.stop()
+
+
+@pytest.mark.parametrize("kind", ["HTTP", "gRPC"])
+def test_one_worker_whose_port_is_taken_says_so_in_one_line_before_loading(
+    tmp_path: Path, kind: str
+) -> None:
+    """With one worker, a taken HTTP port was found by uvicorn once every model had loaded,
+    and a taken gRPC port was grpcio's line and a startup traceback."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"TG_GRPC_PORT": str(port)} if kind == "gRPC" else {}
+        server = Server(
+            root,
+            env=env,
+            log_path=tmp_path / "server.log",
+            port=port if kind == "HTTP" else None,
+        )
+        assert server.process.wait(60) == 1, server.log()
+        server.stop()
+    log = server.log()
+    assert f"cannot listen on the {kind} port 127.0.0.1:{port} (Address already in use)" in log
+    assert "Traceback" not in log and "model digits" not in log  # before any model loaded
 
 
 def test_workers_run_tensorgate_not_a_service_package_of_the_current_folder(
