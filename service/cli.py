@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -167,8 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_export(args)
     from service.model_config import ModelConfig
 
-    json.dump(ModelConfig.model_json_schema(), sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    try:
+        sys.stdout.write(json.dumps(ModelConfig.model_json_schema(), indent=2) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `tensorgate schema | head`: the reader had what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
     return 0
 
 
@@ -314,7 +318,6 @@ def _leave_hung_code(wait_s: float = 1.0) -> None:
     on a thread that will not return. Python joins every pool thread at exit, so a
     ``postprocess`` sleeping 45 s (its request long answered 504) kept a drained server alive
     40 s past its grace; threads idle or ending are given ``wait_s``."""
-    import os
     import threading
 
     from service.telemetry import logs

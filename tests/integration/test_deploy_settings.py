@@ -3,7 +3,9 @@ command, misspelt variables, one-line setting errors, and one model served under
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +140,21 @@ def test_a_model_name_over_a_repository_of_several_models_names_them(tmp_path: P
         "model's folder (config.yaml at its root) or hold exactly one model folder; it holds "
         "['a', 'b']\n"
     )
+
+
+def test_the_schema_command_prints_the_config_schema_and_ends_quietly_into_a_closed_pipe() -> None:
+    """`tensorgate schema | head` ended in a BrokenPipeError traceback."""
+    whole = tensorgate("schema", env={})
+    assert whole.returncode == 0, whole.stderr
+    assert json.loads(whole.stdout)["title"] == "ModelConfig"
+    piped = subprocess.run(
+        f"set -o pipefail; {shlex.quote(sys.executable)} -m service schema | head -c 10",
+        shell=True,
+        executable="/bin/bash",
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert piped.stdout == whole.stdout[:10]
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
