@@ -352,6 +352,9 @@ def _settings(**overrides: Any) -> Settings | None:
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"])
             field = f"TG_{where.upper()}: " if where else ""
+            if where in overrides:  # given on the command line, as a flag
+                flag = "poll" if where == "poll_interval_s" else where.replace("_", "-")
+                field = f"--{flag}: "
             said = error["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
             sys.stderr.write(f"tensorgate: invalid setting: {field}{said}\n")
         return None

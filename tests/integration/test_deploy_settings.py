@@ -107,6 +107,17 @@ def test_a_bad_setting_is_one_line_not_a_traceback(env: dict[str, str], message:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [("--port=99999", "--port"), ("--poll=-1", "--poll"), ("--grpc-port=-2", "--grpc-port")],
+)
+def test_a_bad_flag_is_named_as_the_flag(flag: str, named: str) -> None:
+    """A flag's error named its variable (`--port 99999`: "TG_PORT: ...")."""
+    done = tensorgate("serve", flag, env={})
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"tensorgate: invalid setting: {named}: Input should be ")
+
+
 def test_one_model_folder_serves_under_the_name_kserve_gives(tmp_path: Path) -> None:
     """KServe's storage initializer leaves the storageUri's folder in /mnt/models; the runtime's
     args pass the InferenceService's name as --model-name."""
