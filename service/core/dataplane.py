@@ -303,7 +303,9 @@ class DataPlane:
         inputs = request.inputs
         if request.rows is not None:
             inputs = instance_tensors(request.rows, model.signature.inputs, model.batched)
-        return _fitted(model, check_inputs(inputs, model.signature, model.config, model.name))
+        raw = model.pipeline.raw_input if model.pipeline is not None else None
+        checked = check_inputs(inputs, model.signature, model.config, model.name, raw_input=raw)
+        return _fitted(model, checked)
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: the sooner of its own timeout (a header, a gRPC

@@ -23,17 +23,20 @@ def check_inputs(
     config: ModelConfig,
     name: str,
     empty: bool = False,
+    raw_input: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Inputs that fit the signature → the batch to run (cast only where the config opts in);
-    with ``empty``, a batch of 0 rows is one (a pipeline's step with nothing to run)."""
+    with ``empty``, a batch of 0 rows is one (a pipeline's step with nothing to run).
+    ``raw_input``: the model's pipeline's input, which its errors name too."""
     declared = {t.name: t for t in signature.inputs}
     given = {t.name: t for t in inputs}
+    raw = f", or its raw input '{raw_input}' (BYTES) alone" if raw_input else ""
     if unknown := sorted(set(given) - set(declared)):
         raise InvalidInput(
-            f"model '{name}' has no input {unknown}; its inputs are {sorted(declared)}"
+            f"model '{name}' has no input {unknown}; its inputs are {sorted(declared)}{raw}"
         )
     if missing := sorted(set(declared) - set(given)):
-        raise InvalidInput(f"missing input {missing}; model '{name}' takes {sorted(declared)}")
+        raise InvalidInput(f"missing input {missing}; model '{name}' takes {sorted(declared)}{raw}")
     batched = config.max_batch_size > 0
     rows: set[int] = set()
     batch = {}

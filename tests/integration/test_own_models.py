@@ -424,6 +424,21 @@ def test_a_rows_lone_value_sent_bare_is_400_saying_so(server: Server) -> None:
     assert "lone value" not in answer.text
 
 
+def test_an_unknown_input_to_a_model_with_preprocessing_names_its_raw_input(
+    server: Server,
+) -> None:
+    """Its metadata lists the raw input; the 400 named only the model's own ['image']."""
+    inputs = server.client.get("/v2/models/heatmap").json()["inputs"]
+    [raw] = [i["name"] for i in inputs if i["datatype"] == "BYTES"]
+    x = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}
+    answer = server.client.post("/v2/models/heatmap/infer", json={"inputs": [x]})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == (
+        f"model 'heatmap' has no input ['x']; its inputs are ['image'], or its raw input "
+        f"'{raw}' (BYTES) alone"
+    )
+
+
 def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Server) -> None:
     pooled = user_models.PooledClassifier()
     response = infer(server.client, "pooled", image=np.zeros((1, 3, 40, 40), np.float32))

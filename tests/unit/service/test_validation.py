@@ -58,3 +58,20 @@ def test_a_row_without_its_batch_dim_is_one_dim_short_and_other_shapes_are_not()
     assert refusal([ids, other], config()) == "input 'dense': expected FP32 [-1, 8], got FP64 [8]"
     unbatched = config(max_batch_size=0)  # no rows to count: [8] is what it takes
     check_inputs([tensor("item_id", "INT64", np.array([3])), row], SIGNATURE, unbatched, "ctr")
+
+
+def test_a_pipelines_raw_input_is_named_beside_the_models_inputs() -> None:
+    """A model with preprocessing also takes its raw BYTES input alone: its metadata lists
+    it, and the 400 for an unknown input named only the model's own."""
+    ids = tensor("item_id", "INT64", np.array([[3]]))
+    with pytest.raises(InvalidInput) as refused:
+        check_inputs([tensor("x", "FP32", np.zeros(1))], SIGNATURE, config(), "m", raw_input="raw")
+    assert str(refused.value) == (
+        "model 'm' has no input ['x']; its inputs are ['dense', 'item_id'], or its raw input "
+        "'raw' (BYTES) alone"
+    )
+    with pytest.raises(InvalidInput) as refused:
+        check_inputs([ids], SIGNATURE, config(), "m", raw_input="raw")
+    assert str(refused.value).endswith(
+        "takes ['dense', 'item_id'], or its raw input 'raw' (BYTES) alone"
+    )
