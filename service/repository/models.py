@@ -331,8 +331,9 @@ class ModelRepository:
 
     def unload_model(self, name: str, requested: bool = True) -> None:
         """Stop serving a model; in-flight requests finish first. Blocking. ``requested``:
-        through the repository API, so that ``--poll`` leaves it unloaded (else: its folder
-        went, and a folder of its name that comes back is loaded)."""
+        through the repository API, so that ``--poll`` leaves it unloaded and it is listed
+        UNLOADED; else its folder went: it is forgotten (a folder of its name that comes back
+        is loaded)."""
         if not self.stop_loading(name):
             self.entry(name)  # 404 before waiting on anything
         with self._change(name):
@@ -340,9 +341,12 @@ class ModelRepository:
             if entry is None:  # its first load, stopped: nothing served to retire
                 log.info("model %s: its load was stopped by an unload", name)
                 return
-            self.models[name] = ModelEntry(
-                name, entry.path, entry.config, unloaded=True, held_unloaded=requested
-            )
+            if requested:
+                self.models[name] = ModelEntry(
+                    name, entry.path, entry.config, unloaded=True, held_unloaded=True
+                )
+            else:  # its folder is gone: no more in the repository, its index or its metrics
+                del self.models[name]
             # a folder of its name that comes back is new, also with the same files' times
             self._fingerprints.pop(name, None)
         _retire(entry)

@@ -156,6 +156,11 @@ def test_poll_leaves_a_model_unloaded_through_the_api_and_loads_a_folder_that_co
         # its folder goes (--poll unloads it), and comes back as it was: --poll loads it
         shutil.move(folder, root.parent / "kept-away")
         server.wait_log("poll: model kept unloaded (its folder is gone)")
+        # forgotten, as a folder never there (it stayed UNLOADED in the index and metrics)
+        assert server.client.get("/v2/models/kept").status_code == 404
+        assert 'model="kept"' not in server.client.get("/metrics").text
+        rows = server.client.post("/v2/repository/index", headers=admin).json()
+        assert "kept" not in {row["name"] for row in rows}
         shutil.move(root.parent / "kept-away", folder)
         server.wait_for(lambda: state("kept") == "READY", timeout=60)
         assert server.client.post("/v2/models/kept/infer", json=DIGIT).status_code == 200
