@@ -192,7 +192,7 @@ async def _poll_once(dataplane: DataPlane) -> None:
     changed, gone = await asyncio.to_thread(repository.changes)
     for name in changed:
         try:
-            await dataplane.load_model(name)
+            await dataplane.load_model(name, polled=True)
             log.info("poll: model %s reloaded", name)
         except TensorgateError as exc:
             log.error("poll: model %s did not load: %s", name, exc.message)
@@ -235,7 +235,7 @@ def _load(repository: ModelRepository) -> None:
     total = time.perf_counter() - PROCESS_STARTED
     states = {
         name: {v.version: v.state.value for v in entry.versions.values()} or entry.error
-        for name, entry in repository.models.items()
+        for name, entry in list(repository.models.items())
     }
     # One line a Kubernetes operator can size a startupProbe from: total and its parts.
     log.info(

@@ -238,9 +238,10 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     ):
         root = settings.model_repository
         holds = sorted(p.name for p in root.iterdir() if (p / "config.yaml").is_file())
+        named = "--model-name" if "model_name" in overrides else "TG_MODEL_NAME"
         if len(holds) != 1:
             sys.stderr.write(  # one line, not every worker's traceback
-                f"tensorgate: invalid setting: TG_MODEL_NAME: {settings.model_name!r} is set, so "
+                f"tensorgate: invalid setting: {named}: {settings.model_name!r} is set, so "
                 f"{root} must be one model's folder (config.yaml at its root) or hold exactly one "
                 f"model folder; it holds {holds or 'none'}\n"
             )

@@ -91,3 +91,5 @@ class InferenceResult:
     """Whether the outputs have a batch dimension (rows) first."""
     answers: list[Any] | None = None
     """The model's pipeline's answer for each raw item, where its code postprocesses."""
+    size: int | None = None
+    """What its outputs hold, once asked (``service.core.dataplane.answer_bytes``)."""

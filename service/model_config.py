@@ -169,7 +169,8 @@ class VersionPolicy(_Strict):
     @model_validator(mode="after")
     def _one_policy(self) -> Self:
         # all, then specific, then latest would win: a config naming two says one of them
-        named = [k for k, v in (("latest", self.latest), ("specific", self.specific)) if v]
+        given = (("latest", self.latest), ("specific", self.specific))
+        named = [k for k, v in given if v is not None]
         named += ["all: true"] if self.all else []
         if len(named) > 1:
             raise ValueError(

@@ -147,7 +147,7 @@ async def follow_siblings(dataplane: DataPlane, siblings: Siblings) -> None:
         await dataplane.unload_model(name)
     for name in sorted(here - anywhere):
         log.info("model %s was never loaded by the other workers: unloading it here too", name)
-        await dataplane.unload_model(name)
+        await dataplane.unload_model(name, requested=False)  # as theirs: a folder not loaded
     for name in sorted(held - here):
         log.info("model %s was loaded in the other workers: loading it here too", name)
         try:

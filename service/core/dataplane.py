@@ -322,9 +322,10 @@ class DataPlane:
 
     # -- repository -------------------------------------------------------------------------------
 
-    async def load_model(self, name: str) -> None:
-        """Load (or reload) a model; its new versions serve once their gates and warmup pass."""
-        entry = await asyncio.to_thread(self.repository.load_model, name)
+    async def load_model(self, name: str, polled: bool = False) -> None:
+        """Load (or reload) a model; its new versions serve once their gates and warmup pass.
+        ``polled``: by ``--poll``, which leaves a model unloaded through the API meanwhile."""
+        entry = await asyncio.to_thread(self.repository.load_model, name, polled)
         for version in entry.versions.values():
             if version.served is not None:
                 version.served.start()
@@ -623,16 +624,22 @@ def answer_bytes(result: InferenceResult) -> int:
     """What a result's outputs hold: the bytes an encoder goes through, at least (a loop, not
     a generator: asked of every JSON answer). A BYTES output counts its elements' lengths: its
     ``nbytes`` is 8 an element (the pointers), whatever the strings hold."""
+    if result.size is not None:  # a BYTES output's is a walk of its strings: asked once
+        return result.size
     total = 0
     for output in result.outputs:
         data = output.data
         total += data.nbytes if data.dtype != object else _object_bytes(data)
+    result.size = total
     return total
 
 
 def _object_bytes(data: np.ndarray) -> int:
     """An object array's bytes: its pointers, and the length of each bytes or str element."""
-    return data.nbytes + sum(len(item) for item in data.flat if isinstance(item, bytes | str))
+    try:
+        return data.nbytes + sum(map(len, data.flat))  # 1M strings: 0.03 s, not 0.15
+    except TypeError:  # an element without a length (BYTES outputs are bytes or str)
+        return data.nbytes + sum(len(x) for x in data.flat if isinstance(x, bytes | str))
 
 
 def _fitted(

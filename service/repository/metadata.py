@@ -57,7 +57,9 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
                 [found.version]
                 if version
                 else sorted(
-                    number for number, each in entry.versions.items() if each.served is not None
+                    number
+                    for number, each in entry.versions.items()
+                    if repository.state(each)[0] is ModelState.READY
                 )
             )
             which = "version" if len(serving) == 1 else "versions"

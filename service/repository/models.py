@@ -275,7 +275,7 @@ class ModelRepository:
         version.state = ModelState.READY
         log.info("model %s version %d is ready", version.name, version.version)
 
-    def load_model(self, name: str) -> ModelEntry:
+    def load_model(self, name: str, polled: bool = False) -> ModelEntry:
         """(Re)load one model from its folder; swap its versions in once they are ready.
 
         Blocking: call it off the event loop. Raises ModelLoadRefused when any version the
@@ -285,15 +285,26 @@ class ModelRepository:
         """
         folder = self._folder(name)
         with self._change(name):
+            old = self.models.get(name)
+            if polled and old is not None and old.held_unloaded:  # unloaded meanwhile
+                return old
             # Recorded first: a model that fails is retried by --poll only when it changes.
             self._fingerprints[name] = fingerprint(folder)
             fresh = self._scan_model(name, folder)
-            old = self.models.get(name)
-            if (old is None or old.unloaded or old.refused) and fresh.versions:
+            # nothing of it serves (a model that failed at startup keeps its own state)
+            unserved = old is None or old.unloaded or old.refused or old.shown_loading
+            if unserved and fresh.versions:
                 # nothing of it serves: shown LOADING meanwhile (fresh's own versions are
                 # not: one READY would take requests before the load is known to succeed)
                 self.models[name] = _shown_loading(fresh)
-            self._load_entry(fresh)
+            try:
+                self._load_entry(fresh)
+            except BaseException:  # e.g. a model's own code: never leave the stand-in
+                if old is None:
+                    self.models.pop(name, None)
+                else:
+                    self.models[name] = old
+                raise
             versions = fresh.versions.values()
             if (
                 fresh.error
@@ -304,14 +315,15 @@ class ModelRepository:
                 for version in fresh.versions.values():
                     if version.served is not None:
                         version.served.close()
-                if old is None or old.unloaded or old.refused:  # nothing of it serves
+                if old is None or unserved:
                     fresh.refused = True
                     self.models[name] = fresh  # its metadata says why, as at startup
                 else:
                     old.last_load_error = reasons
                     serving = [str(v.version) for v in old.versions.values() if v.served]
                     which = ("version " if len(serving) == 1 else "versions ") + ", ".join(serving)
-                    log.error("model %s: reload refused, %s serving on: %s", name, which, reasons)
+                    on = f", {which} serving on" if serving else " (nothing of it serves)"
+                    log.error("model %s: reload refused%s: %s", name, on, reasons)
                 if any(v.stopped for v in versions):
                     raise ModelLoadStopped(f"the load of '{name}' did not finish: {reasons}")
                 raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
@@ -364,8 +376,9 @@ class ModelRepository:
         one unloaded through the API stays unloaded until it is loaded through it."""
         every = self.on_disk()
         chosen = self.on_disk(chosen_only=True)
-        loaded = {n for n, e in self.models.items() if not e.unloaded}  # also through the API
-        held = {n for n, e in self.models.items() if e.held_unloaded}
+        models = list(self.models.items())  # a snapshot: loads change the dict meanwhile
+        loaded = {n for n, e in models if not e.unloaded}  # also through the API
+        held = {n for n, e in models if e.held_unloaded}
         changed = [
             name
             for name, folder in every.items()
@@ -374,7 +387,7 @@ class ModelRepository:
             and NAME_PATTERN.match(name)
             and self._fingerprints.get(name) != fingerprint(folder)
         ]
-        gone = [n for n in loaded if n not in every]  # not: left out of TG_MODELS
+        gone = [n for n in loaded | held if n not in every]  # not: left out of TG_MODELS
         return changed, gone
 
     def _folder(self, name: str) -> Path:
@@ -466,7 +479,7 @@ class ModelRepository:
         """Every READY version with what serves it."""
         return [
             (v, v.served)
-            for entry in self.models.values()
+            for entry in list(self.models.values())
             for v in entry.versions.values()
             if v.served is not None and v.state is ModelState.READY
         ]
@@ -490,7 +503,7 @@ class ModelRepository:
         """Each model meant to load that is not READY, with why."""
         return {
             name: entry.why_not(ready_too=False)
-            for name, entry in self.models.items()
+            for name, entry in list(self.models.items())
             if not (entry.unloaded or entry.refused or entry.shown_loading)
             and (
                 entry.error
@@ -507,7 +520,7 @@ class ModelRepository:
     def index(self) -> list[dict[str, Any]]:
         """One row per model version (or per model without versions), as the OIP index shows."""
         rows: list[dict[str, Any]] = []
-        for name, entry in sorted(self.models.items()):
+        for name, entry in sorted(list(self.models.items())):
             if entry.unloaded:
                 rows.append(
                     {"name": name, "state": ModelState.UNLOADED.value, "reason": "unloaded"}
@@ -532,7 +545,7 @@ class ModelRepository:
         return rows
 
     def close(self) -> None:
-        for entry in self.models.values():
+        for entry in list(self.models.values()):
             _retire(entry)
 
 

@@ -361,7 +361,7 @@ class _RepositoryCollector(Collector):
             (kind(name, text, labels=["model", "version"]), value)
             for kind, name, text, value in VERSION_SERIES
         ]
-        for name, entry in self.repository.models.items():
+        for name, entry in list(self.repository.models.items()):
             if entry.unloaded:  # on purpose: said, so that its series do not just vanish
                 state.add_metric([name, "", ModelState.UNLOADED.value], 1.0)
             for number, version in entry.versions.items():

@@ -129,7 +129,7 @@ def _check_sampler(environ: Mapping[str, str]) -> None:
     and sampled every request (``OTEL_TRACES_SAMPLER_ARG=1%``, or the sampler
     ``parentbased_traceid_ratio``: all 20 of 20 traced, where full tracing cuts a small model's
     throughput to 0.30 ×)."""
-    sampler = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    sampler = environ.get("OTEL_TRACES_SAMPLER", "").lower()  # as the SDK reads it: unstripped
     argument = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
     if sampler and sampler not in SAMPLERS:
         close = difflib.get_close_matches(sampler, SAMPLERS, n=1)

@@ -388,3 +388,14 @@ def test_a_server_process_exports_otlp_over_http_as_the_environment_says(
     access = [line for line in lines if line.get("logger") == "tensorgate.access"]
     assert access and access[-1]["trace_id"] == TRACE_ID
     assert os.environ.get("OTEL_TRACES_EXPORTER") is None  # the test's process is untouched
+
+
+@pytest.mark.unit
+def test_a_sampler_is_read_as_the_sdk_reads_it_unstripped() -> None:
+    """The SDK lowercases OTEL_TRACES_SAMPLER but does not strip it: "traceidratio " is no
+    sampler to it (it traced every request), and so it is none here either."""
+    with pytest.raises(ValueError, match="did you mean traceidratio"):
+        tracing._check_sampler({"OTEL_TRACES_SAMPLER": "traceidratio "})
+    tracing._check_sampler(
+        {"OTEL_TRACES_SAMPLER": "TraceIdRatio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}
+    )

@@ -1,3 +1,5 @@
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,7 @@ def test_version_policy_selects_versions(policy: VersionPolicy, expected: list[i
         ({"latest": 1, "all": True}, "latest and all: true"),
         ({"latest": 2, "specific": [1]}, "latest and specific"),
         ({"specific": [1], "all": True}, "specific and all: true"),
+        ({"specific": [], "latest": 2}, "latest and specific"),
     ],
 )
 def test_a_version_policy_naming_two_is_refused(policy: dict[str, object], named: str) -> None:
@@ -174,9 +177,57 @@ def test_poll_keeps_a_model_loaded_through_the_api_that_tg_models_leaves_out(
             (tmp_path / "other" / "config.yaml").read_text() + "\n# changed\n"
         )
         assert repository.changes() == (["other"], [])  # reloaded when it changes
-        import shutil
-
         shutil.rmtree(tmp_path / "other")
         assert repository.changes() == ([], ["other"])  # and let go once its folder is gone
     finally:
         repository.close()
+
+
+@pytest.fixture
+def unloaded(tmp_path: Path) -> Iterator[ModelRepository]:
+    """A repository of one model, ``m``, loaded and then unloaded through the API."""
+    write_identity_model(tmp_path / "m", datatypes=("FP32",))
+    repository = ModelRepository(Settings(model_repository=tmp_path, intra_op_threads=1))
+    try:
+        repository.scan()
+        repository.load_all()
+        repository.unload_model("m")
+        yield repository
+    finally:
+        repository.close()
+
+
+def test_poll_leaves_a_held_unload_and_forgets_it_once_its_folder_is_gone(
+    unloaded: ModelRepository, tmp_path: Path
+) -> None:
+    """An API unload holds through --poll's reloads (also one the poll had already chosen to
+    run), and an unloaded model whose folder goes is forgotten too."""
+    config = tmp_path / "m" / "config.yaml"
+    config.write_text(config.read_text() + "\n# changed\n")
+    assert unloaded.changes() == ([], [])
+    assert unloaded.load_model("m", polled=True).unloaded  # chosen before the unload
+    assert unloaded.index() == [{"name": "m", "state": "UNLOADED", "reason": "unloaded"}]
+    shutil.rmtree(tmp_path / "m")
+    assert unloaded.changes() == ([], ["m"])
+    unloaded.unload_model("m", requested=False)
+    assert unloaded.index() == [] and "m" not in unloaded.models
+
+
+class _Interrupted(BaseException):
+    """What a model's own code may raise that is no Exception."""
+
+
+def test_a_load_that_raises_leaves_no_loading_stand_in(
+    unloaded: ModelRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shown: list[str] = []
+
+    def interrupted(entry: object) -> None:
+        shown.append(unloaded.index()[0]["state"])  # the stand-in, while it loads
+        raise _Interrupted
+
+    monkeypatch.setattr(unloaded, "_load_entry", interrupted)
+    with pytest.raises(_Interrupted):
+        unloaded.load_model("m")
+    assert shown == ["LOADING"]
+    assert unloaded.index() == [{"name": "m", "state": "UNLOADED", "reason": "unloaded"}]
