@@ -232,19 +232,15 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{', '.join(sorted(folders))})\n"
             )
             return 2
-    if (
-        settings.model_name is not None
-        and not (settings.model_repository / "config.yaml").is_file()
-    ):
-        root = settings.model_repository
-        holds = sorted(p.name for p in root.iterdir() if (p / "config.yaml").is_file())
+    if settings.model_name is not None:
+        from service.errors import ModelLoadError
+        from service.repository.models import single_model_folder
+
         named = "--model-name" if "model_name" in overrides else "TG_MODEL_NAME"
-        if len(holds) != 1:
-            sys.stderr.write(  # one line, not every worker's traceback
-                f"tensorgate: invalid setting: {named}: {settings.model_name!r} is set, so "
-                f"{root} must be one model's folder (config.yaml at its root) or hold exactly one "
-                f"model folder; it holds {holds or 'none'}\n"
-            )
+        try:
+            single_model_folder(settings.model_repository, settings.model_name, named)
+        except ModelLoadError as exc:  # one line, not every worker's traceback
+            sys.stderr.write(f"tensorgate: invalid setting: {exc}\n")
             return 2
     worker = Worker.from_environment()
     logs.configure(settings.log_level, None if worker is None else worker.index)

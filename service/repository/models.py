@@ -178,24 +178,13 @@ class ModelRepository:
         """Each model's name and folder as the repository holds them now; ``chosen_only``:
         only those ``settings.models`` names (all when unset)."""
         if self.settings.model_name is not None:
-            return {self.settings.model_name: self._single_model_folder()}
+            return {
+                self.settings.model_name: single_model_folder(self.root, self.settings.model_name)
+            }
         found = {p.name: p for p in sorted(self.root.iterdir()) if (p / "config.yaml").is_file()}
         if chosen_only and self.settings.models:
             return {n: p for n, p in found.items() if n in self.settings.models}
         return found
-
-    def _single_model_folder(self) -> Path:
-        """``model_name``'s folder: the repository itself, or the one model folder in it."""
-        if (self.root / "config.yaml").is_file():
-            return self.root
-        folders = sorted(p for p in self.root.iterdir() if (p / "config.yaml").is_file())
-        if len(folders) != 1:
-            raise ModelLoadError(
-                f"model name {self.settings.model_name!r} is set, so {self.root} must be one "
-                "model's folder (config.yaml at its root) or hold exactly one model folder; it "
-                f"holds {[p.name for p in folders]}"
-            )
-        return folders[0]
 
     def _scan_model(self, name: str, folder: Path) -> ModelEntry:
         entry = _scan_model(name, folder)
@@ -588,6 +577,21 @@ def fingerprint(folder: Path) -> tuple[object, ...]:
             stat = path.stat()
             entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
     return tuple(entries)
+
+
+def single_model_folder(root: Path, model_name: str, setting: str = "TG_MODEL_NAME") -> Path:
+    """``model_name``'s folder: the repository itself, or the one model folder in it;
+    ModelLoadError naming ``setting`` and what the repository holds otherwise."""
+    if (root / "config.yaml").is_file():
+        return root
+    folders = sorted(p for p in root.iterdir() if (p / "config.yaml").is_file())
+    if len(folders) != 1:
+        raise ModelLoadError(
+            f"{setting}: {model_name!r} is set, so {root} must be one model's folder "
+            "(config.yaml at its root) or hold exactly one model folder; it holds "
+            f"{[p.name for p in folders]}"
+        )
+    return folders[0]
 
 
 def _shown_loading(entry: ModelEntry) -> ModelEntry:
