@@ -185,6 +185,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     from service.app import create_app, serving_app
     from service.cluster.supervisor import (
+        CANNOT_LISTEN,
         Supervisor,
         Worker,
         die_with_supervisor,
@@ -254,7 +255,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         for kind, port in (("HTTP", settings.port), ("gRPC", settings.grpc_port)):
             if port and (why := _cannot_listen(settings.host, port)):  # one line, up front:
                 # uvicorn found it after loading every model, grpcio as a startup traceback
-                log.error("cannot listen on the %s port %s:%d (%s): stopping", kind, *why)
+                log.error(CANNOT_LISTEN, kind, *why)
                 return 1
     else:
         die_with_supervisor(worker)

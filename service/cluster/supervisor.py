@@ -163,15 +163,8 @@ class Supervisor:
         # queue: a worker takes a connection when its loop gets to it, so a busy worker takes
         # fewer (SO_REUSEPORT hashed each connection to a worker whatever its load: 16
         # connections split 11/5 made the tail), and no other process can bind beside it.
-        try:
-            reserved = shared_listener(self.settings.host, self.settings.port)
-        except OSError as exc:  # one line, as the gRPC port's (it was a traceback)
-            log.error(
-                "cannot listen on the HTTP port %s:%d (%s): stopping",
-                self.settings.host,
-                self.settings.port,
-                exc.strerror,
-            )
+        reserved = self._listen("HTTP", self.settings.port)
+        if reserved is None:
             return 1
         self.listener = reserved
         # gRPC: grpcio takes no inherited socket, and SO_REUSEPORT would let a stranger take
@@ -179,16 +172,9 @@ class Supervisor:
         # socket (service/cluster/front.py).
         front = None
         if self.settings.grpc_port:
-            try:
-                grpc_listener = shared_listener(self.settings.host, self.settings.grpc_port)
-            except OSError as exc:
+            grpc_listener = self._listen("gRPC", self.settings.grpc_port)
+            if grpc_listener is None:
                 reserved.close()
-                log.error(
-                    "cannot listen on the gRPC port %s:%d (%s): stopping",
-                    self.settings.host,
-                    self.settings.grpc_port,
-                    exc.strerror,
-                )
                 return 1
             grpc_listener.set_inheritable(False)
             front = GrpcFront(
@@ -357,12 +343,24 @@ class Supervisor:
             self.answered.pop(index)
             process.kill()
 
+    def _listen(self, kind: str, port: int) -> socket.socket | None:
+        """The listening socket of ``port``, or None once its error is logged in one line."""
+        try:
+            return shared_listener(self.settings.host, port)
+        except OSError as exc:
+            log.error(CANNOT_LISTEN, kind, self.settings.host, port, exc.strerror)
+            return None
+
     def _forward(self, sig: int, frame: object) -> None:
         """First SIGTERM: every worker drains. A second: every worker stops now."""
         self.stopping = True
         for process in self.processes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM if sig == signal.SIGTERM else sig)
+
+
+CANNOT_LISTEN = "cannot listen on the %s port %s:%d (%s): stopping"
+"""A port taken (or not ours to take): one line, where it was a traceback."""
 
 
 def shared_listener(host: str, port: int) -> socket.socket:

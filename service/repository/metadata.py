@@ -62,9 +62,8 @@ def model(repository: ModelRepository, name: str, version: str | None) -> dict[s
                     if repository.state(each)[0] is ModelState.READY
                 )
             )
-            which = "version" if len(serving) == 1 else "versions"
-            reason = f"{which} {', '.join(map(str, serving))} serve"
-            reason += "s" if len(serving) == 1 else ""
+            said = ", ".join(map(str, serving))
+            reason = f"version {said} serves" if len(serving) == 1 else f"versions {said} serve"
             reason += "; the last reload was refused: " + entry.last_load_error
     if reason:
         metadata["reason"] = reason

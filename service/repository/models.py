@@ -509,7 +509,7 @@ class ModelRepository:
     def index(self) -> list[dict[str, Any]]:
         """One row per model version (or per model without versions), as the OIP index shows."""
         rows: list[dict[str, Any]] = []
-        for name, entry in sorted(list(self.models.items())):
+        for name, entry in sorted(self.models.items()):  # sorted: a list made at once
             if entry.unloaded:
                 rows.append(
                     {"name": name, "state": ModelState.UNLOADED.value, "reason": "unloaded"}
