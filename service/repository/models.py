@@ -4,7 +4,8 @@ A folder is a model when it holds ``config.yaml``; its numeric subfolders are ve
 per the config's ``version_policy``. A model or version that cannot be served is UNAVAILABLE
 with the reason, in its metadata and logs; the others serve on. Loading a model again swaps
 its new versions in only once they have passed their gates and warmup; the versions they
-replace finish their in-flight requests, then unload.
+replace finish their in-flight requests, then unload. A version whose files, and the model's
+other files, are as they were when it loaded serves on: it is not loaded and warmed again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class ModelVersion:
     """Refused because its replay called a model not loaded yet: tried again after them."""
     stopped: bool = False
     """Its load was stopped by an unload of the model, or by SIGTERM (nothing wrong in it)."""
+    files: tuple[object, ...] = ()
+    """Its folder's files as its load began (:func:`fingerprint`): a reload keeps it serving
+    while they and its model's other files are unchanged."""
 
 
 @dataclass(eq=False)
@@ -92,6 +96,9 @@ class ModelEntry:
     """Stands for a load asked for while the server ran, nothing of the model serving: its
     versions say LOADING until the load ends (it said UNLOADED, or 404 for a new folder), and
     it is not counted against readiness, as a refused one."""
+    files: tuple[object, ...] = ()
+    """The files of its folder outside its version folders (config.yaml, its code) as it was
+    scanned: while they are unchanged, a reload keeps its unchanged versions serving."""
 
     def why_not(self, ready_too: bool = True) -> str:
         """Why it has nothing to serve: its error, or each version's reason (``ready_too``
@@ -221,13 +228,15 @@ class ModelRepository:
     def _load_entry(self, entry: ModelEntry) -> None:
         for version in entry.versions.values():
             assert entry.config is not None
-            self._load_version(entry.config, version)
+            if version.served is None:  # else kept from the entry it replaces
+                self._load_version(entry.config, version)
 
     def _load_version(self, config: ModelConfig, version: ModelVersion) -> None:
         if self.stopping.is_set():
             version.state, version.reason = ModelState.UNAVAILABLE, "the server is shutting down"
             return
         bound = LoadBound(self.stopping, self.settings.load_timeout_s)
+        version.files = fingerprint(version.path)  # first: a change meanwhile loads it again
         with self._guard:
             self._loads.setdefault(version.name, set()).add(bound)
             self._changed += 1
@@ -282,6 +291,7 @@ class ModelRepository:
             fresh = self._scan_model(name, folder)
             # nothing of it serves (a model that failed at startup keeps its own state)
             unserved = old is None or old.unloaded or old.refused or old.shown_loading
+            kept = [] if old is None or unserved else _keep_unchanged(old, fresh)
             if unserved and fresh.versions:
                 # nothing of it serves: shown LOADING meanwhile (fresh's own versions are
                 # not: one READY would take requests before the load is known to succeed)
@@ -289,6 +299,7 @@ class ModelRepository:
             try:
                 self._load_entry(fresh)
             except BaseException:  # e.g. a model's own code: never leave the stand-in
+                _retire(fresh, kept)  # the versions it loaded before
                 if old is None:
                     self.models.pop(name, None)
                 else:
@@ -301,25 +312,25 @@ class ModelRepository:
                 or any(v.state is not ModelState.READY for v in versions)
             ):
                 reasons = fresh.why_not()
-                for version in fresh.versions.values():
-                    if version.served is not None:
-                        version.served.close()
+                _retire(fresh, kept)
                 if old is None or unserved:
                     fresh.refused = True
                     self.models[name] = fresh  # its metadata says why, as at startup
                 else:
                     old.last_load_error = reasons
-                    serving = [str(v.version) for v in old.versions.values() if v.served]
-                    which = ("version " if len(serving) == 1 else "versions ") + ", ".join(serving)
-                    on = f", {which} serving on" if serving else " (nothing of it serves)"
+                    serving = [v for v in old.versions.values() if v.served]
+                    on = " (nothing of it serves)"
+                    if serving:
+                        on = f", {_versions(serving)} serving on"
                     log.error("model %s: reload refused%s: %s", name, on, reasons)
                 if any(v.stopped for v in versions):
                     raise ModelLoadStopped(f"the load of '{name}' did not finish: {reasons}")
                 raise ModelLoadRefused(f"failed to load '{name}': {reasons}")
             self.models[name] = fresh  # one assignment: requests see the old or the new entry
-            log.info("model %s loaded: versions %s", name, sorted(fresh.versions))
+            unchanged = f" ({_versions(kept)} unchanged, serving on)" if kept else ""
+            log.info("model %s loaded: versions %s%s", name, sorted(fresh.versions), unchanged)
         if old is not None:
-            _retire(old)
+            _retire(old, kept)
         return fresh
 
     def stop_loading(self, name: str) -> bool:
@@ -539,7 +550,7 @@ class ModelRepository:
 
 
 def _scan_model(name: str, folder: Path) -> ModelEntry:
-    entry = ModelEntry(name, folder)
+    entry = ModelEntry(name, folder, files=fingerprint(folder, versions=False))
     if not NAME_PATTERN.match(name):
         entry.error = f"model name {name!r} must match {NAME_PATTERN.pattern}"
         return entry
@@ -569,14 +580,45 @@ def _is_number(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 18
 
 
-def fingerprint(folder: Path) -> tuple[object, ...]:
-    """What changes when a model's config or any file of its versions does."""
+def fingerprint(folder: Path, versions: bool = True) -> tuple[object, ...]:
+    """What changes when a model's config or any file of its versions does; ``versions``
+    False: only the files outside its version folders."""
     entries: list[object] = []
     for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if not versions and len(relative.parts) > 1 and _is_number(relative.parts[0]):
+            continue
         if path.is_file():
             stat = path.stat()
-            entries.append((str(path.relative_to(folder)), stat.st_size, stat.st_mtime_ns))
+            entries.append((str(relative), stat.st_size, stat.st_mtime_ns))
     return tuple(entries)
+
+
+def _keep_unchanged(old: ModelEntry, fresh: ModelEntry) -> list[ModelVersion]:
+    """Put in ``fresh`` the versions of ``old`` that serve and whose files, and the model's
+    others (its config, its code), are as they were loaded: a reload serves them on without
+    loading and warming them again. The versions kept."""
+    if fresh.error or old.files != fresh.files:
+        return []
+    kept = [
+        version
+        for number, version in old.versions.items()
+        if number in fresh.versions
+        and version.state is ModelState.READY
+        and version.served is not None
+        and not version.served.closing
+        and version.path == fresh.versions[number].path
+        and version.files == fingerprint(version.path)
+    ]
+    for version in kept:
+        fresh.versions[version.version] = version
+    return kept
+
+
+def _versions(versions: list[ModelVersion]) -> str:
+    """``version 1`` or ``versions 1, 2``."""
+    numbers = ", ".join(str(v.version) for v in versions)
+    return ("version " if len(versions) == 1 else "versions ") + numbers
 
 
 def single_model_folder(root: Path, model_name: str, setting: str = "TG_MODEL_NAME") -> Path:
@@ -600,10 +642,11 @@ def _shown_loading(entry: ModelEntry) -> ModelEntry:
     return ModelEntry(entry.name, entry.path, entry.config, versions=versions, shown_loading=True)
 
 
-def _retire(entry: ModelEntry) -> None:
-    """Close an entry's loaded versions after their in-flight requests finish."""
+def _retire(entry: ModelEntry, kept: list[ModelVersion] | None = None) -> None:
+    """Close an entry's loaded versions after their in-flight requests finish (but those
+    ``kept``: they serve on in the entry that replaces it)."""
     for version in entry.versions.values():
-        if version.served is not None:
+        if version.served is not None and version not in (kept or ()):
             version.served.close()
 
 

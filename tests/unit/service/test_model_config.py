@@ -1,3 +1,4 @@
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -5,7 +6,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from service.errors import ModelLoadError
+from service.errors import ModelLoadError, ModelLoadRefused
 from service.model_config import VersionPolicy, load_model_config
 from service.repository.models import ModelRepository, select_versions
 from service.settings import Settings
@@ -231,3 +232,51 @@ def test_a_load_that_raises_leaves_no_loading_stand_in(
         unloaded.load_model("m")
     assert shown == ["LOADING"]
     assert unloaded.index() == [{"name": "m", "state": "UNLOADED", "reason": "unloaded"}]
+
+
+def test_a_reload_keeps_the_unchanged_versions_serving_and_loads_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A reload loaded and warmed every version again, also those whose files had not changed
+    (and briefly held two copies of each). Now only a changed version loads; a change to the
+    config (or to any file outside the version folders) loads them all."""
+    folder = tmp_path / "m"
+    write_identity_model(folder, datatypes=("FP32",), version_policy="{all: true}")
+    shutil.copytree(folder / "1", folder / "2")
+    repository = ModelRepository(Settings(model_repository=tmp_path, intra_op_threads=1))
+
+    def served() -> dict[int, object]:
+        return {n: v.served for n, v in repository.models["m"].versions.items()}
+
+    try:
+        repository.scan()
+        repository.load_all()
+        first = served()
+        assert all(s is not None for s in first.values())
+
+        repository.load_model("m")  # nothing changed: both serve on, nothing loaded
+        assert served() == first and not any(s.closing for s in first.values())  # type: ignore[attr-defined]
+
+        model = folder / "2" / "model.onnx"
+        stat = model.stat()  # a new time (as a copy over it gives): version 2 changed
+        os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+        repository.load_model("m")
+        second = served()
+        assert second[1] is first[1] and second[2] is not first[2]
+        assert first[2].closing and not first[1].closing  # type: ignore[attr-defined]
+
+        model.write_bytes(b"not onnx")  # a reload refused keeps what serves, closes nothing
+        with pytest.raises(ModelLoadRefused, match="version 2"):
+            repository.load_model("m")
+        assert served() == second and not any(s.closing for s in second.values())  # type: ignore[attr-defined]
+        shutil.rmtree(folder / "2")
+        shutil.copytree(folder / "1", folder / "2")
+
+        config = folder / "config.yaml"
+        config.write_text(config.read_text() + "# changed\n")  # every version loads again
+        repository.load_model("m")
+        third = served()
+        assert not set(map(id, third.values())) & set(map(id, second.values()))
+        assert all(s.closing for s in second.values())  # type: ignore[attr-defined]
+    finally:
+        repository.close()
