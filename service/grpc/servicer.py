@@ -64,6 +64,10 @@ SHARED_MEMORY = (
     "shared memory is not supported by tensorgate: send tensors in raw_input_contents "
     "(the server may run on another machine than its clients)"
 )
+TRACING = (
+    "Triton's trace settings are not taken: tracing is OpenTelemetry's, set at start "
+    "(TG_TRACING, OTEL_TRACES_SAMPLER, OTEL_EXPORTER_OTLP_ENDPOINT; docs/deploy.md, Tracing)"
+)
 ADMIN_OFF = "the model repository RPCs are off: the server has no admin token (TG_ADMIN_TOKEN)"
 ARRIVING_S = 0.02
 """How long a ModelInfer message may take to arrive whole before it holds TG_MAX_BODY_BYTES of
@@ -201,7 +205,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 expected = (
                     self.settings.admin_token if token == "admin" else self.settings.api_token
                 )
-                check_authorization(str(headers.get("authorization", "")), expected, token)
+                given = str(headers.get("authorization", ""))
+                check_authorization(given, expected, token, context.peer())
             answer = await work()
         except Exception as exc:
             code, message = grpc_status(exc)
@@ -441,7 +446,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         stream_id = str(headers.get("x-request-id", ""))
         try:
             check_authorization(
-                str(headers.get("authorization", "")), self.settings.api_token, "api"
+                str(headers.get("authorization", "")),
+                self.settings.api_token,
+                "api",
+                context.peer(),
             )
             if self.dataplane.drain.refusing:
                 raise ServerBusy("the server is shutting down; send this request elsewhere")
@@ -597,7 +605,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, SHARED_MEMORY)
 
     async def TraceSetting(self, request: Any, context: Any) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "tracing is not supported")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, TRACING)
 
     async def LogSettings(self, request: Any, context: Any) -> None:
         await context.abort(

@@ -23,7 +23,7 @@ from service.core.dataplane import DataPlane
 from service.errors import InvalidInput, PayloadTooLarge, TensorgateError, UnsupportedMediaType
 from service.limits import compression
 from service.limits.admission import error_body
-from service.limits.auth import check_authorization
+from service.limits.auth import Peer, check_authorization
 from service.protocol import v1, v2
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED
@@ -73,12 +73,13 @@ async def answer_inference(
     headers: Mapping[str, str],
     receive: Receive,
     reserve: Callable[[int], None] | None = None,
+    peer: Peer = None,
 ) -> Answer:
     """Answer one inference request: token, body (within its limit), decode, the core, encode;
     499 when the client leaves first, and any error as :func:`error_answer` maps it.
     ``headers`` are the request's, names in lower case (the first of repeated ones);
     ``reserve``: the server's budget for bodies in flight, told what a compressed body inflates
-    to (:mod:`service.limits.admission`)."""
+    to (:mod:`service.limits.admission`); ``peer``: the client's address (ASGI's ``client``)."""
     settings = dataplane.settings
     trace = None
     tracing.note_caller(headers)
@@ -88,7 +89,7 @@ async def answer_inference(
         )
     looked_up = False  # whether the request reached its model (its metrics count it then)
     try:
-        check_authorization(headers.get("authorization", ""), settings.api_token, "api")
+        check_authorization(headers.get("authorization", ""), settings.api_token, "api", peer)
         if route.kind == "infer":
             v2.check_media_type(headers.get("content-type", ""), route.model)
         body = await receive_body(receive, headers.get("content-length"), settings.max_body_bytes)

@@ -49,7 +49,9 @@ class InferFastPath:
                 headers.setdefault(name, value.decode("latin-1"))
         request_id = request_id_for(headers.get("x-request-id", ""))
         REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
-        answer = await answer_inference(dataplane, route, headers, receive, reserve_of(scope))
+        answer = await answer_inference(
+            dataplane, route, headers, receive, reserve_of(scope), scope.get("client")
+        )
         raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
         raw.append((b"content-length", str(len(answer.body)).encode()))
         raw.append((b"x-request-id", request_id.encode()))

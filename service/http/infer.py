@@ -40,7 +40,12 @@ async def _answer(request: Request, route: Route) -> Response:
     if "content-encoding" in headers:  # a list: every coding applies (RFC 9110, 5.3)
         headers["content-encoding"] = ", ".join(request.headers.getlist("content-encoding"))
     answer = await answer_inference(
-        dataplane_of(request), route, headers, request.receive, reserve_of(request.scope)
+        dataplane_of(request),
+        route,
+        headers,
+        request.receive,
+        reserve_of(request.scope),
+        request.scope.get("client"),
     )
     return Response(answer.body, answer.status, answer.headers)
 

@@ -4,26 +4,68 @@ reads, ``TG_ADMIN_TOKEN`` for repository changes, on REST and gRPC alike."""
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 
 from fastapi import Request
 
 from service.errors import Unauthorized
 from service.telemetry.counters import REFUSED
 
+log = logging.getLogger("tensorgate.auth")
+
+Peer = tuple[str, int] | str | None
+"""A caller's address: ASGI's ``client`` (host, port), or gRPC's ``peer()``."""
+
+REFUSALS_LOGGED_EVERY_S = 10.0
+"""At most one warning a token (api, admin) this often: a client guessing tokens fills the
+counter, not the log."""
+
+
+class Refusals:
+    """The log's account of requests refused for their token: the first at once, those that
+    follow it within ``every_s`` counted in the next line."""
+
+    def __init__(self, every_s: float = REFUSALS_LOGGED_EVERY_S) -> None:
+        self.every_s = every_s
+        self._logged: dict[str, float] = {}  # realm -> when its last line was written
+        self._unlogged: dict[str, int] = {}
+
+    def note(self, realm: str, peer: Peer) -> None:
+        now = time.monotonic()
+        count = self._unlogged.get(realm, 0) + 1
+        if realm in self._logged and now - self._logged[realm] < self.every_s:
+            self._unlogged[realm] = count
+            return
+        self._logged[realm], self._unlogged[realm] = now, 0
+        log.warning(
+            "refused %d request(s) without the %s token (a missing or wrong 'Authorization: "
+            "Bearer') since the last such line, the latest from %s",
+            count,
+            realm,
+            f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else peer or "an unknown address",
+        )
+
+
+REFUSALS = Refusals()
+
 
 def check_bearer(request: Request, token: str | None, realm: str) -> None:
     """Pass when no token is configured or the request carries it; 401 otherwise."""
     if token is not None:
-        check_authorization(request.headers.get("authorization", ""), token, realm)
+        peer = (request.client.host, request.client.port) if request.client else None
+        check_authorization(request.headers.get("authorization", ""), token, realm, peer)
 
 
-def check_authorization(header: str, token: str | None, realm: str) -> None:
-    """``header`` (an Authorization value) must carry ``token``, unless it is None."""
+def check_authorization(header: str, token: str | None, realm: str, peer: Peer = None) -> None:
+    """``header`` (an Authorization value) must carry ``token``, unless it is None; ``peer``:
+    the caller's address, for the log."""
     if token is None:
         return
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
         REFUSED["unauthorized"] += 1  # no request metric sees it: no model was looked up
+        REFUSALS.note(realm, peer)
         raise Unauthorized(
             f"this route needs 'Authorization: Bearer <{realm} token>'",
             headers={"WWW-Authenticate": f'Bearer realm="{realm}"'},

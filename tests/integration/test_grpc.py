@@ -318,6 +318,13 @@ def test_shared_memory_rpcs_say_they_are_unimplemented(client: tgrpc.InferenceSe
     assert error.value.status() == "StatusCode.UNIMPLEMENTED"
 
 
+def test_trace_settings_say_where_tracing_is_set(client: tgrpc.InferenceServerClient) -> None:
+    """It said "tracing is not supported", and tracing is there (OpenTelemetry's)."""
+    with pytest.raises(InferenceServerException, match="OTEL_TRACES_SAMPLER") as error:
+        client.get_trace_settings()
+    assert error.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
 def test_a_deadline_that_expires_in_the_queue_is_deadline_exceeded(
     client: tgrpc.InferenceServerClient, grpc_server: Server
 ) -> None:

@@ -199,6 +199,10 @@ def test_repository_index_unload_and_load_with_the_admin_token(protocol_server: 
     metadata = protocol_server.client.get("/v2/models/identity_cast").json()
     assert (metadata["state"], metadata["reason"]) == ("UNLOADED", "unloaded")
     assert protocol_server.client.post("/v2/repository/index").status_code == 401
+    protocol_server.wait_log("without the admin token (a missing or wrong")  # and from where
+    assert re.search(
+        r"without the admin token .* the latest from 127\.0\.0\.1:\d+", protocol_server.log()
+    )
     metrics = protocol_server.client.get("/metrics").text
     assert 'tensorgate_model_state{model="identity_cast",state="UNLOADED",version=""} 1.0' in (
         metrics

@@ -11,6 +11,7 @@ import pytest
 
 from service.errors import PayloadTooLarge, Unauthorized
 from service.http.answer import receive_body, until_disconnect
+from service.limits import auth
 from service.limits.auth import check_authorization
 from service.telemetry.counters import REFUSED
 
@@ -138,6 +139,33 @@ def test_a_missing_or_wrong_token_is_counted_where_an_operator_looks() -> None:
             check_authorization(header, "right", "api")
     check_authorization("Bearer right", "right", "api")
     assert REFUSED["unauthorized"] == before + 3
+
+
+def test_refused_tokens_are_logged_with_the_caller_at_most_once_a_while(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An admin 401 was only a count: no line said that someone was trying tokens, or from
+    where. A guessing client must not fill the log either: one line a realm per period."""
+    now = [100.0]
+    monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(auth, "REFUSALS", auth.Refusals(every_s=10))
+    with caplog.at_level("WARNING", logger="tensorgate.auth"):
+        for peer in (("10.0.0.7", 5000), ("10.0.0.8", 5001), "ipv4:10.0.0.9:5002"):
+            with pytest.raises(Unauthorized):
+                check_authorization("Bearer guess", "right", "admin", peer)
+        with pytest.raises(Unauthorized):
+            check_authorization("", "right", "api")  # a realm of its own
+        now[0] += 10
+        with pytest.raises(Unauthorized):
+            check_authorization("", "right", "admin", ("10.0.0.7", 5003))
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused 1 request(s) without the admin token (a missing or wrong 'Authorization: "
+        "Bearer') since the last such line, the latest from 10.0.0.7:5000",
+        "refused 1 request(s) without the api token (a missing or wrong 'Authorization: "
+        "Bearer') since the last such line, the latest from an unknown address",
+        "refused 3 request(s) without the admin token (a missing or wrong 'Authorization: "
+        "Bearer') since the last such line, the latest from 10.0.0.7:5003",
+    ]
 
 
 async def test_a_body_of_many_chunks_is_held_once_not_twice() -> None:
