@@ -190,6 +190,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         Worker,
         die_with_supervisor,
         inherited_listener,
+        listening_socket,
     )
     from service.http.server import DrainingServer
     from service.http.writes import OneWrite
@@ -223,6 +224,9 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             "not a directory (the folder of model folders; `make models` builds the bundled one)\n"
         )
         return 2
+    if settings.model_name is None and (empty := _not_a_repository(settings, overrides)):
+        sys.stderr.write(f"tensorgate: invalid setting: {empty}\n")  # one line, not a traceback
+        return 2
     if settings.models and settings.model_name is None:
         root = settings.model_repository  # a model's folder: one holding its config.yaml
         folders = {p.name for p in root.iterdir() if (p / "config.yaml").is_file()}
@@ -252,11 +256,25 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             log.warning(settings.sizing_warning)
         if settings.workers > 1:
             return Supervisor(settings, argv).run()
-        for kind, port in (("HTTP", settings.port), ("gRPC", settings.grpc_port)):
-            if port and (why := _cannot_listen(settings.host, port)):  # one line, up front:
-                # uvicorn found it after loading every model, grpcio as a startup traceback
-                log.error(CANNOT_LISTEN, kind, *why)
-                return 1
+        # Both ports up front, a line each: uvicorn found a port taken after loading every
+        # model, grpcio as a startup traceback. HTTP's socket is bound here, as the
+        # supervisor's is (for "::" dual-stack, as gRPC's; uvicorn would bind it IPv6 only).
+        try:
+            listener = listening_socket(settings.host, settings.port, inheritable=False)
+        except OSError as exc:
+            log.error(CANNOT_LISTEN, "HTTP", settings.host, settings.port, exc.strerror)
+            return 1
+        if settings.grpc_port and (why := _cannot_listen(settings.host, settings.grpc_port)):
+            listener.close()
+            log.error(CANNOT_LISTEN, "gRPC", *why)
+            return 1
+        log.info(
+            "serving on %s:%d with one worker of %d threads (TG_WORKERS, TG_CPUS %d)",
+            settings.host,
+            listener.getsockname()[1],
+            settings.intra_op_threads,
+            settings.cpus,
+        )
     else:
         die_with_supervisor(worker)
         if worker.cpu_use_path.is_file():  # the other workers' batches, for the runtimes
@@ -287,27 +305,50 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn says int; it takes seconds as a float (loop.call_later)
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),
     )
-    server = DrainingServer(config, app, settings)
     if worker is None:
-        server.run()
+        DrainingServer(config, app, settings).run(sockets=[listener])
     else:  # one of several processes: each accepts from the supervisor's listening socket
-        server.run(sockets=[inherited_listener()])
+        DrainingServer(config, app, settings, shared=True).run(sockets=[inherited_listener()])
     _leave_hung_code()
     return 0
 
 
-def _cannot_listen(host: str, port: int) -> tuple[str, int, str] | None:
-    """Why ``host:port`` cannot be listened on (as the servers will: SO_REUSEADDR, no
-    SO_REUSEPORT), or None; checked by binding it, and letting it go."""
-    import socket
+def _not_a_repository(settings: Settings, overrides: dict[str, Any]) -> str | None:
+    """Why the model repository would serve nothing, where nothing could come later: it is
+    one model's own folder, or holds no model folder while neither the repository API nor
+    ``--poll`` can bring one (a server that said ready serving nothing)."""
+    root = settings.model_repository
+    named = "--model-repository" if "model_repository" in overrides else "TG_MODEL_REPOSITORY"
+    if (root / "config.yaml").is_file():
+        return (
+            f"{named}: {root} is one model's folder (it holds config.yaml): serve the folder "
+            f"that holds it ({named} {root.parent if root.name else root.resolve().parent}), "
+            "or this model alone with "
+            "--model-name <name>"
+        )
+    if settings.admin_token is not None or settings.poll_interval_s is not None:
+        return None  # models may be loaded, or appear, later
+    if any((p / "config.yaml").is_file() for p in root.iterdir()):
+        return None
+    from service.repository.models import configless_folders
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return host, port, exc.strerror or str(exc)
+    nearly = "".join(f"; {folder} {why}" for folder, why in configless_folders(root)[:3])
+    return (
+        f"{named}: {root} holds no model folder (a folder with config.yaml and a version "
+        "folder, 1/, holding the model), so nothing would be served: export one with "
+        f"`tensorgate export`, or `make models` for the bundled ones{nearly}"
+    )
+
+
+def _cannot_listen(host: str, port: int) -> tuple[str, int, str] | None:
+    """Why ``host:port`` cannot be listened on (as grpcio will: SO_REUSEADDR, no SO_REUSEPORT,
+    ``::`` dual-stack), or None; checked by listening on it, and letting it go."""
+    from service.cluster.supervisor import listening_socket
+
+    try:
+        listening_socket(host, port, inheritable=False).close()
+    except OSError as exc:
+        return host, port, exc.strerror or str(exc)
     return None
 
 

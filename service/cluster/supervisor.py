@@ -346,7 +346,7 @@ class Supervisor:
     def _listen(self, kind: str, port: int) -> socket.socket | None:
         """The listening socket of ``port``, or None once its error is logged in one line."""
         try:
-            return shared_listener(self.settings.host, port)
+            return listening_socket(self.settings.host, port)
         except OSError as exc:
             log.error(CANNOT_LISTEN, kind, self.settings.host, port, exc.strerror)
             return None
@@ -363,14 +363,23 @@ CANNOT_LISTEN = "cannot listen on the %s port %s:%d (%s): stopping"
 """A port taken (or not ours to take): one line, where it was a traceback."""
 
 
-def shared_listener(host: str, port: int) -> socket.socket:
-    """The supervisor's HTTP listening socket on ``host:port``, for its workers to inherit."""
+def listening_socket(host: str, port: int, inheritable: bool = True) -> socket.socket:
+    """A listening socket on ``host:port``: the supervisor's, for its workers to inherit, or a
+    lone worker's. Bound without ``SO_REUSEPORT`` (no other process takes a share of the
+    connections), and for ``::`` dual-stack, IPv4 too, as grpcio's are (asyncio, and so
+    uvicorn, would bind it IPv6 only)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(inheritable)
     return sock
 
 

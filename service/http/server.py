@@ -32,10 +32,14 @@ QUIET_S = 0.5
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first SIGTERM drains instead of stopping."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, settings: Settings) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, settings: Settings, shared: bool = False
+    ) -> None:
+        """``shared``: its listening socket is the supervisor's, shared with other workers."""
         super().__init__(config)
         self._app = app
         self._settings = settings
+        self._shared = shared
         self._draining = False
         self._now = threading.Event()
         self._turns: list[TakeTurns] = []
@@ -43,8 +47,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """As uvicorn's; a worker's listening socket (shared with the others) it accepts from
         one connection a wake-up (:class:`TakeTurns`), not uvicorn's way."""
-        if sockets is None:
-            await super().startup()
+        if not self._shared or sockets is None:
+            await super().startup(sockets)
             return
         await super().startup(sockets=[])
         if not self.started:

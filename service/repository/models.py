@@ -171,7 +171,7 @@ class ModelRepository:
             self.models[name] = self._scan_model(name, folder)
             self._fingerprints[name] = fingerprint(folder)
         if self.settings.model_name is None:
-            for folder, why in _configless(self.root):
+            for folder, why in configless_folders(self.root):
                 log.warning(
                     "%s %s, so it is not served: a model's folder needs config.yaml naming its "
                     "backend (e.g. backend: onnx) and a version folder (1/) holding the model",
@@ -180,6 +180,12 @@ class ModelRepository:
                 )
         if self.settings.models and (missing := set(self.settings.models) - set(self.models)):
             raise ModelLoadError(f"models {sorted(missing)} are not in {self.root}")
+        if not self.models:  # the CLI refuses this unless models may come later
+            log.warning(
+                "%s holds no model folder yet: nothing is served until one is loaded through "
+                "the repository API or appears (--poll)",
+                self.root,
+            )
 
     def on_disk(self, chosen_only: bool = False) -> dict[str, Path]:
         """Each model's name and folder as the repository holds them now; ``chosen_only``:
@@ -663,7 +669,7 @@ def _has_code(config: ModelConfig | None) -> bool:
     return config is not None and isinstance(config.preprocessing, PythonSpec)
 
 
-def _configless(root: Path) -> list[tuple[Path, str]]:
+def configless_folders(root: Path) -> list[tuple[Path, str]]:
     """Folders of ``root`` that look like a model (a version folder, or a model file where a
     version folder should be) but have no config.yaml, so the repository skips them; each
     with what it lacks."""

@@ -153,6 +153,52 @@ def test_a_model_name_over_a_repository_of_several_models_names_them(tmp_path: P
     )
 
 
+def test_a_repository_that_would_serve_nothing_is_one_line_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    """One model's own folder given as the repository was served as no model (with a warning
+    to move its 1/model.onnx to 1/1/), and a folder of no models said ready: a server up and
+    ready that answers every request 404."""
+    copy_model("digits", tmp_path / "digits")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "loose" / "m" / "1").mkdir(parents=True)
+    (tmp_path / "loose" / "m" / "1" / "model.onnx").write_bytes(b"")
+    said = {}
+    for folder in ("digits", "empty", "loose"):
+        done = tensorgate("serve", "--model-repository", str(tmp_path / folder), env={})
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        said[folder] = done.stderr
+    assert said["digits"] == (
+        f"tensorgate: invalid setting: --model-repository: {tmp_path}/digits is one model's "
+        f"folder (it holds config.yaml): serve the folder that holds it (--model-repository "
+        f"{tmp_path}), or this model alone with --model-name <name>\n"
+    )
+    assert said["empty"].startswith(
+        f"tensorgate: invalid setting: --model-repository: {tmp_path}/empty holds no model "
+        "folder (a folder with config.yaml and a version folder, 1/, holding the model), so "
+        "nothing would be served"
+    )
+    assert said["loose"].endswith(f"; {tmp_path}/loose/m has version folders but no config.yaml\n")
+
+
+def test_an_empty_repository_serves_once_models_can_come_later(tmp_path: Path) -> None:
+    """With the repository API (or --poll) a model can be loaded later: it starts, and says
+    that it serves nothing yet."""
+    root = tmp_path / "models"
+    root.mkdir()
+    server = Server(root, env={"TG_ADMIN_TOKEN": TOKEN}, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        server.wait_log("holds no model folder yet: nothing is served until one is loaded")
+        copy_model("digits", root / "digits")
+        admin = {"Authorization": f"Bearer {TOKEN}"}
+        loaded = server.client.post("/v2/repository/models/digits/load", headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        assert server.client.post("/v2/models/digits/infer", json=DIGIT).status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
 def test_the_schema_command_prints_the_config_schema_and_ends_quietly_into_a_closed_pipe() -> None:
     """`tensorgate schema | head` ended in a BrokenPipeError traceback."""
     whole = tensorgate("schema", env={})

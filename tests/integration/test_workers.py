@@ -532,6 +532,26 @@ def test_one_worker_whose_port_is_taken_says_so_in_one_line_before_loading(
     assert "Traceback" not in log and "model digits" not in log  # before any model loaded
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_host_any_ipv6_serves_ipv4_too_with_one_worker_or_several(
+    tmp_path: Path, workers: str
+) -> None:
+    """TG_HOST=:: served IPv4 with several workers (the supervisor's dual-stack socket) and
+    gRPC (grpcio's), but HTTP with one worker only on IPv6: asyncio binds ``::`` IPv6 only,
+    so on a one-CPU pod a kubelet's IPv4 probe found nothing listening."""
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    server = Server(root, env={"TG_HOST": "::", "TG_WORKERS": workers})
+    try:
+        server.wait_until()  # over IPv4: the server's url is 127.0.0.1's
+        assert fresh("GET", f"http://[::1]:{server.port}/v2/health/ready").status_code == 200
+        for target in (server.grpc_url, f"[::1]:{server.grpc_port}"):
+            with tgrpc.InferenceServerClient(target) as client:
+                assert client.is_server_ready()
+    finally:
+        assert server.stop() == 0
+
+
 def test_workers_run_tensorgate_not_a_service_package_of_the_current_folder(
     tmp_path: Path,
 ) -> None:
