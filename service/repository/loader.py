@@ -492,11 +492,19 @@ def _replay_answers(
     """Step 4b: the exported raw items answer, through the served pipeline and every
     device's runtime, as the eager pipeline answered them at export."""
     pairs = read_answer_pairs(manifest.answers)
+    items: dict[str, Item] = {}
+    for pair in pairs:
+        try:
+            items[pair.file] = Item((path / pair.file).read_bytes(), pair.content_type)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"end-to-end golden replay: {pair.file}, an item its export answered (listed in "
+                f"manifest.json), cannot be read ({exc.strerror}): export the version again"
+            ) from None
     for runtime in runtimes:
 
         def answer(pair: AnswerPair, run: Runner = runtime.run) -> Any:
-            item = Item((path / pair.file).read_bytes(), pair.content_type)
-            return answer_one(pipeline, item, run, config.max_batch_size > 0)
+            return answer_one(pipeline, items[pair.file], run, config.max_batch_size > 0)
 
         try:
             check_answers(pairs, answer, tolerance.rtol, tolerance.atol)

@@ -566,6 +566,8 @@ def _change(folder: Path, change: str) -> None:
         data = json.loads(manifest.read_text())
         data["code"]["packages"]["numpy"] = "1.0.0"
         manifest.write_text(json.dumps(data))
+    elif change == "an answer item gone":
+        next((folder / "1" / "answers").iterdir()).unlink()
     else:  # its data file, not code: only the end-to-end replay can see it
         (folder / "labels.txt").write_text("right left\n")
 
@@ -575,6 +577,11 @@ CHANGES = [
     ("one byte of labels.py", "preprocessing code: labels.py changed since export"),
     ("numpy's version", "preprocessing code imports numpy 2."),
     ("its data file", "end-to-end golden replay of answers/0-"),
+    (  # was "unexpected error while loading: FileNotFoundError: ... at pathlib.py:1044"
+        "an answer item gone",
+        "(listed in manifest.json), cannot be read (No such file or directory): export the "
+        "version again",
+    ),
 ]
 
 
@@ -615,7 +622,7 @@ def test_a_reload_of_a_changed_pipeline_is_refused_and_accepted_after_re_export(
     assert _load(server, name).status_code == 200, _load(server, name).text
     after = predict(server, name, [{"x": [1, 0, 0, 0]}])
     assert after.status_code == 200
-    if change != "numpy's version":
+    if change not in ("numpy's version", "an answer item gone"):  # neither changes answers
         assert after.json()["predictions"] != before  # the new code (or data) serves
     assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200  # others serve on
 
