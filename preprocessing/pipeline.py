@@ -96,7 +96,12 @@ class LocalModels:
         self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
     ) -> dict[str, np.ndarray]:
         if model not in self._models:
-            raise KeyError(f"no model '{model}' here (LocalModels has {sorted(self._models)})")
+            raise KeyError(
+                f"no model '{model}' here (LocalModels has {sorted(self._models)}): outside a "
+                "server a pipeline's steps are the functions it is given, at export "
+                f"export_model(..., models=LocalModels({{'{model}': a function of a batch}})) "
+                "(docs/models.md; `tensorgate export` gives it none)"
+            )
         return self._models[model](dict(inputs))
 
 

@@ -262,7 +262,7 @@ class DataPlane:
                 "preprocessing",
                 gone,
             )
-            check_made(batch, model.signature, model.config, model.name)
+            check_made(batch, model.signature, model.config.max_batch_size > 0, model.name)
             return _fitted(model, batch, contexts)
         # A model with dynamic dims takes a size only within its range, and at a warmed size
         # (its buckets): what the pipeline made is fitted before it may join a batch, as sent

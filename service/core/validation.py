@@ -85,9 +85,12 @@ def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where:
         return
     low, high = data.min(), data.max()
     if low < bounds[0] or high > bounds[1] or np.isnan(low) or np.isnan(high):
+        outside = ~((data >= bounds[0]) & (data <= bounds[1]))  # NaN too
+        first = tuple(int(i) for i in np.argwhere(outside)[0])
+        count = int(outside.sum())
         raise InvalidInput(
             f"{where}input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; "
-            f"got values from {low:g} to {high:g}"
+            f"got {data[first]:g} at {list(first)} ({count} value{'s' * (count > 1)} outside it)"
         )
 
 
@@ -185,7 +188,7 @@ def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
 
 
 def check_made(
-    batch: dict[str, np.ndarray], signature: Signature, config: ModelConfig, name: str
+    batch: dict[str, np.ndarray], signature: Signature, batched: bool, name: str
 ) -> None:
     """A batch a model's own pipeline code made fits the model. Names and dtypes are the
     code's (a 500: ModelExecutionError, logged); a shape that does not fit, or a value out of
@@ -198,7 +201,6 @@ def check_made(
         raise ModelExecutionError(
             f"model '{name}': its pipeline made inputs {made}, the model takes {wanted}"
         )
-    batched = config.max_batch_size > 0
     for spec in signature.inputs:
         data = batch[spec.name]
         if data.dtype != TO_NUMPY[spec.datatype]:

@@ -39,8 +39,9 @@ from service.artifacts import cpu_targets
 from service.artifacts.code import CodeFacts, code_facts, plain
 from service.artifacts.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
 from service.artifacts.shapes import ShapeFacts, guess_axes
+from service.core.validation import check_made
 from service.datatypes import TO_NUMPY
-from service.errors import ModelLoadError
+from service.errors import ModelLoadError, TensorgateError
 from service.export import shapes as export_shapes
 from service.model_config import TensorConfig
 from service.pipelines.code import last_frame, load_pipeline
@@ -191,8 +192,9 @@ def export_model(
     when torch sees it, else the CPU); ``pt2_cpu`` the CPU it is compiled for
     (:mod:`service.artifacts.cpu_targets`; default ``x86-64-v3`` on x86-64).
 
-    With a ``kind: python`` ``preprocessing``, the code (in ``code_folder``, the model's folder:
-    ``out_dir``'s parent by default) is hashed into the manifest, and each of ``answer_items``
+    With a ``kind: python`` ``preprocessing``, the code (in the model's folder, ``out_dir``'s
+    parent, where the server imports it from; ``code_folder``, when given, must be that
+    folder) is hashed into the manifest, and each of ``answer_items``
     (raw item files, at least one) is copied into the version folder with the answer the eager
     pipeline gives it, which the server replays at load. ``golden_inputs`` may then be None:
     the items' preprocessed batch is the golden input. ``models``: what the pipeline's
@@ -230,6 +232,12 @@ def export_model(
     module = _prepare(module)
     code = None
     if isinstance(preprocessing, PythonSpec):
+        if code_folder is not None and code_folder.resolve() != out_dir.resolve().parent:
+            raise ExportError(  # it exported, and every load then failed: "cannot read x.py"
+                f"code_folder {code_folder} is not the model's folder ({out_dir.parent}, the "
+                "version folder's parent), where the server imports the code from: put the "
+                "code there, or export with `tensorgate export`, which copies it"
+            )
         code = _code(preprocessing, code_folder or out_dir.parent, name, answer_items)
         try:
             check_names(code.pipeline, inputs, outputs, classifies=False)
@@ -238,7 +246,9 @@ def export_model(
         if models is not None:
             code.pipeline.models = models
         if golden_inputs is None:
-            golden_inputs = code.golden_inputs(max_batch_size > 0)
+            golden_inputs = code.golden_inputs(
+                Signature(tuple(inputs), tuple(outputs)), max_batch_size > 0
+            )
     if golden_inputs is None:
         raise ExportError("golden_inputs are needed (only a kind: python pipeline makes them)")
     golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
@@ -346,9 +356,10 @@ class _Code:
     pipeline: Pipeline
     items: list[tuple[Path, str | None]]
 
-    def golden_inputs(self, batched: bool) -> dict[str, np.ndarray]:
+    def golden_inputs(self, signature: Signature, batched: bool) -> dict[str, np.ndarray]:
         """The items' preprocessed batch (the first item's, where items make different shapes),
-        as the golden inputs of the artifact's own parity gate."""
+        as the golden inputs of the artifact's own parity gate; refused as the server would
+        refuse it when it does not fit the model's inputs (names, datatypes, shapes)."""
         items = [Item(path.read_bytes(), kind) for path, kind in self.items]
         try:
             try:
@@ -360,6 +371,14 @@ class _Code:
                 f"the pipeline's preprocessing failed on {self.items[0][0]}: "
                 f"{type(exc).__name__}: {exc}{last_frame(exc)}"
             ) from exc
+        try:
+            check_made(batch, signature, True, "")  # the batch of items: batched here
+        except TensorgateError as exc:
+            said = exc.message.removeprefix("model '': ")
+            raise ExportError(
+                f"the pipeline's preprocessing of {self.items[0][0]}: {said} (check its "
+                "preprocess, and --input)"
+            ) from None
         return batch if batched else {name: array[0] for name, array in batch.items()}
 
     def answers(self, run: Runner, out_dir: Path, batched: bool) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from preprocessing.spec import ImageSpec, spec_hash
+from preprocessing.spec import ImageSpec, PythonSpec, spec_hash
 from service.artifacts.manifest import Tolerance
 from service.artifacts.shapes import Follow
 from service.export.cli import check_tensors, golden_input, parse_tensor
@@ -453,3 +453,116 @@ def test_the_command_line_s_tensors_say_what_is_wrong_with_them() -> None:
     with pytest.raises(SystemExit, match=r"--buckets 8,16: no input has a dynamic \(-1\) dim"):
         check_tensors([x], [parse_tensor("y:FP32:2")], "8,16")
     check_tensors([parse_tensor("ids:INT64:-1")], [parse_tensor("y:FP32:-1,2")], "8,16")
+
+
+MAKES = """
+import numpy as np
+
+from preprocessing.pipeline import Pipeline
+
+
+class Records(Pipeline):
+    raw_input = "record"
+
+    def preprocess(self, item, context):
+        features = np.asarray(item.json()["features"], np.float32)
+        return {MADE}
+"""
+
+STEPS = """
+import numpy as np
+
+from preprocessing.pipeline import Pipeline
+
+
+class Records(Pipeline):
+    raw_input = "record"
+
+    def preprocess(self, item, context):
+        found = self.models.infer("detector", {"image": np.zeros((1, 2), np.float32)})
+        return {"features": found["boxes"][:, :2].astype(np.float32)}
+"""
+
+
+class Casting(torch.nn.Module):
+    """A module that takes any float dtype: export's run of it cannot see the pipeline's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 3)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net(features.float())
+
+
+def export_records(root: Path, code: str, code_in: str = "records") -> Path:
+    """Export :class:`Casting` with ``code`` (``records.py``, written in ``root / code_in``)
+    as the pipeline of ``root / "records"``: the answer item's path."""
+    (root / code_in).mkdir(exist_ok=True)
+    (root / code_in / "records.py").write_text(code)
+    item = root / "example.json"
+    item.write_text(json.dumps({"features": [0.5, -1.0]}))
+    export_model(
+        Casting(),
+        root / "records" / "1",
+        name="records",
+        inputs=[TensorConfig(name="features", datatype="FP32", shape=(2,))],
+        outputs=[TensorConfig(name="logits", datatype="FP32", shape=(3,))],
+        golden_inputs=None,
+        max_batch_size=8,
+        preprocessing=PythonSpec.model_validate(
+            {"kind": "python", "module": "records", "class": "Records"}
+        ),
+        answer_items=[item],
+        code_folder=root / code_in,
+        formats=("onnx",),
+    )
+    return item
+
+
+@pytest.mark.parametrize(
+    ("made", "said"),
+    [
+        (  # exported as float64, then every load refused it ("the graph has FP64 [2]")
+            '{"features": features.astype(np.float64)}',
+            "its pipeline made 'features' float64, the model takes FP32",
+        ),
+        (  # a KeyError traceback
+            '{"feats": features}',
+            "its pipeline made inputs ['feats'], the model takes ['features']",
+        ),
+        (  # blamed --input: "the module fails on inputs of the declared shapes"
+            '{"features": features[:1]}',
+            "the item preprocesses to 'features' [1], the model takes [2]",
+        ),
+    ],
+)
+def test_a_pipeline_that_makes_what_the_model_does_not_take_is_refused_at_export(
+    tmp_path: Path, made: str, said: str
+) -> None:
+    with pytest.raises(ExportError) as refused:
+        export_records(tmp_path, MAKES.replace("{MADE}", made))
+    assert str(refused.value) == (
+        f"the pipeline's preprocessing of {tmp_path / 'example.json'}: {said} (check its "
+        "preprocess, and --input)"
+    )
+    assert not (tmp_path / "records" / "1").exists()  # nothing left that a load would refuse
+
+
+def test_a_pipeline_calling_a_model_export_was_not_given_says_how_to_give_it(
+    tmp_path: Path,
+) -> None:
+    """It said "KeyError: no model 'detector' here (LocalModels has [])" at pipeline.py."""
+    with pytest.raises(ExportError) as refused:
+        export_records(tmp_path, STEPS)
+    assert "no model 'detector' here (LocalModels has [])" in str(refused.value)
+    assert "export_model(..., models=LocalModels({'detector': a function of a batch}))" in str(
+        refused.value
+    )
+
+
+def test_code_outside_the_model_folder_is_refused_at_export(tmp_path: Path) -> None:
+    """export_model(code_folder=<the user's source folder>) exported, and wrote no code where
+    the server imports it from: every load then failed ("cannot read records.py")."""
+    with pytest.raises(ExportError, match="code_folder .* is not the model's folder"):
+        export_records(tmp_path, MAKES.replace("{MADE}", '{"features": features}'), "src")
