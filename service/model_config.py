@@ -7,6 +7,8 @@ the dotted path of the field, e.g. ``models/digits/config.yaml: warmup.batch_siz
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -264,8 +266,12 @@ def load_model_config(path: Path) -> ModelConfig:
     """Read and validate a config.yaml, raising :class:`ModelLoadError` naming file and field."""
     try:
         raw: Any = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ModelLoadError(f"{path}: cannot read YAML: {exc}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ModelLoadError(f"{path}: cannot read YAML: {yaml_problem(exc)}") from None
+    if raw is None:
+        raise ModelLoadError(f"{path} is empty: a model's config names its backend at least")
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: expected a mapping of settings, got {type(raw).__name__}")
     try:
@@ -274,21 +280,66 @@ def load_model_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: {describe_validation_error(exc)}") from None
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """``field.path: message (got value)`` for each error, joined with ``; ``."""
+def describe_validation_error(exc: ValidationError, root: object = None) -> str:
+    """``field.path: message (got value)`` for each error, joined with ``; ``. ``root``: what
+    was validated (a model, or a union of them; ModelConfig when None), for the setting a
+    misspelt key was likely meant to be."""
     parts = []
     for error in exc.errors():
         loc = [str(part) for part in error["loc"]]
-        # A tagged union adds its tag to the path (preprocessing.image.mean): not a key the
-        # user wrote, so it is left out.
+        # A tagged union adds its tag to the path (preprocessing.image.mean, or image.mean in
+        # a spec of its own): not a key the user wrote, so it is left out.
         loc = [
             p
             for i, p in enumerate(loc)
-            if not (i and loc[i - 1] == "preprocessing" and p in PREPROCESSING_KINDS)
+            if not (
+                p in PREPROCESSING_KINDS
+                and (loc[i - 1] == "preprocessing" if i else root is PreprocessingSpec)
+            )
         ]
         where = ".".join(loc) or "(top level)"
+        if error["type"] == "extra_forbidden":  # a misspelt key: pydantic's words name none
+            parts.append(f"{where}: not a setting here{_closest(error['loc'], root)}")
+            continue
         said = error["type"] == "missing" or "(got " in error["msg"]  # a validator's own
         got = "" if said else f" (got {error['input']!r})"
         message = error["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
         parts.append(f"{where}: {message}{got}")
     return "; ".join(parts)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, with where (PyYAML's own takes four, and names no file)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark, began = exc.problem_mark, exc.context_mark
+        said = f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+        if exc.context and began is not None:
+            said += f" ({exc.context}, which began at line {began.line + 1}, column "
+            said += f"{began.column + 1})"
+        return said
+    return " ".join(str(exc).split())
+
+
+def _closest(loc: tuple[int | str, ...], root: object) -> str:
+    """``; did you mean <the setting of that level spelt most like it>?``, or the settings
+    there."""
+    models = _models_in(ModelConfig if root is None else root)
+    for part in loc[:-1]:
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        tagged = [
+            m for m in models if "kind" in m.model_fields and m.model_fields["kind"].default == part
+        ]
+        if fields:
+            models = [m for f in fields for m in _models_in(f.annotation)]
+        elif tagged:  # a tagged union's tag (preprocessing.image): that member
+            models = tagged
+    names = sorted({name for m in models for name in m.model_fields})
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return f"; did you mean {close[0]}?" if close else f" (settings here: {', '.join(names)})"
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation holds (in unions, optionals, lists)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]

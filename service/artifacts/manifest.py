@@ -122,7 +122,7 @@ def read_manifest(version_dir: Path) -> Manifest | None:
     try:
         return Manifest.model_validate_json(path.read_bytes())
     except ValidationError as exc:
-        raise ModelLoadError(f"{path}: {describe_validation_error(exc)}") from None
+        raise ModelLoadError(f"{path}: {describe_validation_error(exc, Manifest)}") from None
 
 
 def max_opset(ort_version: str) -> int:

@@ -27,7 +27,7 @@ from service.artifacts.manifest import Manifest, read_manifest
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.export.exporter import DEFAULT_OPSET, FORMATS, ExportError, export_model
-from service.model_config import TensorConfig, describe_validation_error
+from service.model_config import TensorConfig, describe_validation_error, yaml_problem
 from service.repository.models import NAME_PATTERN
 
 log = logging.getLogger("tensorgate.export")
@@ -232,10 +232,12 @@ def read_spec(path: Path, out_dir: Path, written: Overwrites) -> PreprocessingSp
     folder (``out_dir``'s parent), where the server imports them."""
     try:
         spec = SPEC.validate_python(yaml.safe_load(path.read_text()))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: cannot read YAML: {yaml_problem(exc)}") from None
     except pydantic.ValidationError as exc:
-        raise ValueError(f"{path}: {describe_validation_error(exc)}") from None
+        raise ValueError(f"{path}: {describe_validation_error(exc, PreprocessingSpec)}") from None
     if isinstance(spec, TextSpec):
         source = path.parent / spec.tokenizer
         if not source.is_file():
@@ -365,7 +367,9 @@ def parse_tensor(text: str) -> TensorConfig:
             spec["range"] = (float(low), float(high))
         return TensorConfig.model_validate(spec)
     except pydantic.ValidationError as exc:
-        raise SystemExit(f"tensor {text!r}: {describe_validation_error(exc)}") from None
+        raise SystemExit(
+            f"tensor {text!r}: {describe_validation_error(exc, TensorConfig)}"
+        ) from None
     except ValueError as exc:
         raise SystemExit(
             f"tensor must be NAME:DTYPE:D1,D2,...[:LOW..HIGH] (got {text!r}): {exc}"

@@ -29,6 +29,48 @@ def test_a_minimal_config_names_only_the_backend(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
+        (  # pydantic's "Extra inputs are not permitted", at every level
+            "backend: onnx\nmax_batch_sise: 16\n",
+            "max_batch_sise: not a setting here; did you mean max_batch_size?",
+        ),
+        (
+            "backend: onnx\nbatching: {max_queue_delay_mss: 2}\n",
+            "batching.max_queue_delay_mss: not a setting here; did you mean max_queue_delay_ms?",
+        ),
+        (
+            "backend: onnx\npreprocessing: {kind: image, resize: 8, crop: 8, meen: [0, 0, 0]}\n",
+            "preprocessing.meen: not a setting here; did you mean mean?",
+        ),
+        (
+            "backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [3], rnage: [0, 1]}]\n",
+            "inputs.0.rnage: not a setting here; did you mean range?",
+        ),
+        (  # PyYAML's four lines, naming "<unicode string>"
+            "backend: onnx\nmax_batch_size: [16\n",
+            "cannot read YAML: line 3, column 1: expected ',' or ']', but got '<stream end>' "
+            "(while parsing a flow sequence, which began at line 2, column 17)",
+        ),
+    ],
+)
+def test_a_misspelt_key_or_broken_yaml_is_one_line_saying_where(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model_config(path)
+    assert str(caught.value) == f"{path}: {message}"
+
+
+def test_an_empty_config_says_so(tmp_path: Path) -> None:
+    """It said "expected a mapping of settings, got NoneType"."""
+    path = write(tmp_path, "# nothing yet\n")
+    with pytest.raises(ModelLoadError, match="config.yaml is empty: a model's config names its"):
+        load_model_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
         ("backend: tensorflow\n", "backend: Input should be 'onnx', 'torchscript' or 'pt2'"),
         ("max_batch_size: 4\n", "backend: Field required"),
         ("backend: onnx\nmax_batch_size: -1\n", "max_batch_size: Input should be greater than"),
@@ -41,7 +83,7 @@ def test_a_minimal_config_names_only_the_backend(tmp_path: Path) -> None:
             "backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [0]}]\n",
             "inputs.0.shape: each dim must be -1",
         ),
-        ("backend: onnx\nbatch_size: 4\n", "batch_size: Extra inputs are not permitted"),
+        ("backend: onnx\nbatch_size: 4\n", "batch_size: not a setting here; did you mean"),
         (
             "backend: onnx\npreprocessing: {kind: image, mean: [1, 2]}\n",
             "preprocessing.mean: has 2 values",
