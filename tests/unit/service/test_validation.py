@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.core.validation import check_inputs
+from service.core.validation import check_inputs, check_range
 from service.errors import InvalidInput
 from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
@@ -75,3 +75,17 @@ def test_a_pipelines_raw_input_is_named_beside_the_models_inputs() -> None:
     assert str(refused.value).endswith(
         "takes ['dense', 'item_id'], or its raw input 'raw' (BYTES) alone"
     )
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [  # it said "got values from 1 to 20", 1 being in range; and "from nan to nan"
+        ([[1, 20], [3, 30]], "got 20 at [0, 1] (2 values outside it)"),
+        ([[1.0, float("nan")]], "got nan at [0, 1] (1 value outside it)"),
+        ([[-1, 2]], "got -1 at [0, 0] (1 value outside it)"),
+    ],
+)
+def test_a_value_out_of_range_is_named_with_where_it_is(values: list[object], said: str) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        check_range("category", np.array(values), (0, 9))
+    assert refused.value.message == (f"input 'category': values must lie within [0, 9]; {said}")
