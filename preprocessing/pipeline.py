@@ -131,7 +131,10 @@ class Pipeline:
     def preprocess_batch(self, items: Sequence[Item], contexts: Sequence[dict[str, Any]]) -> Arrays:
         """Items → the model's batch. By default each item's :meth:`preprocess`, stacked: each
         row copied into its place as it is made, so that the rows are not held twice."""
-        made = (self.preprocess(item, c) for item, c in zip(items, contexts, strict=True))
+        made = (
+            which_item(self.preprocess, index, len(items), item, c)
+            for index, (item, c) in enumerate(zip(items, contexts, strict=True))
+        )
         return stack(made, len(items))
 
     def postprocess(self, outputs: Mapping[str, np.ndarray], context: dict[str, Any]) -> Any:
@@ -191,6 +194,23 @@ def _check_row(row: Arrays) -> None:
         )
 
 
+def which_item(
+    preprocess: Callable[[Item, dict[str, Any]], Arrays],
+    index: int,
+    count: int,
+    item: Item,
+    context: dict[str, Any],
+) -> Arrays:
+    """``preprocess(item, context)``, its :class:`BadInput` saying which of ``count`` items
+    it was (the client's instance or element ``index``) when there are several."""
+    try:
+        return preprocess(item, context)
+    except BadInput as exc:
+        if count == 1:
+            raise
+        raise BadInput(f"item {index} (of {count}): {exc}") from None
+
+
 class Rows:
     """A batch of ``count`` items filled a row at a time: each item's row is copied into its
     place as soon as it is made (from any thread), so that it can be let go at once. What
@@ -199,7 +219,7 @@ class Rows:
     stacked."""
 
     def __init__(self, count: int) -> None:
-        self._count = count
+        self.count = count
         self._lock = threading.Lock()
         self._batch: Arrays | None = None
         self._filled: list[int] = []
@@ -216,7 +236,7 @@ class Rows:
         with self._lock:
             if self._batch is None:  # the first row made sets every row's shape
                 self._batch = {
-                    name: np.empty((self._count, *array.shape), array.dtype)
+                    name: np.empty((self.count, *array.shape), array.dtype)
                     for name, array in row.items()
                 }
             batch = self._batch

@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, Rows, overrides
+from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, Rows, overrides, which_item
 from service.artifacts.shapes import apply_crop
 from service.batching.scheduler import rows_of
 from service.batching.stats import RequestTiming
@@ -758,7 +758,8 @@ def _made(made: Any, model: str, method: str) -> Arrays:
 def _preprocess_into(
     pipeline: Pipeline, item: Item, context: dict[str, Any], model: str, into: Rows, index: int
 ) -> None:
-    into.put(index, _made(_guarded(pipeline.preprocess, model, item, context), model, "preprocess"))
+    made = _guarded(which_item, model, pipeline.preprocess, index, into.count, item, context)
+    into.put(index, _made(made, model, "preprocess"))
 
 
 def _preprocess(

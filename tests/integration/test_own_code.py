@@ -397,6 +397,14 @@ def test_a_bad_record_is_a_400_naming_the_model_and_what_the_code_said(
     assert response.json()["error"].startswith(f"model 'wine': {says}")
 
 
+def test_a_bad_record_among_several_is_named_by_its_place(server: Server) -> None:
+    """Its 400 named no instance: which of 3 was it?"""
+    records, _ = wine_split()
+    response = predict(server, "wine", [records[0], records[1], {"colour": 3}])
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("model 'wine': item 2 (of 3): unknown fields")
+
+
 def test_one_bad_record_among_concurrent_requests_fails_alone_and_they_batch(
     server: Server,
 ) -> None:
