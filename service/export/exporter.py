@@ -260,6 +260,12 @@ def export_model(
         raise
     except Exception as exc:  # the module's own error, of any type: the inputs do not fit it
         given = ", ".join(f"{n} {a.dtype} {list(a.shape)}" for n, a in probes[0].items())
+        ranged = [f"{t.name} {t.range[0]:g}..{t.range[1]:g}" for t in inputs if t.range]
+        if isinstance(exc, IndexError) and ranged:  # golden values span the declared range
+            given += (
+                f"; the values span the declared ranges, {', '.join(ranged)}: a range wider "
+                "than a table the module indexes, such as an nn.Embedding's rows, fails so"
+            )
         raise ExportError(
             f"the module fails on inputs of the declared shapes and datatypes ({given}): "
             f"{type(exc).__name__}: {_first_line(exc)} (check --input)"

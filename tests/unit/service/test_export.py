@@ -358,6 +358,25 @@ def test_the_command_line_s_golden_inputs_lie_within_a_declared_range(tmp_path: 
     assert manifest.inputs[0].range == (20, 69) and "onnx" in manifest.artifacts
 
 
+def test_a_range_wider_than_the_modules_table_says_so_at_export(tmp_path: Path) -> None:
+    """It said "IndexError: index out of range in self (check --input)", naming no range."""
+    ids = TensorConfig(name="item_id", datatype="INT64", shape=(1,), range=(0, 1000))
+    with pytest.raises(ExportError) as refused:
+        export_model(
+            ShiftedLookup(),  # 1,000 rows, indexed by id + 1: ids 0..998 fit
+            tmp_path,
+            name="shifted",
+            inputs=[ids],
+            outputs=[TensorConfig(name="vector", datatype="FP32", shape=(4,))],
+            golden_inputs={"item_id": np.array([[0], [1000]], np.int64)},
+            max_batch_size=4,
+            formats=("onnx",),
+        )
+    assert "the values span the declared ranges, item_id 0..1000: a range wider than a table" in (
+        str(refused.value)
+    )
+
+
 def test_an_input_reaching_an_index_no_range_bounds_is_named_at_export(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
