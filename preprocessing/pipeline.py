@@ -202,13 +202,13 @@ def which_item(
     context: dict[str, Any],
 ) -> Arrays:
     """``preprocess(item, context)``, its :class:`BadInput` saying which of ``count`` items
-    it was (the client's instance or element ``index``) when there are several."""
+    it was (the client's instance or element ``index``, from 0) when there are several."""
     try:
         return preprocess(item, context)
     except BadInput as exc:
-        if count == 1:
-            raise
-        raise BadInput(f"item {index} (of {count}): {exc}") from None
+        if count > 1:
+            exc.args = (f"item at index {index} (of {count}): {exc}", *exc.args[1:])
+        raise
 
 
 class Rows:

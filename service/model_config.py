@@ -23,6 +23,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from preprocessing.spec import PreprocessingSpec
 from service.errors import ModelLoadError
@@ -325,7 +326,7 @@ def _closest(loc: tuple[int | str, ...], root: object) -> str:
     there."""
     models = _models_in(ModelConfig if root is None else root)
     for part in loc[:-1]:
-        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        fields = [f for m in models for key, f in _keys(m).items() if key == part]
         tagged = [
             m for m in models if "kind" in m.model_fields and m.model_fields["kind"].default == part
         ]
@@ -333,9 +334,14 @@ def _closest(loc: tuple[int | str, ...], root: object) -> str:
             models = [m for f in fields for m in _models_in(f.annotation)]
         elif tagged:  # a tagged union's tag (preprocessing.image): that member
             models = tagged
-    names = sorted({name for m in models for name in m.model_fields})
+    names = sorted({key for m in models for key in _keys(m)})
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     return f"; did you mean {close[0]}?" if close else f" (settings here: {', '.join(names)})"
+
+
+def _keys(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields by the key a config writes (``class``, not the field ``cls``)."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
 
 
 def _models_in(annotation: object) -> list[type[BaseModel]]:

@@ -368,13 +368,17 @@ def listening_socket(host: str, port: int, inheritable: bool = True) -> socket.s
     lone worker's. Bound without ``SO_REUSEPORT`` (no other process takes a share of the
     connections), and for ``::`` dual-stack, IPv4 too, as grpcio's are (asyncio, and so
     uvicorn, would bind it IPv6 only)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # the first address the name gives (a scoped IPv6 address keeps its scope, a host name
+    # its resolver's first address)
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and host == "::":
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind((host, port))
+        sock.bind(address)
         sock.listen(2048)
     except OSError:
         sock.close()

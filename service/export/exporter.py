@@ -232,7 +232,7 @@ def export_model(
     module = _prepare(module)
     code = None
     if isinstance(preprocessing, PythonSpec):
-        if code_folder is not None and code_folder.resolve() != out_dir.resolve().parent:
+        if code_folder is not None and code_folder.resolve() != out_dir.parent.resolve():
             raise ExportError(  # it exported, and every load then failed: "cannot read x.py"
                 f"code_folder {code_folder} is not the model's folder ({out_dir.parent}, the "
                 "version folder's parent), where the server imports the code from: put the "
@@ -260,11 +260,15 @@ def export_model(
         raise
     except Exception as exc:  # the module's own error, of any type: the inputs do not fit it
         given = ", ".join(f"{n} {a.dtype} {list(a.shape)}" for n, a in probes[0].items())
-        ranged = [f"{t.name} {t.range[0]:g}..{t.range[1]:g}" for t in inputs if t.range]
-        if isinstance(exc, IndexError) and ranged:  # golden values span the declared range
+        ranged = [  # inputs whose golden values reach an end of their declared range
+            f"{t.name} {t.range[0]:g}..{t.range[1]:g}"
+            for t in inputs
+            if t.range and np.isin(t.range, probes[0][t.name]).any()
+        ]
+        if isinstance(exc, IndexError) and "out of range" in str(exc) and ranged:
             given += (
-                f"; the values span the declared ranges, {', '.join(ranged)}: a range wider "
-                "than a table the module indexes, such as an nn.Embedding's rows, fails so"
+                f"; values at an end of their declared range, {', '.join(ranged)}: a range "
+                "wider than a table the module indexes, such as an nn.Embedding's rows, fails so"
             )
         raise ExportError(
             f"the module fails on inputs of the declared shapes and datatypes ({given}): "
@@ -381,9 +385,10 @@ class _Code:
             check_made(batch, signature, True, "")  # the batch of items: batched here
         except TensorgateError as exc:
             said = exc.message.removeprefix("model '': ")
+            made = len(next(iter(batch.values()), ()))  # the items the batch holds
+            of = self.items[0][0] if made == 1 else f"its {made} answer items"
             raise ExportError(
-                f"the pipeline's preprocessing of {self.items[0][0]}: {said} (check its "
-                "preprocess, and --input)"
+                f"the pipeline's preprocessing of {of}: {said} (check its preprocess, and --input)"
             ) from None
         return batch if batched else {name: array[0] for name, array in batch.items()}
 

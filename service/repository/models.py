@@ -11,7 +11,9 @@ other files, are as they were when it loaded serves on: it is not loaded and war
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -586,18 +588,52 @@ def _is_number(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 18
 
 
+HASHED_BELOW = 1 << 16
+"""Files smaller than this (a config, code, a manifest) are fingerprinted by their bytes too:
+an edit of the same length within the file system's time tick leaves the times alike."""
+
+
 def fingerprint(folder: Path, versions: bool = True) -> tuple[object, ...]:
-    """What changes when a model's config or any file of its versions does; ``versions``
-    False: only the files outside its version folders."""
-    entries: list[object] = []
-    for path in sorted(folder.rglob("*")):
-        relative = path.relative_to(folder)
-        if not versions and len(relative.parts) > 1 and _is_number(relative.parts[0]):
+    """What changes when a model's config or any file of its versions does (linked folders
+    followed); ``versions`` False: only the files outside its version folders.
+
+    Each file's size, times and inode: the change time (ctime) and inode move with every
+    write, copy or rename, also one that keeps the modification time (``cp -p``, ``rsync
+    -a``, an archive's times); a file that goes meanwhile is left out."""
+    entries: list[tuple[str, int, int, int, int, int, bytes]] = []
+    seen: set[tuple[int, int]] = set()
+    for top, folders, files in os.walk(folder, followlinks=True):
+        here = Path(top)
+        try:
+            where = os.stat(top)
+        except OSError:
             continue
-        if path.is_file():
-            stat = path.stat()
-            entries.append((str(relative), stat.st_size, stat.st_mtime_ns))
-    return tuple(entries)
+        if (where.st_dev, where.st_ino) in seen:  # a link back up: walked already
+            folders.clear()
+            continue
+        seen.add((where.st_dev, where.st_ino))
+        if not versions and here == folder:  # the version folders are not walked
+            folders[:] = [f for f in folders if not _is_number(f)]
+        for name in files:
+            path = here / name
+            try:
+                stat = path.stat()
+                small = stat.st_size < HASHED_BELOW
+                digest = hashlib.blake2b(path.read_bytes()).digest() if small else b""
+            except OSError:  # gone meanwhile, or unreadable: the load says why, if it matters
+                continue
+            entries.append(
+                (
+                    str(path.relative_to(folder)),
+                    stat.st_size,
+                    stat.st_mtime_ns,
+                    stat.st_ctime_ns,
+                    stat.st_ino,
+                    stat.st_dev,
+                    digest,
+                )
+            )
+    return tuple(sorted(entries))
 
 
 def _keep_unchanged(old: ModelEntry, fresh: ModelEntry) -> list[ModelVersion]:
@@ -613,6 +649,9 @@ def _keep_unchanged(old: ModelEntry, fresh: ModelEntry) -> list[ModelVersion]:
         and version.state is ModelState.READY
         and version.served is not None
         and not version.served.closing
+        # a pipeline that calls other models replays its answers through them again: they
+        # may have changed since
+        and not version.served.loaded.steps
         and version.path == fresh.versions[number].path
         and version.files == fingerprint(version.path)
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import collections
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -402,7 +403,9 @@ def test_a_bad_record_among_several_is_named_by_its_place(server: Server) -> Non
     records, _ = wine_split()
     response = predict(server, "wine", [records[0], records[1], {"colour": 3}])
     assert response.status_code == 400
-    assert response.json()["error"].startswith("model 'wine': item 2 (of 3): unknown fields")
+    assert response.json()["error"].startswith(
+        "model 'wine': item at index 2 (of 3): unknown fields"
+    )
 
 
 def test_one_bad_record_among_concurrent_requests_fails_alone_and_they_batch(
@@ -779,6 +782,7 @@ def test_a_step_model_reloaded_under_traffic_fails_no_pipeline_request(server: S
         sending = [clients.submit(send) for _ in range(3)]
         try:
             for _ in range(8):
+                os.utime(server.repository / "scorer" / "1" / "model.onnx")  # else kept
                 assert _load(server, "scorer").status_code == 200
         finally:
             stop.set()

@@ -45,6 +45,11 @@ def test_a_minimal_config_names_only_the_backend(tmp_path: Path) -> None:
             "backend: onnx\ninputs: [{name: x, datatype: FP32, shape: [3], rnage: [0, 1]}]\n",
             "inputs.0.rnage: not a setting here; did you mean range?",
         ),
+        (  # the key a config writes, not the field's name (cls)
+            "backend: onnx\npreprocessing: {kind: python, module: p, clas: P}\n",
+            "preprocessing.class: Field required; preprocessing.clas: not a setting here; did "
+            "you mean class?",
+        ),
         (  # PyYAML's four lines, naming "<unicode string>"
             "backend: onnx\nmax_batch_size: [16\n",
             "cannot read YAML: line 3, column 1: expected ',' or ']', but got '<stream end>' "
@@ -320,5 +325,40 @@ def test_a_reload_keeps_the_unchanged_versions_serving_and_loads_the_rest(
         third = served()
         assert not set(map(id, third.values())) & set(map(id, second.values()))
         assert all(s.closing for s in second.values())  # type: ignore[attr-defined]
+    finally:
+        repository.close()
+
+
+def test_a_reload_loads_a_version_changed_with_its_old_times_or_through_a_link(
+    tmp_path: Path,
+) -> None:
+    """Size and modification time alone kept a version whose file was replaced by one of the
+    same size with the old time copied on (``cp -p``, ``rsync -a``), or changed inside a
+    folder linked into it: the old model served on, silently."""
+    folder = tmp_path / "m"
+    write_identity_model(folder, datatypes=("FP32",))
+    store = tmp_path / "store"
+    (store / "a").mkdir(parents=True)
+    (store / "a" / "vocab.txt").write_text("a b\n")
+    (folder / "1" / "assets").symlink_to(store / "a")
+    repository = ModelRepository(Settings(model_repository=tmp_path, intra_op_threads=1))
+    try:
+        repository.scan()
+        repository.load_all()
+        first = repository.models["m"].versions[1].served
+
+        model = folder / "1" / "model.onnx"
+        stat = model.stat()
+        replaced = tmp_path / "replaced.onnx"
+        replaced.write_bytes(model.read_bytes())  # the same size (and bytes, here)
+        os.utime(replaced, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the old times
+        os.replace(replaced, model)
+        repository.load_model("m")
+        second = repository.models["m"].versions[1].served
+        assert second is not first
+
+        (store / "a" / "vocab.txt").write_text("b a\n")  # the same length, through the link
+        repository.load_model("m")
+        assert repository.models["m"].versions[1].served is not second
     finally:
         repository.close()
