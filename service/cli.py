@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"tensorgate {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="serve a model repository over HTTP")
+    serve = commands.add_parser("serve", help="serve a model repository over HTTP and gRPC")
     serve.add_argument("--host", help="address to listen on (TG_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (TG_PORT, default 8000)")
     serve.add_argument(
@@ -41,7 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="server processes on the same ports (TG_WORKERS; default: one per CPU the "
         "process may use, one with a GPU, fewer where their models would not fit in memory)",
     )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (TG_LOG_LEVEL, default info)",
+    )
     serve.add_argument(
         "--poll",
         type=float,
@@ -219,9 +223,10 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     if settings is None:
         return 2
     if not settings.model_repository.is_dir():  # one line, not every worker's traceback
+        named = _named(overrides, "model_repository")
         sys.stderr.write(
-            f"tensorgate: invalid setting: TG_MODEL_REPOSITORY: {settings.model_repository} is "
-            "not a directory (the folder of model folders; `make models` builds the bundled one)\n"
+            f"tensorgate: invalid setting: {named}: {settings.model_repository} is not a "
+            "directory (the folder of model folders; `make models` builds the bundled one)\n"
         )
         return 2
     if settings.model_name is None and (empty := _not_a_repository(settings, overrides)):
@@ -241,7 +246,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         from service.errors import ModelLoadError
         from service.repository.models import single_model_folder
 
-        named = "--model-name" if "model_name" in overrides else "TG_MODEL_NAME"
+        named = _named(overrides, "model_name")
         try:
             single_model_folder(settings.model_repository, settings.model_name, named)
         except ModelLoadError as exc:  # one line, not every worker's traceback
@@ -318,7 +323,7 @@ def _not_a_repository(settings: Settings, overrides: dict[str, Any]) -> str | No
     one model's own folder, or holds no model folder while neither the repository API nor
     ``--poll`` can bring one (a server that said ready serving nothing)."""
     root = settings.model_repository
-    named = "--model-repository" if "model_repository" in overrides else "TG_MODEL_REPOSITORY"
+    named = _named(overrides, "model_repository")
     if (root / "config.yaml").is_file():
         return (
             f"{named}: {root} is one model's folder (it holds config.yaml): serve the folder "
@@ -390,13 +395,18 @@ def _settings(**overrides: Any) -> Settings | None:
     except ValidationError as exc:
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"])
-            field = f"TG_{where.upper()}: " if where else ""
-            if where in overrides:  # given on the command line, as a flag
-                flag = "poll" if where == "poll_interval_s" else where.replace("_", "-")
-                field = f"--{flag}: "
+            field = f"{_named(overrides, where)}: " if where else ""
             said = error["msg"].removeprefix("Value error, ")  # pydantic's, for a ValueError
             sys.stderr.write(f"tensorgate: invalid setting: {field}{said}\n")
         return None
+
+
+def _named(overrides: dict[str, Any], setting: str) -> str:
+    """How the user gave ``setting``: its flag (``--poll``) when on the command line, else
+    its variable (``TG_POLL_INTERVAL_S``)."""
+    if setting in overrides:
+        return "--" + ("poll" if setting == "poll_interval_s" else setting.replace("_", "-"))
+    return f"TG_{setting.upper()}"
 
 
 def _health(probe: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -306,15 +307,17 @@ async def receive_body(receive: Receive, declared: str | None, limit: int) -> by
 
 
 def parse_timeout(raw: str | None) -> float | None:
-    """An ``X-Request-Timeout`` value: seconds, > 0; None when absent."""
+    """An ``X-Request-Timeout`` value: seconds, > 0; None when absent. A longer one than a
+    day is held to a day, as ``parameters.timeout`` is (``DataPlane.deadline``): it refused
+    one, saying only "must be seconds > 0"."""
     if raw is None:
         return None
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 0 < value < 86_400:
-        raise InvalidInput(f"X-Request-Timeout must be seconds > 0 (got {raw!r})")
+    if not 0 < value < math.inf:
+        raise InvalidInput(f"X-Request-Timeout must be a positive number of seconds (got {raw!r})")
     return value
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from service.errors import PayloadTooLarge, Unauthorized
-from service.http.answer import receive_body, until_disconnect
+from service.errors import InvalidInput, PayloadTooLarge, Unauthorized
+from service.http.answer import parse_timeout, receive_body, until_disconnect
 from service.limits import auth
 from service.limits.auth import check_authorization
 from service.telemetry.counters import REFUSED
@@ -190,3 +190,13 @@ async def test_a_body_of_many_chunks_is_held_once_not_twice() -> None:
         tracemalloc.stop()
     assert len(body) == size and body[:1] == bytes([(size // piece - 1) % 251])
     assert peak < 1.3 * size, f"peak {peak >> 20} MiB for a body of {size >> 20} MiB"
+
+
+def test_a_request_timeout_header_past_a_day_is_taken_as_the_parameter_is() -> None:
+    """X-Request-Timeout: 100000 was a 400 "must be seconds > 0", where parameters.timeout of
+    as long was held to a day (the deadline holds both to a day)."""
+    assert parse_timeout("100000") == 100_000.0
+    assert parse_timeout("0.25") == 0.25 and parse_timeout(None) is None
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(InvalidInput, match="must be a positive number of seconds"):
+            parse_timeout(bad)
