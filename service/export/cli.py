@@ -54,10 +54,16 @@ def run_export(args: argparse.Namespace) -> int:
             NAME_PATTERN.pattern,
         )
         return 2
-    module = load_module(args.factory)
-    inputs = [parse_tensor(text) for text in args.input]
-    outputs = [parse_tensor(text) for text in args.output]
-    check_tensors(inputs, outputs, args.buckets)
+    try:
+        module = load_module(args.factory)
+        inputs = [parse_tensor(text) for text in args.input]
+        outputs = [parse_tensor(text) for text in args.output]
+        check_tensors(inputs, outputs, args.buckets)
+    except SystemExit as exc:  # what the arguments name is wrong: 2, as every usage error
+        if not isinstance(exc.code, str):
+            raise
+        log.error("export failed: %s", exc.code)
+        return 2
     model_dir = args.repository / args.name
     out_dir = model_dir / str(args.model_version)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]

@@ -114,7 +114,7 @@ def test_export_finds_the_users_module_in_the_current_folder_and_says_what_is_wr
         done = subprocess.run(
             command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
         )
-        assert done.returncode != 0
+        assert done.returncode == 2  # a usage error, as a bad --name is (it was 1)
         assert said in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
     for name in ("../evil", "a/b", ".hidden", ""):  # a model is a folder of the repository
