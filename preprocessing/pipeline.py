@@ -206,9 +206,14 @@ def which_item(
     try:
         return preprocess(item, context)
     except BadInput as exc:
-        if count > 1:
-            exc.args = (f"item at index {index} (of {count}): {exc}", *exc.args[1:])
-        raise
+        if count == 1:
+            raise
+        said = f"item at index {index} (of {count}): {exc}"
+        try:  # its own type, where it is made from a message (the code's may be reused)
+            named = type(exc)(said)
+        except Exception:
+            named = BadInput(said)
+        raise named from exc
 
 
 class Rows:

@@ -368,11 +368,15 @@ def listening_socket(host: str, port: int, inheritable: bool = True) -> socket.s
     lone worker's. Bound without ``SO_REUSEPORT`` (no other process takes a share of the
     connections), and for ``::`` dual-stack, IPv4 too, as grpcio's are (asyncio, and so
     uvicorn, would bind it IPv6 only)."""
-    # the first address the name gives (a scoped IPv6 address keeps its scope, a host name
-    # its resolver's first address)
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
-    )[0]
+    address: tuple[object, ...]
+    if host in ("", "0.0.0.0"):  # every IPv4 address (getaddrinfo knows no "")
+        family, kind, proto, address = socket.AF_INET, socket.SOCK_STREAM, 0, ("", port)
+    else:  # a scoped IPv6 address keeps its scope; a name, its IPv4 address before its IPv6
+        found = socket.getaddrinfo(
+            host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
+        )
+        found.sort(key=lambda info: info[0] != socket.AF_INET)
+        family, kind, proto, _, address = found[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

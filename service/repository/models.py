@@ -16,10 +16,12 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from preprocessing.pipeline import Models
@@ -244,7 +246,8 @@ class ModelRepository:
             version.state, version.reason = ModelState.UNAVAILABLE, "the server is shutting down"
             return
         bound = LoadBound(self.stopping, self.settings.load_timeout_s)
-        version.files = fingerprint(version.path)  # first: a change meanwhile loads it again
+        # first: a change meanwhile loads it again
+        version.files = fingerprint(version.path, skip=_written_by_server(config))
         with self._guard:
             self._loads.setdefault(version.name, set()).add(bound)
             self._changed += 1
@@ -591,16 +594,28 @@ def _is_number(text: str) -> bool:
 HASHED_BELOW = 1 << 16
 """Files smaller than this (a config, code, a manifest) are fingerprinted by their bytes too:
 an edit of the same length within the file system's time tick leaves the times alike."""
+RACY_NS = 2_000_000_000
+"""A file changed this recently may change again within its time tick: its bytes are hashed
+again at each fingerprint, not taken from :data:`_DIGESTS` (git's "racily clean" rule)."""
+NOT_THE_MODEL = frozenset({"__pycache__", "tensorrt_cache"})
+"""Folders the server (or Python) writes into a model's folder: bytecode of its code, ONNX
+Runtime's TensorRT engines (``gpu.tensorrt_cache``'s default). Not part of what a load read."""
+_DIGESTS: dict[tuple[str, int, int, int], bytes] = {}
+"""Each small file's hash by path, size and times: a poll hashes only what changed."""
 
 
-def fingerprint(folder: Path, versions: bool = True) -> tuple[object, ...]:
+def fingerprint(
+    folder: Path, versions: bool = True, skip: frozenset[str] = NOT_THE_MODEL
+) -> tuple[object, ...]:
     """What changes when a model's config or any file of its versions does (linked folders
-    followed); ``versions`` False: only the files outside its version folders.
+    followed; folders named in ``skip`` left out); ``versions`` False: only the files outside
+    its version folders.
 
-    Each file's size, times and inode: the change time (ctime) and inode move with every
-    write, copy or rename, also one that keeps the modification time (``cp -p``, ``rsync
-    -a``, an archive's times); a file that goes meanwhile is left out."""
-    entries: list[tuple[str, int, int, int, int, int, bytes]] = []
+    Each regular file's size, modification and change time (ctime, which moves with every
+    write, copy or rename, also one that keeps the modification time: ``cp -p``, ``rsync
+    -a``), and the bytes of small ones; a file that goes meanwhile is left out. Not inodes:
+    some FUSE file systems give a file a new one when their cache expires."""
+    entries: list[tuple[str, int, int, int, bytes]] = []
     seen: set[tuple[int, int]] = set()
     for top, folders, files in os.walk(folder, followlinks=True):
         here = Path(top)
@@ -612,28 +627,42 @@ def fingerprint(folder: Path, versions: bool = True) -> tuple[object, ...]:
             folders.clear()
             continue
         seen.add((where.st_dev, where.st_ino))
-        if not versions and here == folder:  # the version folders are not walked
-            folders[:] = [f for f in folders if not _is_number(f)]
+        folders[:] = [
+            f
+            for f in folders
+            if f not in skip and (versions or here != folder or not _is_number(f))
+        ]
         for name in files:
             path = here / name
             try:
                 stat = path.stat()
-                small = stat.st_size < HASHED_BELOW
-                digest = hashlib.blake2b(path.read_bytes()).digest() if small else b""
+                if not S_ISREG(stat.st_mode):  # a named pipe would block the read for good
+                    continue
+                digest = _digest(path, stat) if stat.st_size < HASHED_BELOW else b""
             except OSError:  # gone meanwhile, or unreadable: the load says why, if it matters
                 continue
-            entries.append(
-                (
-                    str(path.relative_to(folder)),
-                    stat.st_size,
-                    stat.st_mtime_ns,
-                    stat.st_ctime_ns,
-                    stat.st_ino,
-                    stat.st_dev,
-                    digest,
-                )
-            )
+            relative = str(path.relative_to(folder))
+            entries.append((relative, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, digest))
     return tuple(sorted(entries))
+
+
+def _written_by_server(config: ModelConfig) -> frozenset[str]:
+    """:data:`NOT_THE_MODEL`, and the folder the model's own ``gpu.tensorrt_cache`` names."""
+    return NOT_THE_MODEL | set(Path(config.gpu.tensorrt_cache).parts[:1])
+
+
+def _digest(path: Path, stat: os.stat_result) -> bytes:
+    key = (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    racy = time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) < RACY_NS
+    if not racy and (known := _DIGESTS.get(key)) is not None:
+        return known
+    with path.open("rb") as file:
+        digest = hashlib.blake2b(file.read(HASHED_BELOW)).digest()
+    if not racy:
+        if len(_DIGESTS) > 1 << 16:  # bounded: a repository of that many small files rehashes
+            _DIGESTS.clear()
+        _DIGESTS[key] = digest
+    return digest
 
 
 def _keep_unchanged(old: ModelEntry, fresh: ModelEntry) -> list[ModelVersion]:
@@ -653,7 +682,8 @@ def _keep_unchanged(old: ModelEntry, fresh: ModelEntry) -> list[ModelVersion]:
         # may have changed since
         and not version.served.loaded.steps
         and version.path == fresh.versions[number].path
-        and version.files == fingerprint(version.path)
+        and old.config is not None
+        and version.files == fingerprint(version.path, skip=_written_by_server(old.config))
     ]
     for version in kept:
         fresh.versions[version.version] = version

@@ -899,3 +899,24 @@ def test_a_bytes_answer_counts_what_its_strings_hold() -> None:
         True,
     )
     assert answer_bytes(result) == 4 * (1 << 20) + texts.nbytes + floats.nbytes
+
+
+def test_a_bad_item_among_several_is_named_and_the_codes_exception_left_as_it_was() -> None:
+    """Named by editing the code's own exception in place, an instance the code reuses took
+    one more prefix with every request."""
+    from preprocessing.pipeline import BadInput, Item, Pipeline
+
+    reused = BadInput("not a record")
+
+    class Records(Pipeline):
+        def preprocess(self, item: Item, context: dict[str, object]) -> dict[str, np.ndarray]:
+            if item.data == b"bad":
+                raise reused
+            return {"x": np.zeros(2, np.float32)}
+
+    items = [Item(b"good", None), Item(b"bad", None)]
+    for _ in range(2):
+        with pytest.raises(BadInput) as refused:
+            Records().preprocess_batch(items, [{}, {}])
+        assert str(refused.value) == "item at index 1 (of 2): not a record"
+    assert str(reused) == "not a record"

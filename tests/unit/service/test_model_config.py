@@ -362,3 +362,18 @@ def test_a_reload_loads_a_version_changed_with_its_old_times_or_through_a_link(
         assert repository.models["m"].versions[1].served is not second
     finally:
         repository.close()
+
+
+def test_what_the_server_writes_or_cannot_read_is_not_part_of_a_version(tmp_path: Path) -> None:
+    """Bytecode of a model's code and ONNX Runtime's TensorRT engines are written into the
+    model's folder after its load: counted, the next poll reloaded it. A named pipe blocked
+    the read of its bytes for good."""
+    from service.repository.models import fingerprint
+
+    write_identity_model(tmp_path / "m", datatypes=("FP32",))
+    before = fingerprint(tmp_path / "m")
+    for folder in ("__pycache__", "1/tensorrt_cache", "1/helpers/__pycache__"):
+        (tmp_path / "m" / folder).mkdir(parents=True)
+        (tmp_path / "m" / folder / "written").write_bytes(b"by the server")
+    os.mkfifo(tmp_path / "m" / "1" / "pipe")
+    assert fingerprint(tmp_path / "m") == before

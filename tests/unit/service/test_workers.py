@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.cluster.control import PROBE_ASK_S
 from service.cluster.merge import merge_metrics, merge_statistics
-from service.cluster.supervisor import Worker
+from service.cluster.supervisor import Worker, listening_socket
 from service.cluster.view import Cluster
 from service.resources import cuda_visible, memory_limit_bytes, repository_model_bytes
 from service.settings import Settings, worker_sizing
@@ -355,3 +355,14 @@ async def _until(done: Any, timeout_s: float = 5.0) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("not within the time")
+
+
+@pytest.mark.parametrize(
+    ("host", "bound"),
+    [("", "0.0.0.0"), ("0.0.0.0", "0.0.0.0"), ("::", "::"), ("localhost", "127.0.0.1")],
+)
+def test_a_listening_socket_binds_the_address_a_host_means(host: str, bound: str) -> None:
+    """Through getaddrinfo, "" (every IPv4 address, as bind takes it) failed: it names no
+    host; a name binds its IPv4 address first, as the probes and clients of 127.0.0.1 expect."""
+    with listening_socket(host, 0, inheritable=False) as sock:
+        assert sock.getsockname()[0] == bound
