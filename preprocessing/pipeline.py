@@ -211,7 +211,7 @@ def which_item(
         said = f"item at index {index} (of {count}): {exc}"
         try:  # its own type, where it is made from a message (the code's may be reused)
             named = type(exc)(said)
-        except Exception:
+        except Exception:  # a subclass made otherwise: named as the base class instead
             named = BadInput(said)
         raise named from exc
 

@@ -189,12 +189,11 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     from service.app import create_app, serving_app
     from service.cluster.supervisor import (
-        CANNOT_LISTEN,
         Supervisor,
         Worker,
         die_with_supervisor,
         inherited_listener,
-        listening_socket,
+        listen,
     )
     from service.http.server import DrainingServer
     from service.http.writes import OneWrite
@@ -264,15 +263,16 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         # Both ports up front, a line each: uvicorn found a port taken after loading every
         # model, grpcio as a startup traceback. HTTP's socket is bound here, as the
         # supervisor's is (for "::" dual-stack, as gRPC's; uvicorn would bind it IPv6 only).
-        try:
-            listener = listening_socket(settings.host, settings.port, inheritable=False)
-        except OSError as exc:
-            log.error(CANNOT_LISTEN, "HTTP", settings.host, settings.port, exc.strerror)
+        listener = listen("HTTP", settings.host, settings.port, inheritable=False)
+        if listener is None:
             return 1
-        if settings.grpc_port and (why := _cannot_listen(settings.host, settings.grpc_port)):
-            listener.close()
-            log.error(CANNOT_LISTEN, "gRPC", *why)
-            return 1
+        sockets = [listener]
+        if settings.grpc_port:  # grpcio binds its own: checked here, and let go
+            probe = listen("gRPC", settings.host, settings.grpc_port, inheritable=False)
+            if probe is None:
+                listener.close()
+                return 1
+            probe.close()
         log.info(
             "serving on %s:%d with one worker of %d threads (TG_WORKERS, TG_CPUS %d)",
             settings.host,
@@ -280,7 +280,8 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             settings.intra_op_threads,
             settings.cpus,
         )
-    else:
+    else:  # one of several processes: each accepts from the supervisor's listening socket
+        sockets = [inherited_listener()]
         die_with_supervisor(worker)
         if worker.cpu_use_path.is_file():  # the other workers' batches, for the runtimes
             CPU_USE.attach(worker.cpu_use_path, worker.index)
@@ -310,10 +311,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn says int; it takes seconds as a float (loop.call_later)
         timeout_graceful_shutdown=max(1, int(settings.drain_grace_s)),
     )
-    if worker is None:
-        DrainingServer(config, app, settings).run(sockets=[listener])
-    else:  # one of several processes: each accepts from the supervisor's listening socket
-        DrainingServer(config, app, settings, shared=True).run(sockets=[inherited_listener()])
+    DrainingServer(config, app, settings, shared=worker is not None).run(sockets=sockets)
     _leave_hung_code()
     return 0
 
@@ -328,8 +326,7 @@ def _not_a_repository(settings: Settings, overrides: dict[str, Any]) -> str | No
         return (
             f"{named}: {root} is one model's folder (it holds config.yaml): serve the folder "
             f"that holds it ({named} {root.parent if root.name else root.resolve().parent}), "
-            "or this model alone with "
-            "--model-name <name>"
+            "or this model alone with --model-name <name>"
         )
     if settings.admin_token is not None or settings.poll_interval_s is not None:
         return None  # models may be loaded, or appear, later
@@ -343,18 +340,6 @@ def _not_a_repository(settings: Settings, overrides: dict[str, Any]) -> str | No
         "folder, 1/, holding the model), so nothing would be served: export one with "
         f"`tensorgate export`, or `make models` for the bundled ones{nearly}"
     )
-
-
-def _cannot_listen(host: str, port: int) -> tuple[str, int, str] | None:
-    """Why ``host:port`` cannot be listened on (as grpcio will: SO_REUSEADDR, no SO_REUSEPORT,
-    ``::`` dual-stack), or None; checked by listening on it, and letting it go."""
-    from service.cluster.supervisor import listening_socket
-
-    try:
-        listening_socket(host, port, inheritable=False).close()
-    except OSError as exc:
-        return host, port, exc.strerror or str(exc)
-    return None
 
 
 def _leave_hung_code(wait_s: float = 1.0) -> None:

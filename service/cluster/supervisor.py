@@ -344,12 +344,7 @@ class Supervisor:
             process.kill()
 
     def _listen(self, kind: str, port: int) -> socket.socket | None:
-        """The listening socket of ``port``, or None once its error is logged in one line."""
-        try:
-            return listening_socket(self.settings.host, port)
-        except OSError as exc:
-            log.error(CANNOT_LISTEN, kind, self.settings.host, port, exc.strerror)
-            return None
+        return listen(kind, self.settings.host, port)
 
     def _forward(self, sig: int, frame: object) -> None:
         """First SIGTERM: every worker drains. A second: every worker stops now."""
@@ -361,6 +356,15 @@ class Supervisor:
 
 CANNOT_LISTEN = "cannot listen on the %s port %s:%d (%s): stopping"
 """A port taken (or not ours to take): one line, where it was a traceback."""
+
+
+def listen(kind: str, host: str, port: int, inheritable: bool = True) -> socket.socket | None:
+    """:func:`listening_socket`, or None once why it cannot be is logged in one line."""
+    try:
+        return listening_socket(host, port, inheritable)
+    except OSError as exc:
+        log.error(CANNOT_LISTEN, kind, host, port, exc.strerror)
+        return None
 
 
 def listening_socket(host: str, port: int, inheritable: bool = True) -> socket.socket:

@@ -260,12 +260,17 @@ def export_model(
         raise
     except Exception as exc:  # the module's own error, of any type: the inputs do not fit it
         given = ", ".join(f"{n} {a.dtype} {list(a.shape)}" for n, a in probes[0].items())
-        ranged = [  # inputs whose golden values reach an end of their declared range
-            f"{t.name} {t.range[0]:g}..{t.range[1]:g}"
-            for t in inputs
-            if t.range and np.isin(t.range, probes[0][t.name]).any()
-        ]
-        if isinstance(exc, IndexError) and "out of range" in str(exc) and ranged:
+        if (
+            isinstance(exc, IndexError)
+            and "out of range" in str(exc)
+            and (
+                ranged := [  # inputs whose golden values reach an end of their declared range
+                    f"{t.name} {t.range[0]:g}..{t.range[1]:g}"
+                    for t in inputs
+                    if t.range and np.isin(t.range, probes[0][t.name]).any()
+                ]
+            )
+        ):
             given += (
                 f"; values at an end of their declared range, {', '.join(ranged)}: a range "
                 "wider than a table the module indexes, such as an nn.Embedding's rows, fails so"

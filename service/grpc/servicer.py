@@ -206,7 +206,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     self.settings.admin_token if token == "admin" else self.settings.api_token
                 )
                 given = str(headers.get("authorization", ""))
-                check_authorization(given, expected, token, context.peer())
+                check_authorization(given, expected, token, context.peer)
             answer = await work()
         except Exception as exc:
             code, message = grpc_status(exc)
@@ -449,7 +449,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 str(headers.get("authorization", "")),
                 self.settings.api_token,
                 "api",
-                context.peer(),
+                context.peer,
             )
             if self.dataplane.drain.refusing:
                 raise ServerBusy("the server is shutting down; send this request elsewhere")

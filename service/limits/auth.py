@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import Request
 
@@ -14,8 +15,9 @@ from service.telemetry.counters import REFUSED
 
 log = logging.getLogger("tensorgate.auth")
 
-Peer = tuple[str, int] | str | None
-"""A caller's address: ASGI's ``client`` (host, port), or gRPC's ``peer()``."""
+Peer = tuple[str, int] | Callable[[], str] | None
+"""A caller's address: ASGI's ``client`` (host, port), or gRPC's ``context.peer``, asked
+only when a request is refused."""
 
 REFUSALS_LOGGED_EVERY_S = 10.0
 """At most one warning a token (api, admin) this often: a client guessing tokens fills the
@@ -43,8 +45,14 @@ class Refusals:
             "Bearer') since the last such line, the latest from %s",
             count,
             realm,
-            f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else peer or "an unknown address",
+            _address(peer),
         )
+
+
+def _address(peer: Peer) -> str:
+    if isinstance(peer, tuple):
+        return f"{peer[0]}:{peer[1]}"
+    return peer() if peer is not None else "an unknown address"
 
 
 REFUSALS = Refusals()

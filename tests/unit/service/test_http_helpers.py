@@ -150,7 +150,8 @@ def test_refused_tokens_are_logged_with_the_caller_at_most_once_a_while(
     monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(auth, "REFUSALS", auth.Refusals(every_s=10))
     with caplog.at_level("WARNING", logger="tensorgate.auth"):
-        for peer in (("10.0.0.7", 5000), ("10.0.0.8", 5001), "ipv4:10.0.0.9:5002"):
+        grpc_peer = lambda: "ipv4:10.0.0.9:5002"  # noqa: E731 - gRPC's context.peer, asked late
+        for peer in (("10.0.0.7", 5000), ("10.0.0.8", 5001), grpc_peer):
             with pytest.raises(Unauthorized):
                 check_authorization("Bearer guess", "right", "admin", peer)
         with pytest.raises(Unauthorized):
