@@ -49,7 +49,7 @@ import orjson
 
 from service.cluster.front import GrpcFront
 from service.cluster.held import MESSAGE_COPIES
-from service.limits.balance import create_balance_file
+from service.limits.balance import create_balance_file, not_accepting
 from service.resources import create_cpu_use_file
 
 if TYPE_CHECKING:
@@ -258,6 +258,7 @@ class Supervisor:
                 code = process.poll()
                 if code is None:
                     continue
+                not_accepting(self.folder / "connections", index)  # nobody waits for it
                 if self.stopping:
                     failed |= code != 0
                     del self.processes[index]

@@ -9,14 +9,17 @@ requests a second, and a request on the worker with 15 connections waited 15 tim
 p50 185 ms there against 12 ms on the other, and the server's p99/p50 was the imbalance.
 
 Each worker writes how many connections it holds into its slot of a file the supervisor
-creates (one ``uint16`` per worker). Two rules read it. When accepting (:class:`TakeTurns`),
-a worker takes one connection a wake-up and lets a new one wait briefly for a worker holding
-fewer, so a burst splits evenly as it arrives. After a response, a worker holding more than
-its even share of all of them answers with ``Connection: close`` (HTTP/1.1 lets a server end
-any keep-alive connection after a response; every client reconnects), and the reconnection
-goes, by the first rule, to a worker with fewer. At most one
-connection is let go per :data:`CLOSE_EVERY_S` a worker, so a worker that takes its own
-reconnections back costs a client one reconnection per interval, never one per request.
+creates (one ``uint16`` per worker), or :data:`NOT_ACCEPTING` while it takes none
+(starting, loading its models, stopped; the supervisor writes it for a worker that died),
+so that nobody waits for it or counts it in the even share. Two rules read the counts.
+When accepting (:class:`TakeTurns`), a worker takes one connection a wake-up and lets a new
+one wait briefly for a worker holding fewer, so a burst splits evenly as it arrives. After
+a response, a worker holding more than its even share of all of them answers with
+``Connection: close`` (HTTP/1.1 lets a server end any keep-alive connection after a
+response; every client reconnects), and the reconnection goes, by the first rule, to a
+worker with fewer. At most one connection is let go per :data:`CLOSE_EVERY_S` a worker, so
+a worker that takes its own reconnections back costs a client one reconnection per
+interval, never one per request.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import errno
 import logging
 import mmap
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +39,9 @@ log = logging.getLogger("tensorgate.server")
 CLOSE_EVERY_S = 0.01
 """At most one connection let go per this many seconds, per worker."""
 SLOT = 2
-"""Bytes per worker in the shared file: a ``uint16`` count (capped at 65,535)."""
+"""Bytes per worker in the shared file: a ``uint16`` count (capped at 65,534)."""
+NOT_ACCEPTING = 0xFFFF
+"""A slot's value while its worker accepts no connection."""
 
 
 class ConnectionBalance:
@@ -46,6 +52,7 @@ class ConnectionBalance:
         self.mine = 0
         self._counts: memoryview | None = None
         self._index = 0
+        self._accepting = False
         self._closed_at = float("-inf")
         self.closed = 0
         """Connections let go to even the spread (the tests read it)."""
@@ -57,28 +64,39 @@ class ConnectionBalance:
         self._index = index
         self.count(self.mine)  # a replacement clears what its predecessor left
 
+    def accepting(self, accepting: bool) -> None:
+        """This worker takes connections from now on (:class:`TakeTurns`), or no more."""
+        self._accepting = accepting
+        self.count(self.mine)
+
     def count(self, connections: int) -> None:
         """This worker holds ``connections`` now (called as each opens and closes)."""
         self.mine = connections
         if self._counts is not None:
-            self._counts[self._index] = min(connections, 0xFFFF)
+            mine = min(connections, NOT_ACCEPTING - 1) if self._accepting else NOT_ACCEPTING
+            self._counts[self._index] = mine
 
-    def holds_more(self) -> bool:
-        """Whether this worker holds more connections than another worker does."""
+    def others(self) -> list[int]:
+        """The counts of the other workers that accept connections."""
         counts = self._counts
         if counts is None:
-            return False
-        return any(n < self.mine for i, n in enumerate(counts.tolist()) if i != self._index)
+            return []
+        mine = self._index
+        return [n for i, n in enumerate(counts.tolist()) if i != mine and n != NOT_ACCEPTING]
+
+    def holds_more(self) -> bool:
+        """Whether this worker holds more connections than another accepting worker does."""
+        return any(n < self.mine for n in self.others())
 
     def over_share(self) -> bool:
         """Whether this worker should let one connection go after its response now: it holds
         more than its even share (the total over the workers, rounded up), and it let none go
         in the last :data:`CLOSE_EVERY_S`."""
-        counts = self._counts
-        if counts is None:
+        others = self.others()
+        if not others:
             return False
-        total = sum(counts.tolist())
-        if self.mine * len(counts) <= total + len(counts) - 1:  # mine <= ceil(total / n)
+        total, workers = sum(others) + self.mine, len(others) + 1
+        if self.mine * workers <= total + workers - 1:  # mine <= ceil(total / workers)
             return False
         now = self.clock()
         if now - self._closed_at < CLOSE_EVERY_S:
@@ -93,9 +111,17 @@ BALANCE = ConnectionBalance()
 
 
 def create_balance_file(path: Path, workers: int) -> Path:
-    """The file the workers share their connection counts through (the supervisor's)."""
-    path.write_bytes(bytes(SLOT * workers))
+    """The file the workers share their connection counts through (the supervisor's): none
+    accepts yet."""
+    path.write_bytes(NOT_ACCEPTING.to_bytes(SLOT, sys.byteorder) * workers)
     return path
+
+
+def not_accepting(path: Path, index: int) -> None:
+    """Worker ``index`` accepts no more: it died (the supervisor's; its replacement attaches)."""
+    with path.open("r+b") as file:
+        file.seek(SLOT * index)
+        file.write(NOT_ACCEPTING.to_bytes(SLOT, sys.byteorder))
 
 
 class TakeTurns:
@@ -108,11 +134,14 @@ class TakeTurns:
     run's p99 (p99/p50 1.57 against 1.16 with one worker). Here a worker accepts one
     connection a wake-up, and a worker that holds more than another does lets the connection
     wait :data:`DEFER_S` for the other (its own reader off meanwhile: no spinning) before it
-    takes it anyway. When the others took none of :data:`UNHEEDED_IN_A_ROW` such connections
-    in a row (dead, stopped or still loading: a count in the shared file says nothing of that),
-    the worker lets none wait for :data:`UNHEEDED_S`, so a burst is not taken one per
-    ``DEFER_S`` behind a worker that is not accepting (a worker merely busy leaves one unheeded
-    now and then: stopping at the first, or the eighth, took the even split of bursts away).
+    takes it anyway. A worker starting, loading or dead is waited for by nobody
+    (:data:`NOT_ACCEPTING`), but one stopped (SIGSTOP) or whose loop is blocked still shows its
+    count: when the others took none of :data:`UNHEEDED_IN_A_ROW` such connections in a row,
+    over :data:`UNHEEDED_OVER_S` at least, and no other worker's count moved meanwhile (a count
+    moves only on its worker's loop), the worker lets none wait for :data:`UNHEEDED_S`. A worker
+    merely busy leaves one unheeded now and then, and a loaded machine may not run it for a few
+    of them in a row: stopping at the first, the eighth, or (in CI) 16 in a row within a burst
+    took the even split of bursts away.
     The accepted socket goes to the loop (``connect_accepted_socket``) with uvicorn's own
     protocol: nothing else changes.
     """
@@ -124,6 +153,8 @@ class TakeTurns:
     :data:`UNHEEDED_WITHIN_S` of the last, before none waits."""
     UNHEEDED_WITHIN_S = 0.1
     """Farther apart than this, waits for nothing are a busy worker's, not a missing one's."""
+    UNHEEDED_OVER_S = 0.25
+    """How long a run of waits for nothing lasts at least before none waits."""
     UNHEEDED_S = 1.0
     """How long none waits then."""
     RETRY_S = 0.5
@@ -146,10 +177,12 @@ class TakeTurns:
         self._connecting: set[asyncio.Task[None]] = set()
         self._waited = False
         self._unheeded = 0
-        self._unheeded_at = float("-inf")
+        self._unheeded_since = self._unheeded_at = float("-inf")
+        self._unheeded_others: list[int] = []
         self._unheeded_until = float("-inf")
         self._stopped = False
         sock.setblocking(False)
+        balance.accepting(True)
         loop.add_reader(self._fd, self._readable)
 
     def _readable(self) -> None:
@@ -172,20 +205,27 @@ class TakeTurns:
             self._pause(self.RETRY_S)
             return
         if waited:  # nobody else took it
-            now = self.loop.time()
-            if now - self._unheeded_at > self.UNHEEDED_WITHIN_S:
-                self._unheeded = 0
-            self._unheeded_at = now
-            self._unheeded += 1
-            if self._unheeded >= self.UNHEEDED_IN_A_ROW:  # the others are not accepting
-                self._unheeded = 0
-                self._unheeded_until = now + self.UNHEEDED_S
+            self._heeded_by_none()
         conn.setblocking(False)
         self.accepted += 1
         self.balance.count(self.balance.mine + 1)  # at once: the next wake-up compares with it
         task = self.loop.create_task(self._connect(conn))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
+
+    def _heeded_by_none(self) -> None:
+        """A connection waited and no other worker took it: after enough such, none waits."""
+        now, others = self.loop.time(), self.balance.others()
+        if now - self._unheeded_at > self.UNHEEDED_WITHIN_S or others != self._unheeded_others:
+            self._unheeded, self._unheeded_since, self._unheeded_others = 0, now, others
+        self._unheeded_at = now
+        self._unheeded += 1
+        if (
+            self._unheeded >= self.UNHEEDED_IN_A_ROW
+            and now - self._unheeded_since >= self.UNHEEDED_OVER_S
+        ):  # the others are not accepting
+            self._unheeded = 0
+            self._unheeded_until = now + self.UNHEEDED_S
 
     async def _connect(self, conn: socket.socket) -> None:
         try:
@@ -205,4 +245,5 @@ class TakeTurns:
     def stop(self) -> None:
         """Accept no more (the caller closes the socket)."""
         self._stopped = True
+        self.balance.accepting(False)
         self.loop.remove_reader(self._fd)

@@ -388,7 +388,9 @@ def test_a_burst_of_connections_is_taken_in_turns(two: Server) -> None:
     """#27: 16 connections opened at once (a client pool) went mostly to the first worker's
     loop to wake, which accepted every one waiting (4/12 in 4 of 10 bursts here; 8/8 once),
     and its requests waited half as long again until the balance let some go. A worker now
-    accepts one a wake-up and lets a connection wait 2 ms for a worker that holds fewer."""
+    accepts one a wake-up and lets a connection wait 2 ms for a worker that holds fewer. A
+    loaded machine may not run the other worker within those 2 ms a few times in a row (CI:
+    5/11 and 7/9), so each burst is held to a quarter at least and the three to 20 of 48."""
     host, port = "127.0.0.1", two.port
     two.client.close()  # its keep-alive connection would count in one worker's share
     two.client = httpx.Client(base_url=two.url, timeout=60)
@@ -402,7 +404,8 @@ def test_a_burst_of_connections_is_taken_in_turns(two: Server) -> None:
             client.close()
         answered_by = _workers_of(two, [rid for rid, _ in answered])
         splits.append(sorted(Counter(answered_by[rid] for rid, _ in answered).values()))
-    assert all(len(split) == 2 and split[0] >= 6 for split in splits), splits
+    assert all(len(split) == 2 and split[0] >= 4 for split in splits), splits
+    assert sum(split[0] for split in splits) >= 20, splits
 
 
 def _infer(client: http.client.HTTPConnection) -> tuple[str, bool]:

@@ -247,7 +247,12 @@ def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
 ) -> None:
     """The even share is the workers' total over their count, rounded up; a worker over it
     lets one connection go per CLOSE_EVERY_S (service.limits.balance)."""
-    from service.limits.balance import CLOSE_EVERY_S, ConnectionBalance, create_balance_file
+    from service.limits.balance import (
+        CLOSE_EVERY_S,
+        ConnectionBalance,
+        create_balance_file,
+        not_accepting,
+    )
 
     path = create_balance_file(tmp_path / "connections", 2)
     now = [0.0]
@@ -255,6 +260,10 @@ def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
     crowded.attach(path, 0)
     other.attach(path, 1)
     crowded.count(12)
+    assert path.read_bytes() == bytes([0xFF] * 4)  # neither accepts yet (starting, loading)
+    assert not crowded.over_share()
+    crowded.accepting(True)
+    other.accepting(True)
     assert path.read_bytes() == bytes([12, 0, 0, 0])  # one uint16 a worker
     assert not ConnectionBalance().over_share()  # one worker alone: nothing to even out
     assert not other.over_share()
@@ -268,9 +277,15 @@ def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
         now[0] += CLOSE_EVERY_S
         assert crowded.over_share() is over, (mine, theirs)
     assert crowded.closed == 3
+    not_accepting(path, 1)  # it died holding 7 (the supervisor's): not counted in the share
+    assert path.read_bytes()[2:] == bytes([0xFF, 0xFF])
+    now[0] += CLOSE_EVERY_S
+    assert not crowded.over_share() and not crowded.holds_more()
     replacement = ConnectionBalance()
-    replacement.attach(path, 1)  # in place of a worker that died holding 7
+    replacement.attach(path, 1)  # in its place: counted once it accepts
+    replacement.accepting(True)
     assert path.read_bytes()[2:] == bytes(2)
+    assert crowded.holds_more()
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -279,9 +294,9 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
 ) -> None:
     """TakeTurns (service.limits.balance): one connection a wake-up; holding more than the
     other worker, it lets the connection wait DEFER_S (its reader off, so it does not spin),
-    then takes it anyway, and after UNHEEDED_IN_A_ROW waits the other did not use lets none
-    wait for UNHEEDED_S (a dead or loading worker's count must not slow every accept);
-    stopped, it takes none."""
+    then takes it anyway, and after UNHEEDED_IN_A_ROW waits the other did not use, while its
+    count did not move, lets none wait for UNHEEDED_S (a stopped worker's count must not slow
+    every accept); a worker not accepting is waited for by nobody; stopped, it takes none."""
 
     async def take_turns() -> None:
         import asyncio
@@ -294,6 +309,7 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
         mine, other = ConnectionBalance(), ConnectionBalance()
         mine.attach(path, 0)
         other.attach(path, 1)
+        other.accepting(True)
         made: list[float] = []
 
         class Made(asyncio.Protocol):
@@ -304,7 +320,8 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
         with socket.create_server(("127.0.0.1", 0)) as listener:
             address = listener.getsockname()
             turns = TakeTurns(running, listener, Made, mine)
-            turns.UNHEEDED_IN_A_ROW = 1  # 16 in a row in the server; one shows the rule here
+            turns.UNHEEDED_IN_A_ROW = 2  # 16 in a row in the server; two show the rule here
+            turns.UNHEEDED_OVER_S = 0.0
             clients = []
             try:
                 clients.append(socket.create_connection(address))
@@ -323,15 +340,30 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
                 await _until(lambda: len(made) == 3)
                 assert turns.deferred == 1
 
-                other.count(0)  # fewer again, but it took nothing last time (dead, say): no waiting
+                other.count(1)  # fewer again, and its count moved: it runs, it is waited for
                 clients.append(socket.create_connection(address))
                 await _until(lambda: len(made) == 4)
-                assert turns.deferred == 1
+                assert turns.deferred == 2
+
+                # it took neither of two in a row, its count still: stopped, say; none waits
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 5)
+                assert turns.deferred == 3
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 6)
+                assert turns.deferred == 3
+
+                other.accepting(False)  # its slot says so: nobody waits, before or after
+                turns._unheeded_until = float("-inf")
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == 7)
+                assert turns.deferred == 3
 
                 turns.stop()
+                assert path.read_bytes()[:2] == bytes([0xFF, 0xFF])
                 clients.append(socket.create_connection(address))  # the kernel completes it
                 await asyncio.sleep(0.05)
-                assert len(made) == 4
+                assert len(made) == 7
             finally:
                 turns.stop()
                 for client in clients:
