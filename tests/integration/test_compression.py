@@ -197,8 +197,9 @@ def test_a_compression_bomb_is_413_and_memory_stays_flat(server: Server, encodin
     peak_mib = (_rss_kib(pid, "VmHWM") - before) / 1024
     assert peak_mib < 64 + 64, peak_mib  # at most the body limit and its buffer's growth
     # What was inflated is handed back by the server's trimmer within a second or so; read at
-    # once, RSS had grown by 84 MiB once in CI (of 64 held, freed, not yet trimmed).
-    deadline = time.monotonic() + 5
+    # once, RSS had grown by 84 MiB once in CI (of 64 held, freed, not yet trimmed). The
+    # trimmer is a thread of another process: a loaded machine may run it late.
+    deadline = time.monotonic() + 20
     while (grown_mib := (_rss_kib(pid) - before) / 1024) >= 64 + 16:
         assert time.monotonic() < deadline, grown_mib  # never the bomb's size, nor kept
         time.sleep(0.1)  # the trimmer's next look

@@ -395,11 +395,9 @@ def test_a_chunk_size_line_past_the_header_limit_is_answered_413(guarded: Server
     as a head is, by TG_MAX_HEADER_BYTES (each line, its CRLF included)."""
     before = refused(guarded)["chunk_line_too_large"]
     with connect(guarded) as sock:
-        started = time.monotonic()
         answer = sent_apart(sock, [chunked(b"%x;ext=" % len(DIGIT)), b"a" * 20_000])
-    assert statuses(answer) == [413], answer[:300]
+    assert statuses(answer) == [413], answer[:300]  # not 408: before the body timeout
     assert b"chunk-size line" in answer and b"exceeds 8192 bytes" in answer
-    assert time.monotonic() - started < 1.5  # before the body timeout
     assert refused(guarded)["chunk_line_too_large"] == before + 1
     line = b"%x;ext=%s\r\n" % (len(DIGIT), b"a" * (8192 - 7 - len(b"%x" % len(DIGIT))))
     assert len(line) == 8192
@@ -414,11 +412,9 @@ def test_a_trailer_line_that_never_ends_is_answered_431(guarded: Server) -> None
     before = refused(guarded)["header_too_large"]
     last = b"%x\r\n%s\r\n0\r\nX-Trailer: " % (len(DIGIT), DIGIT)
     with connect(guarded) as sock:
-        started = time.monotonic()
         answer = sent_apart(sock, [chunked(last), b"a" * 4000, b"a" * 4000, b"a" * 4000])
-    assert statuses(answer) == [431], answer[:300]
+    assert statuses(answer) == [431], answer[:300]  # not 408: before the body timeout
     assert b"trailers exceed 8192 bytes" in answer
-    assert time.monotonic() - started < 1.5  # before the body timeout
     assert refused(guarded)["header_too_large"] == before + 1
 
 

@@ -538,7 +538,7 @@ def test_the_api_token_is_asked_for_in_metadata(tmp_path: Path) -> None:
 def test_sigterm_drains_mixed_grpc_and_rest_load_losing_nothing(tmp_path: Path) -> None:
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
-    env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "20", "TG_ACCESS_LOG": "false"}
+    env = {"TG_DRAIN_PRE_STOP_S": "1.0", "TG_DRAIN_GRACE_S": "60", "TG_ACCESS_LOG": "false"}
     server = Server(root, env=env, log_path=tmp_path / "server.log")
     server.wait_until()
     outcomes: list[tuple[str, str]] = []
@@ -575,7 +575,7 @@ def test_sigterm_drains_mixed_grpc_and_rest_load_losing_nothing(tmp_path: Path) 
             if not note("rest", "ok" if code.status_code == 200 else str(code.status_code)):
                 return
 
-    # An open stream, idle at SIGTERM, must not hold the server for the whole grace (20 s).
+    # An open stream, idle at SIGTERM, must not hold the server for the whole grace (60 s).
     streamed: queue.Queue[tuple[Any, Any]] = queue.Queue()
     streaming = tgrpc.InferenceServerClient(server.grpc_url)
     streaming.start_stream(lambda result, error: streamed.put((result, error)))
@@ -583,24 +583,28 @@ def test_sigterm_drains_mixed_grpc_and_rest_load_losing_nothing(tmp_path: Path) 
     assert streamed.get(timeout=30)[1] is None
     with ThreadPoolExecutor(4) as pool:
         loops = [pool.submit(grpc_loop if i % 2 else rest_loop) for i in range(4)]
-        server.wait_for(lambda: len(outcomes) > 80)
+        server.wait_for(lambda: min(_oks(outcomes, "grpc"), _oks(outcomes, "rest")) > 20)
         ready = tgrpc.InferenceServerClient(server.grpc_url)
+        assert ready.is_server_ready()  # its channel connected: the next answer comes at once
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        server.wait_for(lambda: not ready.is_server_ready(), timeout=5)
+        server.wait_for(lambda: not ready.is_server_ready(), timeout=10)
         for loop in loops:
             loop.result(timeout=60)
     assert server.process.wait(timeout=60) == 0
-    assert time.monotonic() - signalled < 15
+    assert time.monotonic() - signalled < 30
     _, ended = streamed.get(timeout=5)
     assert ended.status() == "StatusCode.UNAVAILABLE" and "shutting down" in str(ended)
     streaming.stop_stream()
     failures = {o for _, o in outcomes if o != "ok"}
     # every accepted call was answered; refusals are UNAVAILABLE / 503 / a closed port only
     assert failures <= {"StatusCode.UNAVAILABLE", "503", "refused"}, failures
-    assert sum(1 for k, o in outcomes if k == "grpc" and o == "ok") > 20
     assert "drained: every accepted request was answered" in server.log()
     server.stop()
+
+
+def _oks(outcomes: list[tuple[str, str]], kind: str) -> int:
+    return sum(1 for k, o in list(outcomes) if k == kind and o == "ok")
 
 
 def _slow_pending(server: Server) -> int:

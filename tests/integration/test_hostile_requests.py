@@ -143,6 +143,7 @@ def test_poll_leaves_a_model_unloaded_through_the_api_and_loads_a_folder_that_co
     copy_model("digits", folder)
     try:
         server.wait_for(lambda: state("kept") == "READY", timeout=60)
+        server.wait_log("poll: model kept reloaded")  # logged just after it is READY
         assert server.client.post("/v2/repository/models/kept/unload", headers=admin).is_success
         reloads = server.log().count("poll: model kept reloaded")  # its first load, by --poll
         config = folder / "config.yaml"

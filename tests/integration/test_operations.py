@@ -281,7 +281,7 @@ def test_sigterm_mid_load_drains_every_accepted_request_and_exits_0(
     root = tmp_path / "models"
     copy_model("digits", root / "digits")
     env = {
-        "TG_DRAIN_PRE_STOP_S": "1.0",
+        "TG_DRAIN_PRE_STOP_S": "2.0",  # the readiness loop sees 503 within it, on a loaded machine too
         "TG_DRAIN_GRACE_S": "20",
         "TG_ACCESS_LOG": "false",
         "TG_WORKERS": workers,
