@@ -1,0 +1,125 @@
+"""What serving a lone image costs: tensorgate against the thinnest server possible (#27).
+
+    .venv/bin/python -m bench.lone [--rounds 6] [--images 300] [--also "one worker:TG_WORKERS=1"]
+
+#27 asks a lone W1 image (a 640×480 JPEG → efficientnet_lite0 → top-5) served at 0.95 × the
+rate of the same pipeline in process. Two servers stay up: tensorgate at its defaults, and
+``bench.bare_server`` (the in-process pipeline behind a blocking socket in one thread: no
+framework, no event loop, no hand-off). Each round measures both, the order alternating, with
+:func:`bench.batching.one_image_pairs` (one image in this process, one served, in turns, on one
+keep-alive connection). The bare server's ratio is the most any server could reach here, the
+rest being the request's way in and the answer's way out; tensorgate's against it is what
+tensorgate itself costs. ``--also "LABEL:NAME=VALUE,..."`` adds a tensorgate with those
+settings (repeatable), measured in the same rounds. Writes bench/results/lone.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.batching import (
+    W1_PATH,
+    in_process,
+    jpeg_640x480,
+    one_image_pairs,
+    served_repository,
+    top5,
+)
+from bench.common import publish, running, serve_tree, spread, table
+from bench.defaults import QUIET
+from service.resources import available_cpus
+from tests.server import REPO_ROOT, free_port
+
+BARE = "bare server (one thread, blocking socket)"
+DEFAULTS = "tensorgate (defaults)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--images", type=int, default=300, help="lone images per side")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="LABEL:NAME=VALUE,...",
+        help="a tensorgate with these settings too",
+    )
+    args = parser.parse_args()
+    cpus = available_cpus()
+    image = jpeg_640x480()
+    configs: dict[str, dict[str, str]] = {DEFAULTS: {}}
+    for also in args.also:
+        label, _, pairs = also.partition(":")
+        configs[label] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
+    ratios: dict[str, list[float]] = {name: [] for name in [*configs, BARE]}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in ratios}
+    over_bare: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        repository = served_repository(Path(tmp))
+        port = free_port()
+        bare = subprocess.Popen(
+            [sys.executable, "-m", "bench.bare_server", str(port)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+        )
+        servers = {
+            **{
+                name: serve_tree(REPO_ROOT, repository, {**QUIET, **settings})
+                for name, settings in configs.items()
+            },
+            BARE: (bare, port),
+        }
+        with running(servers) as urls:
+            ports = {name: int(url.rsplit(":", 1)[1]) for name, url in urls.items()}
+            pipeline, runtime = in_process(cpus)
+            classifier = top5()
+            names = list(ratios)
+            for turn in range(args.rounds):  # the order rotating: the machine drifts
+                served: dict[str, float] = {}
+                shift = turn % len(names)
+                for name in names[shift:] + names[:shift]:
+                    inside, out = one_image_pairs(
+                        image,
+                        pipeline,
+                        runtime,
+                        classifier,
+                        ports[name],
+                        W1_PATH,
+                        args.images // args.rounds,
+                    )
+                    times[name].append((inside, out))
+                    ratios[name].append(inside / out)
+                    served[name] = out
+                over_bare.append(served[BARE] / served[DEFAULTS])
+    rows = [
+        [
+            name,
+            spread([inside for inside, _ in times[name]], "{:.2f}"),
+            spread([out for _, out in times[name]], "{:.2f}"),
+            spread([out - inside for inside, out in times[name]], "{:.2f}"),
+            spread(sorted(ratios[name]), "{:.3f}"),
+        ]
+        for name in ratios
+    ]
+    publish(
+        "lone",
+        f"# A lone W1 image: tensorgate and the thinnest server ({cpus} CPUs), {args.rounds} "
+        f"rounds of {args.images // args.rounds} images a side\n\nmedian (min–max) of the "
+        f"rounds' medians\n\n"
+        + table(
+            rows,
+            ["server", "in process ms", "served ms", "served − in process ms", "in-process rate"],
+        )
+        + "\n\ntensorgate's rate at its defaults / the bare server's, round by round: "
+        + spread(sorted(over_bare), "{:.3f}")
+        + "\n",
+    )
+
+
+if __name__ == "__main__":
+    main()
