@@ -134,14 +134,15 @@ class TakeTurns:
     run's p99 (p99/p50 1.57 against 1.16 with one worker). Here a worker accepts one
     connection a wake-up, and a worker that holds more than another does lets the connection
     wait :data:`DEFER_S` for the other (its own reader off meanwhile: no spinning) before it
-    takes it anyway. A worker starting, loading or dead is waited for by nobody
-    (:data:`NOT_ACCEPTING`), but one stopped (SIGSTOP) or whose loop is blocked still shows its
-    count: when the others took none of :data:`UNHEEDED_IN_A_ROW` such connections in a row,
-    over :data:`UNHEEDED_OVER_S` at least, and no other worker's count moved meanwhile (a count
-    moves only on its worker's loop), the worker lets none wait for :data:`UNHEEDED_S`. A worker
-    merely busy leaves one unheeded now and then, and a loaded machine may not run it for a few
-    of them in a row: stopping at the first, the eighth, or (in CI) 16 in a row within a burst
-    took the even split of bursts away.
+    takes it anyway; where the other took it (its count grew), the next wake-up is a new
+    connection's, and may wait in turn. A worker starting, loading or dead is waited for by
+    nobody (:data:`NOT_ACCEPTING`), but one stopped (SIGSTOP) or whose loop is blocked still
+    shows its count: when the others took none of :data:`UNHEEDED_IN_A_ROW` such connections
+    in a row, over :data:`UNHEEDED_OVER_S` at least, and no other worker's count moved
+    meanwhile (a count moves only on its worker's loop), the worker lets none wait for
+    :data:`UNHEEDED_S`. A worker merely busy leaves one unheeded now and then, and a loaded
+    machine may not run it for a few of them in a row: stopping at the first, the eighth, or
+    (in CI) 16 in a row within a burst took the even split of bursts away.
     The accepted socket goes to the loop (``connect_accepted_socket``) with uvicorn's own
     protocol: nothing else changes.
     """
@@ -180,6 +181,7 @@ class TakeTurns:
         self._unheeded_since = self._unheeded_at = float("-inf")
         self._unheeded_others: list[int] = []
         self._unheeded_until = float("-inf")
+        self._waited_others: list[int] = []
         self._stopped = False
         sock.setblocking(False)
         balance.accepting(True)
@@ -187,16 +189,20 @@ class TakeTurns:
 
     def _readable(self) -> None:
         waited, self._waited = self._waited, False
+        if waited and self._went_elsewhere():
+            # what waited was taken by another worker: this wake-up is a new connection's
+            self._unheeded, self._unheeded_at, waited = 0, float("-inf"), False
         if not waited and self.loop.time() >= self._unheeded_until and self.balance.holds_more():
             self._waited = True  # the next wake-up takes it, whoever holds what
+            self._waited_others = self.balance.others()
             self.deferred += 1
             self._pause(self.DEFER_S)
             return
         try:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            if waited:
-                self._unheeded = 0  # another worker took it
+            if waited:  # another worker took it: the next wait for nothing starts a new run
+                self._unheeded, self._unheeded_at = 0, float("-inf")
             return
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
@@ -212,6 +218,16 @@ class TakeTurns:
         task = self.loop.create_task(self._connect(conn))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
+
+    def _went_elsewhere(self) -> bool:
+        """Whether the connection that waited went to another worker, which counts one at once
+        (taken, it wakes nobody: this wake-up is the next connection's, later), or began or
+        stopped accepting. Only that says so, not the time: a retry that comes late (a busy
+        loop) is still taken, so a connection waits again only while another worker accepts
+        others, however busy this loop."""
+        now = self.balance.others()
+        waited = self._waited_others
+        return len(now) != len(waited) or any(n > w for n, w in zip(now, waited, strict=True))
 
     def _heeded_by_none(self) -> None:
         """A connection waited and no other worker took it: after enough such, none waits."""

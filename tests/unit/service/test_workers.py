@@ -16,6 +16,7 @@ from service.cluster.control import PROBE_ASK_S
 from service.cluster.merge import merge_metrics, merge_statistics
 from service.cluster.supervisor import Worker, listening_socket
 from service.cluster.view import Cluster
+from service.limits.balance import ConnectionBalance, create_balance_file
 from service.resources import cuda_visible, memory_limit_bytes, repository_model_bytes
 from service.settings import Settings, worker_sizing
 
@@ -303,19 +304,11 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
         import socket
         import time
 
-        from service.limits.balance import ConnectionBalance, TakeTurns, create_balance_file
+        from service.limits.balance import TakeTurns
 
-        path = create_balance_file(tmp_path / "connections", 2)
-        mine, other = ConnectionBalance(), ConnectionBalance()
-        mine.attach(path, 0)
-        other.attach(path, 1)
-        other.accepting(True)
+        path, mine, other = _two_workers(tmp_path)
         made: list[float] = []
-
-        class Made(asyncio.Protocol):
-            def connection_made(self, transport: asyncio.BaseTransport) -> None:
-                made.append(time.monotonic())
-
+        Made = _noting(made)
         running = asyncio.get_running_loop()
         with socket.create_server(("127.0.0.1", 0)) as listener:
             address = listener.getsockname()
@@ -377,6 +370,81 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
         import asyncio
 
         asyncio.run(take_turns())
+
+
+def test_a_connection_another_worker_takes_starts_the_run_of_waits_for_nothing_anew(
+    tmp_path: Path,
+) -> None:
+    """A connection that waited and went to another worker (its count grew) ends the run of
+    waits for nothing, its length and its start alike, and the next wake-up is a new
+    connection's, which waits in turn: it was taken at once as the retry of the one gone and
+    counted as a wait for nothing (with the run's start kept, two such right after one taken,
+    long after the run began, stopped the waiting)."""
+
+    async def take_turns() -> None:
+        import asyncio
+        import socket
+
+        from service.limits.balance import TakeTurns
+
+        _, mine, other = _two_workers(tmp_path)
+        made: list[float] = []
+        Made = _noting(made)
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            address = listener.getsockname()
+            turns = TakeTurns(asyncio.get_running_loop(), listener, Made, mine)
+            turns.DEFER_S = 0.05  # time for this test to take one as another worker would
+            turns.UNHEEDED_IN_A_ROW, turns.UNHEEDED_OVER_S, turns.UNHEEDED_WITHIN_S = 2, 0.3, 10
+            clients, taken = [], []
+
+            async def connect(made_count: int) -> None:
+                clients.append(socket.create_connection(address))
+                await _until(lambda: len(made) == made_count)
+
+            try:
+                await connect(1)  # holding none: taken at once
+                await connect(2)  # waited for nothing: a run begins
+                assert turns.deferred == 1
+                await asyncio.sleep(0.35)  # past UNHEEDED_OVER_S from the run's start
+                clients.append(socket.create_connection(address))
+                await _until(lambda: turns.deferred == 2)
+                taken.append(listener.accept()[0])  # another worker took it, and counts it
+                other.count(1)
+                await asyncio.sleep(0.1)
+                await connect(3)  # waited for nothing: a new run
+                await connect(4)  # the second in a row, but not over 0.3 s: still waited
+                await connect(5)
+                assert turns.deferred == 5
+            finally:
+                turns.stop()
+                for sock in clients + taken:
+                    sock.close()
+
+    import asyncio
+
+    asyncio.run(take_turns())
+
+
+def _two_workers(tmp_path: Path) -> tuple[Path, ConnectionBalance, ConnectionBalance]:
+    """The shared file, this worker's ConnectionBalance and another's, the other accepting."""
+    path = create_balance_file(tmp_path / "connections", 2)
+    mine, other = ConnectionBalance(), ConnectionBalance()
+    mine.attach(path, 0)
+    other.attach(path, 1)
+    other.accepting(True)
+    return path, mine, other
+
+
+def _noting(made: list[float]) -> Any:
+    """A protocol class that notes in ``made`` when each of its connections is made."""
+    import asyncio
+    import time
+
+    class Made(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            made.append(time.monotonic())
+
+    return Made
 
 
 async def _until(done: Any, timeout_s: float = 5.0) -> None:
