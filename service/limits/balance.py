@@ -9,9 +9,10 @@ requests a second, and a request on the worker with 15 connections waited 15 tim
 p50 185 ms there against 12 ms on the other, and the server's p99/p50 was the imbalance.
 
 Each worker writes how many connections it holds into its slot of a file the supervisor
-creates (one ``uint16`` per worker), or :data:`NOT_ACCEPTING` while it takes none
-(starting, loading its models, stopped; the supervisor writes it for a worker that died),
-so that nobody waits for it or counts it in the even share. Two rules read the counts.
+creates (one ``uint16`` per worker), or :data:`NOT_ACCEPTING` while it takes none (not
+listening yet, which a replacement does only once its models are ready; done accepting; the
+supervisor writes it for a worker that died), so that nobody waits for it or counts it in the
+even share. Two rules read the counts.
 When accepting (:class:`TakeTurns`), a worker takes one connection a wake-up and lets a new
 one wait briefly for a worker holding fewer, so a burst splits evenly as it arrives. After
 a response, a worker holding more than its even share of all of them answers with
@@ -88,6 +89,23 @@ class ConnectionBalance:
         """Whether this worker holds more connections than another accepting worker does."""
         return any(n < self.mine for n in self.others())
 
+    def fewer(self) -> dict[int, int]:
+        """The accepting workers that hold fewer connections than this one: index → count."""
+        counts = self._counts
+        if counts is None:
+            return {}
+        mine, index = self.mine, self._index
+        return {
+            i: n
+            for i, n in enumerate(counts.tolist())
+            if i != index and n != NOT_ACCEPTING and n < mine
+        }
+
+    def now(self, workers: dict[int, int]) -> dict[int, int]:
+        """What ``workers`` (indices) hold now (:data:`NOT_ACCEPTING` for one that stopped)."""
+        counts = self._counts
+        return {} if counts is None else {i: counts[i] for i in workers}
+
     def over_share(self) -> bool:
         """Whether this worker should let one connection go after its response now: it holds
         more than its even share (the total over the workers, rounded up), and it let none go
@@ -133,16 +151,17 @@ class TakeTurns:
     long again until :class:`ConnectionBalance` had let enough go, and that second was the
     run's p99 (p99/p50 1.57 against 1.16 with one worker). Here a worker accepts one
     connection a wake-up, and a worker that holds more than another does lets the connection
-    wait :data:`DEFER_S` for the other (its own reader off meanwhile: no spinning) before it
-    takes it anyway; where the other took it (its count grew), the next wake-up is a new
-    connection's, and may wait in turn. A worker starting, loading or dead is waited for by
-    nobody (:data:`NOT_ACCEPTING`), but one stopped (SIGSTOP) or whose loop is blocked still
-    shows its count: when the others took none of :data:`UNHEEDED_IN_A_ROW` such connections
-    in a row, over :data:`UNHEEDED_OVER_S` at least, and no other worker's count moved
-    meanwhile (a count moves only on its worker's loop), the worker lets none wait for
-    :data:`UNHEEDED_S`. A worker merely busy leaves one unheeded now and then, and a loaded
-    machine may not run it for a few of them in a row: stopping at the first, the eighth, or
-    (in CI) 16 in a row within a burst took the even split of bursts away.
+    wait :data:`DEFER_S` for the other (its own reader off meanwhile: no spinning), and when
+    the wait ends it takes the connection, or finds another worker took it. A worker not
+    listening or dead is waited for by nobody (:data:`NOT_ACCEPTING`), but one stopped
+    (SIGSTOP) or whose loop is blocked still shows its count: when the workers waited for took
+    none of :data:`UNHEEDED_IN_A_ROW` such connections in a row, over :data:`UNHEEDED_OVER_S`
+    at least, and none of their counts moved meanwhile (a count moves only on its worker's
+    loop; the others' say nothing of these), the worker lets none wait for :data:`UNHEEDED_S`,
+    and once more at the first such wait after. A worker merely busy leaves one unheeded now
+    and then, and a loaded machine may not run it for a few of them in a row: stopping at the
+    first, the eighth, or (in CI) 16 in a row within a burst took the even split of bursts
+    away.
     The accepted socket goes to the loop (``connect_accepted_socket``) with uvicorn's own
     protocol: nothing else changes.
     """
@@ -179,9 +198,13 @@ class TakeTurns:
         self._waited = False
         self._unheeded = 0
         self._unheeded_since = self._unheeded_at = float("-inf")
-        self._unheeded_others: list[int] = []
         self._unheeded_until = float("-inf")
-        self._waited_others: list[int] = []
+        self._waited_for: dict[int, int] = {}
+        """The workers the connection waiting now waits for, and what they held then."""
+        self._run_for: dict[int, int] = {}
+        """The same, when the run of waits for nothing began."""
+        self._ignored: dict[int, int] = {}
+        """The same, when none waited last."""
         self._stopped = False
         sock.setblocking(False)
         balance.accepting(True)
@@ -189,19 +212,17 @@ class TakeTurns:
 
     def _readable(self) -> None:
         waited, self._waited = self._waited, False
-        if waited and self._went_elsewhere():
-            # what waited was taken by another worker: this wake-up is a new connection's
-            self._unheeded, self._unheeded_at, waited = 0, float("-inf"), False
         if not waited and self.loop.time() >= self._unheeded_until and self.balance.holds_more():
-            self._waited = True  # the next wake-up takes it, whoever holds what
-            self._waited_others = self.balance.others()
+            self._waited = True  # taken when the wait ends (_resume), whoever holds what
+            self._waited_for = self.balance.fewer()
             self.deferred += 1
             self._pause(self.DEFER_S)
             return
         try:
             conn, _ = self.sock.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            if waited:  # another worker took it: the next wait for nothing starts a new run
+            if waited and self.balance.now(self._run_for) != self._run_for:
+                # taken by a worker waited for, which so accepts: a run begins anew
                 self._unheeded, self._unheeded_at = 0, float("-inf")
             return
         except OSError as exc:
@@ -219,28 +240,33 @@ class TakeTurns:
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
 
-    def _went_elsewhere(self) -> bool:
-        """Whether the connection that waited went to another worker, which counts one at once
-        (taken, it wakes nobody: this wake-up is the next connection's, later), or began or
-        stopped accepting. Only that says so, not the time: a retry that comes late (a busy
-        loop) is still taken, so a connection waits again only while another worker accepts
-        others, however busy this loop."""
-        now = self.balance.others()
-        waited = self._waited_others
-        return len(now) != len(waited) or any(n > w for n, w in zip(now, waited, strict=True))
-
     def _heeded_by_none(self) -> None:
-        """A connection waited and no other worker took it: after enough such, none waits."""
-        now, others = self.loop.time(), self.balance.others()
-        if now - self._unheeded_at > self.UNHEEDED_WITHIN_S or others != self._unheeded_others:
-            self._unheeded, self._unheeded_since, self._unheeded_others = 0, now, others
+        """A connection waited and no other worker took it: after enough such, none waits. A
+        run of them is of waits for the same workers, none of whose counts moved (a count moves
+        only on its worker's loop; the others' moving says nothing of these). Within
+        :data:`UNHEEDED_S` of the end of a time none waited, a wait for the same workers, their
+        counts unmoved, lets none wait again at once (a stopped worker costs one wait a period,
+        not a run of them)."""
+        now, waited_for = self.loop.time(), self._waited_for
+        if (
+            waited_for
+            and waited_for == self._ignored
+            and now - self._unheeded_until < self.UNHEEDED_S
+        ):  # still as when none waited last, and not long after
+            self._unheeded_until = now + self.UNHEEDED_S
+            return
+        if now - self._unheeded_at > self.UNHEEDED_WITHIN_S or (
+            not self._run_for or self.balance.now(self._run_for) != self._run_for
+        ):
+            self._unheeded, self._unheeded_since, self._run_for = 0, now, dict(waited_for)
         self._unheeded_at = now
         self._unheeded += 1
         if (
             self._unheeded >= self.UNHEEDED_IN_A_ROW
             and now - self._unheeded_since >= self.UNHEEDED_OVER_S
-        ):  # the others are not accepting
-            self._unheeded = 0
+        ):  # the workers waited for are not accepting
+            self._unheeded, self._run_for = 0, {}
+            self._ignored = dict(waited_for)
             self._unheeded_until = now + self.UNHEEDED_S
 
     async def _connect(self, conn: socket.socket) -> None:
@@ -257,6 +283,8 @@ class TakeTurns:
     def _resume(self) -> None:
         if not self._stopped:
             self.loop.add_reader(self._fd, self._readable)
+            if self._waited:  # the connection that waited: taken now, or gone to another worker
+                self._readable()
 
     def stop(self) -> None:
         """Accept no more (the caller closes the socket)."""

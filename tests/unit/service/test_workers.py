@@ -261,7 +261,7 @@ def test_a_worker_lets_a_connection_go_only_past_its_share_and_not_too_often(
     crowded.attach(path, 0)
     other.attach(path, 1)
     crowded.count(12)
-    assert path.read_bytes() == bytes([0xFF] * 4)  # neither accepts yet (starting, loading)
+    assert path.read_bytes() == bytes([0xFF] * 4)  # neither accepts yet (not listening)
     assert not crowded.over_share()
     crowded.accepting(True)
     other.accepting(True)
@@ -314,7 +314,7 @@ def test_a_worker_holding_more_lets_a_new_connection_wait_for_another_then_takes
             address = listener.getsockname()
             turns = TakeTurns(running, listener, Made, mine)
             turns.UNHEEDED_IN_A_ROW = 2  # 16 in a row in the server; two show the rule here
-            turns.UNHEEDED_OVER_S = 0.0
+            turns.UNHEEDED_OVER_S, turns.UNHEEDED_WITHIN_S, turns.UNHEEDED_S = 0.0, 10, 60
             clients = []
             try:
                 clients.append(socket.create_connection(address))
@@ -394,7 +394,7 @@ def test_a_connection_another_worker_takes_starts_the_run_of_waits_for_nothing_a
             address = listener.getsockname()
             turns = TakeTurns(asyncio.get_running_loop(), listener, Made, mine)
             turns.DEFER_S = 0.05  # time for this test to take one as another worker would
-            turns.UNHEEDED_IN_A_ROW, turns.UNHEEDED_OVER_S, turns.UNHEEDED_WITHIN_S = 2, 0.3, 10
+            turns.UNHEEDED_IN_A_ROW, turns.UNHEEDED_OVER_S, turns.UNHEEDED_WITHIN_S = 2, 1.0, 10
             clients, taken = [], []
 
             async def connect(made_count: int) -> None:
@@ -405,20 +405,71 @@ def test_a_connection_another_worker_takes_starts_the_run_of_waits_for_nothing_a
                 await connect(1)  # holding none: taken at once
                 await connect(2)  # waited for nothing: a run begins
                 assert turns.deferred == 1
-                await asyncio.sleep(0.35)  # past UNHEEDED_OVER_S from the run's start
+                await asyncio.sleep(1.05)  # past UNHEEDED_OVER_S from the run's start
                 clients.append(socket.create_connection(address))
                 await _until(lambda: turns.deferred == 2)
                 taken.append(listener.accept()[0])  # another worker took it, and counts it
                 other.count(1)
                 await asyncio.sleep(0.1)
                 await connect(3)  # waited for nothing: a new run
-                await connect(4)  # the second in a row, but not over 0.3 s: still waited
+                await connect(4)  # the second in a row, but not over 1 s: still waited
                 await connect(5)
                 assert turns.deferred == 5
             finally:
                 turns.stop()
                 for sock in clients + taken:
                     sock.close()
+
+    import asyncio
+
+    asyncio.run(take_turns())
+
+
+def test_a_stopped_worker_is_waited_for_no_longer_whatever_the_other_workers_do(
+    tmp_path: Path,
+) -> None:
+    """Three workers, one stopped (its count never moves) and one serving (its count moving,
+    holding more): the waits for the stopped one run on to UNHEEDED_IN_A_ROW (the serving
+    one's moves ended the run, so none ever did: every new connection waited 2 ms until the
+    supervisor killed the stopped one), and after UNHEEDED_S the first wait for it, unmoved,
+    lets none wait again at once."""
+
+    async def take_turns() -> None:
+        import asyncio
+        import socket
+
+        from service.limits.balance import TakeTurns
+
+        path = create_balance_file(tmp_path / "connections", 3)
+        mine, serving, stopped = ConnectionBalance(), ConnectionBalance(), ConnectionBalance()
+        for index, balance in enumerate((mine, serving, stopped)):
+            balance.attach(path, index)
+        serving.accepting(True)
+        stopped.accepting(True)  # holding none, taking none
+        made: list[float] = []
+        running = asyncio.get_running_loop()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            address = listener.getsockname()
+            turns = TakeTurns(running, listener, _noting(made), mine)
+            turns.UNHEEDED_IN_A_ROW, turns.UNHEEDED_OVER_S, turns.UNHEEDED_WITHIN_S = 3, 0.0, 10
+            turns.UNHEEDED_S = 60
+            clients = []
+            try:
+                for count in range(1, 6):
+                    serving.count(50 + count)  # it serves on: its count moves
+                    clients.append(socket.create_connection(address))
+                    await _until(lambda: len(made) == len(clients))
+                # the first taken at once, three waited for nothing; the fifth not waited
+                assert turns.deferred == 3
+                turns._unheeded_until = running.time()  # the time none waits is over
+                for _ in range(2):
+                    clients.append(socket.create_connection(address))
+                    await _until(lambda: len(made) == len(clients))
+                assert turns.deferred == 4  # one wait, then none again
+            finally:
+                turns.stop()
+                for client in clients:
+                    client.close()
 
     import asyncio
 
