@@ -56,9 +56,7 @@ def main() -> None:
     for also in args.also:
         label, _, pairs = also.partition(":")
         configs[label] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
-    ratios: dict[str, list[float]] = {name: [] for name in [*configs, BARE]}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in ratios}
-    over_bare: list[float] = []
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*configs, BARE]}
     with tempfile.TemporaryDirectory() as tmp:
         repository = served_repository(Path(tmp))
         port = free_port()
@@ -78,9 +76,8 @@ def main() -> None:
             ports = {name: int(url.rsplit(":", 1)[1]) for name, url in urls.items()}
             pipeline, runtime = in_process(cpus)
             classifier = top5()
-            names = list(ratios)
+            names = list(times)
             for turn in range(args.rounds):  # the order rotating: the machine drifts
-                served: dict[str, float] = {}
                 shift = turn % len(names)
                 for name in names[shift:] + names[:shift]:
                     inside, out = one_image_pairs(
@@ -93,18 +90,18 @@ def main() -> None:
                         args.images // args.rounds,
                     )
                     times[name].append((inside, out))
-                    ratios[name].append(inside / out)
-                    served[name] = out
-                over_bare.append(served[BARE] / served[DEFAULTS])
     rows = [
         [
             name,
             spread([inside for inside, _ in times[name]], "{:.2f}"),
             spread([out for _, out in times[name]], "{:.2f}"),
             spread([out - inside for inside, out in times[name]], "{:.2f}"),
-            spread(sorted(ratios[name]), "{:.3f}"),
+            spread([inside / out for inside, out in times[name]], "{:.3f}"),
         ]
-        for name in ratios
+        for name in times
+    ]
+    over_bare = [
+        bare / served for (_, bare), (_, served) in zip(times[BARE], times[DEFAULTS], strict=True)
     ]
     publish(
         "lone",
@@ -116,7 +113,7 @@ def main() -> None:
             ["server", "in process ms", "served ms", "served − in process ms", "in-process rate"],
         )
         + "\n\ntensorgate's rate at its defaults / the bare server's, round by round: "
-        + spread(sorted(over_bare), "{:.3f}")
+        + spread(over_bare, "{:.3f}")
         + "\n",
     )
 

@@ -87,7 +87,7 @@ class ConnectionBalance:
 
     def holds_more(self) -> bool:
         """Whether this worker holds more connections than another accepting worker does."""
-        return any(n < self.mine for n in self.others())
+        return bool(self.fewer())
 
     def fewer(self) -> dict[int, int]:
         """The accepting workers that hold fewer connections than this one: index → count."""
@@ -212,9 +212,13 @@ class TakeTurns:
 
     def _readable(self) -> None:
         waited, self._waited = self._waited, False
-        if not waited and self.loop.time() >= self._unheeded_until and self.balance.holds_more():
+        if (
+            not waited
+            and self.loop.time() >= self._unheeded_until
+            and (fewer := self.balance.fewer())
+        ):
             self._waited = True  # taken when the wait ends (_resume), whoever holds what
-            self._waited_for = self.balance.fewer()
+            self._waited_for = fewer
             self.deferred += 1
             self._pause(self.DEFER_S)
             return
@@ -258,7 +262,7 @@ class TakeTurns:
         if now - self._unheeded_at > self.UNHEEDED_WITHIN_S or (
             not self._run_for or self.balance.now(self._run_for) != self._run_for
         ):
-            self._unheeded, self._unheeded_since, self._run_for = 0, now, dict(waited_for)
+            self._unheeded, self._unheeded_since, self._run_for = 0, now, waited_for
         self._unheeded_at = now
         self._unheeded += 1
         if (
@@ -266,7 +270,7 @@ class TakeTurns:
             and now - self._unheeded_since >= self.UNHEEDED_OVER_S
         ):  # the workers waited for are not accepting
             self._unheeded, self._run_for = 0, {}
-            self._ignored = dict(waited_for)
+            self._ignored = waited_for
             self._unheeded_until = now + self.UNHEEDED_S
 
     async def _connect(self, conn: socket.socket) -> None:

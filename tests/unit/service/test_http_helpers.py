@@ -149,8 +149,11 @@ def test_refused_tokens_are_logged_with_the_caller_at_most_once_a_while(
     now = [100.0]
     monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(auth, "REFUSALS", auth.Refusals(every_s=10))
+
+    def grpc_peer() -> str:  # gRPC's context.peer: asked only once a token is refused
+        return "ipv4:10.0.0.9:5002"
+
     with caplog.at_level("WARNING", logger="tensorgate.auth"):
-        grpc_peer = lambda: "ipv4:10.0.0.9:5002"  # noqa: E731 - gRPC's context.peer, asked late
         for peer in (("10.0.0.7", 5000), ("10.0.0.8", 5001), grpc_peer):
             with pytest.raises(Unauthorized):
                 check_authorization("Bearer guess", "right", "admin", peer)
