@@ -1,6 +1,7 @@
 """What serving a lone image costs: tensorgate against the thinnest server possible (#27).
 
     .venv/bin/python -m bench.lone [--rounds 6] [--images 300] [--also "one worker:TG_WORKERS=1"]
+                                   [--old REV]
 
 #27 asks a lone W1 image (a 640×480 JPEG → efficientnet_lite0 → top-5) served at 0.95 × the
 rate of the same pipeline in process. Two servers stay up: tensorgate at its defaults, and
@@ -10,12 +11,15 @@ framework, no event loop, no hand-off). Each round measures both, the order alte
 keep-alive connection). The bare server's ratio is the most any server could reach here, the
 rest being the request's way in and the answer's way out; tensorgate's against it is what
 tensorgate itself costs. ``--also "LABEL:NAME=VALUE,..."`` adds a tensorgate with those
-settings (repeatable), measured in the same rounds. Writes bench/results/lone.md.
+settings (repeatable), measured in the same rounds; ``--old REV`` adds tensorgate at its
+defaults as of that git revision (a worktree), the old side of a change. Writes
+bench/results/lone.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -29,7 +33,7 @@ from bench.batching import (
     served_repository,
     top5,
 )
-from bench.common import publish, running, serve_tree, spread, table
+from bench.common import publish, running, serve_tree, spread, table, worktree
 from bench.defaults import QUIET
 from service.resources import available_cpus
 from tests.server import REPO_ROOT, free_port
@@ -49,6 +53,7 @@ def main() -> None:
         metavar="LABEL:NAME=VALUE,...",
         help="a tensorgate with these settings too",
     )
+    parser.add_argument("--old", help="a git revision: tensorgate at its defaults as of it, too")
     args = parser.parse_args()
     cpus = available_cpus()
     image = jpeg_640x480()
@@ -56,8 +61,15 @@ def main() -> None:
     for also in args.also:
         label, _, pairs = also.partition(":")
         configs[label] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*configs, BARE]}
-    with tempfile.TemporaryDirectory() as tmp:
+    old = f"tensorgate at {args.old} (defaults)"
+    trees = {name: REPO_ROOT for name in configs}
+    times: dict[str, list[tuple[float, float]]] = {
+        name: [] for name in [*configs, *([old] if args.old else []), BARE]
+    }
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        if args.old:
+            trees[old] = stack.enter_context(worktree(args.old, Path(tmp) / "old"))
+            configs[old] = {}
         repository = served_repository(Path(tmp))
         port = free_port()
         bare = subprocess.Popen(
@@ -67,7 +79,7 @@ def main() -> None:
         )
         servers = {
             **{
-                name: serve_tree(REPO_ROOT, repository, {**QUIET, **settings})
+                name: serve_tree(trees[name], repository, {**QUIET, **settings})
                 for name, settings in configs.items()
             },
             BARE: (bare, port),
@@ -103,6 +115,12 @@ def main() -> None:
     over_bare = [
         bare / served for (_, bare), (_, served) in zip(times[BARE], times[DEFAULTS], strict=True)
     ]
+    over_old = ""
+    if args.old:
+        ratios = [o / n for (_, o), (_, n) in zip(times[old], times[DEFAULTS], strict=True)]
+        over_old = f"\ntensorgate's rate over its rate at {args.old}, round by round: " + spread(
+            ratios, "{:.3f}"
+        )
     publish(
         "lone",
         f"# A lone W1 image: tensorgate and the thinnest server ({cpus} CPUs), {args.rounds} "
@@ -114,6 +132,7 @@ def main() -> None:
         )
         + "\n\ntensorgate's rate at its defaults / the bare server's, round by round: "
         + spread(over_bare, "{:.3f}")
+        + over_old
         + "\n",
     )
 

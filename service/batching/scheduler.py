@@ -35,7 +35,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -57,6 +58,9 @@ Batch = dict[str, np.ndarray]
 Work = Batch | Callable[[], Batch]
 """A request's inputs, or a function that makes them on the instance's thread."""
 ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+Answers = Callable[[], None]
+"""What answers the requests of a batch that ran, each with its part of the outputs."""
+T = TypeVar("T")
 ALONE: ShapeKey = (("", "unprepared", ()),)
 """The key of an unprepared request: no other request shares it, so it is batched alone."""
 
@@ -582,11 +586,10 @@ class Scheduler:
             shape = (items[0].key, rows.bit_length())
             expected = self._run_times.expected_ns(shape)
             inline = expected is not None and expected <= config.inline_run_ns
-        try:
-            if inline:
-                ran = work()
-            else:
-                ran = await asyncio.get_running_loop().run_in_executor(instance.executor, work)
+
+        def settle(ran: tuple[dict[str, np.ndarray], float, int, int, float, int]) -> Answers:
+            """The batch's outputs cut into each request's (raising a model's error), and what
+            answers them."""
             outputs, started, infer_ns, prepared_ns, begun, thread_ns = ran
             if self.budget is not None:
                 self.budget.hold_while_alive(outputs.values())
@@ -594,29 +597,86 @@ class Scheduler:
                 self._run_times.record(shape, infer_ns, thread_ns, config.inline_run_ns)
             if padded:
                 outputs = {name: array[:rows] for name, array in outputs.items()}
-            if self.config.max_batch_size == 0:  # no batch dimension: one request, whole
+            if config.max_batch_size == 0:  # no batch dimension: one request, whole
                 parts = [dict(outputs)]
             else:
                 parts = split(outputs, [p.rows for p in items], self.model)
+            index = instance.index
+            device = self.devices[index] if index < len(self.devices) else ""
+            run = BatchRun(
+                self.model, index, device, rows, len(items), begun, prepared_ns, started, infer_ns
+            )
+            return partial(self._answer, items, parts, run)
+
+        try:
+            if inline:
+                settle(work())()
+            else:
+                await self._on_thread(instance, work, settle)
         except _PreparationFailed as failed:
             _fail(items, failed.error)
-            return
         except TensorgateError as exc:
             _fail(items, exc)
-            return
         except Exception as exc:
             if is_out_of_memory(exc):
                 await self._after_oom(instance, items)
-                return
-            if failures is not None:
+            elif failures is not None:
                 failures.extend((p, exc) for p in items)
-                return
-            if len(items) > 1:
+            elif len(items) > 1:
                 await self._isolate(instance, items, exc)
+            else:
+                _fail(items, await self._judge(instance, exc))
+
+    async def _on_thread(
+        self,
+        instance: Instance,
+        work: Callable[[], T],
+        settle: Callable[[T], Answers],
+    ) -> None:
+        """``work()`` on the instance's thread, its result settled on the loop in the very
+        callback that wakes the loop: the requests' tasks are ready one turn of the loop sooner
+        than through an awaited future (``run_in_executor``), where this worker resumed first and
+        answered them in its own turn. With nothing queued they also run before this worker
+        looks for the next batch (a lone request waited for that: 30 µs, docs/performance.md);
+        with requests queued this worker goes first, handing the instance its next batch before
+        any answer is written. An error, of ``work`` or of ``settle``, is raised here."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finished(value: T | None, error: BaseException | None) -> None:
+            answers = None
+            if error is None:
+                try:
+                    answers = settle(value)  # type: ignore[arg-type]  # set when no error
+                except BaseException as exc:
+                    error = exc
+            if error is not None:
+                if not done.done():
+                    done.set_exception(error)
                 return
-            _fail(items, await self._judge(instance, exc))
-            return
-        self.stats.record_execution(rows, infer_ns)
+            assert answers is not None
+            if not self.queue:
+                answers()
+            if not done.done():  # else this worker was cancelled (stop): its answers still go
+                done.set_result(None)
+            if self.queue:
+                answers()
+
+        def on_thread() -> None:
+            value, error = None, None
+            try:
+                value = work()
+            except BaseException as exc:  # every error goes to the worker, as an executor's would
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(finished, value, error)
+
+        instance.executor.submit(on_thread)
+        await done
+
+    def _answer(self, items: list[Pending], parts: list[Batch], run: BatchRun) -> None:
+        """Answer each request of a batch that ran (``run``) with its part of the outputs."""
+        self.stats.record_execution(run.rows, run.infer_ns)
         traced: list[tuple[BatchTrace, float, bool]] = []
         for p, part in zip(items, parts, strict=True):
             if p.future.done():
@@ -624,19 +684,14 @@ class Scheduler:
             timing = p.timing
             if timing is not None:
                 if callable(p.work):  # made on the instance: no queue, no hand-off
-                    timing.compute_input_ns = prepared_ns - timing.started_ns
+                    timing.compute_input_ns = run.prepared_ns - timing.started_ns
                 else:  # the request's wait: until its last chunk started (chunks overlap)
-                    timing.queue_ns = max(timing.queue_ns, int((started - p.enqueued) * 1e9))
-                timing.compute_infer_ns += infer_ns
+                    timing.queue_ns = max(timing.queue_ns, int((run.started - p.enqueued) * 1e9))
+                timing.compute_infer_ns += run.infer_ns
                 if timing.trace is not None:
                     traced.append((timing.trace, p.enqueued, callable(p.work)))
             p.future.set_result(part)  # its task resumes after this returns: traced by then
         if traced:
-            index = instance.index
-            device = self.devices[index] if index < len(self.devices) else ""
-            run = BatchRun(
-                self.model, index, device, rows, len(items), begun, prepared_ns, started, infer_ns
-            )
             traced[0][0].batch_ran(run, traced)
 
     def _check_warmed(self, batch: Batch, items: list[Pending]) -> None:

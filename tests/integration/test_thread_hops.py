@@ -4,8 +4,10 @@ and hands the answer back. Counted at the event loop, for a small and a large JP
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -37,27 +39,32 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcess]:
 
 
 @pytest.mark.parametrize("size", [(96, 64), (512, 512)])
-def test_a_lone_image_request_crosses_threads_once(app: InProcess, size: tuple[int, int]) -> None:
+def test_a_lone_image_request_crosses_threads_once(
+    app: InProcess, size: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = jpeg(size, quality=95)
     assert size == (96, 64) or len(body) > 64 * 1024  # a large body too: offload is by work
     hops: list[Any] = []
     loop = app.loop
-    original = loop.run_in_executor
+    submit = ThreadPoolExecutor.submit
 
-    def counting(executor: Any, fn: Any, *args: Any) -> Any:
-        hops.append(getattr(fn, "__qualname__", repr(fn)))
-        return original(executor, fn, *args)
+    def counting(executor: ThreadPoolExecutor, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:  # a thread with no loop (the instance's, handing half a resize on)
+            here = None
+        if here is loop:  # the loop's own hand-offs: run_in_executor's and the scheduler's
+            hops.append(getattr(fn, "__qualname__", repr(fn)))
+        return submit(executor, fn, *args, **kwargs)
 
-    loop.run_in_executor = counting  # type: ignore[method-assign]  # the loop's own hand-offs, counted
-    try:
-        reply = app.request(
-            app.serving,
-            "POST",
-            "/v1/models/efficientnet_lite0:predict",
-            body,
-            [("content-type", "image/jpeg")],
-        )
-    finally:
-        del loop.run_in_executor  # the class's method again
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", counting)
+    reply = app.request(
+        app.serving,
+        "POST",
+        "/v1/models/efficientnet_lite0:predict",
+        body,
+        [("content-type", "image/jpeg")],
+    )
+    monkeypatch.undo()
     assert reply.status == 200, reply.body
     assert len(hops) == 1, hops  # the instance thread's: preprocessing and the model together

@@ -580,6 +580,64 @@ async def test_an_unprepared_request_is_prepared_and_run_on_the_instance_thread(
     await s.stop()
 
 
+def _planning(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
+    """Each time a worker looks for its next batch, ``"plan"`` in ``events``."""
+    import service.batching.scheduler as module
+
+    def recorded(*args: object, **kwargs: object) -> Plan:
+        events.append("plan")
+        return plan(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "plan", recorded)
+
+
+async def test_a_lone_request_is_answered_before_its_worker_looks_for_the_next_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch's end wakes the loop with its answers settled: the request's task runs first
+    (through an awaited future, the worker resumed first and looked for its next batch, 30 µs of
+    a lone image's way back, before answering it; docs/performance.md)."""
+    events: list[str] = []
+    _planning(monkeypatch, events)
+    s = scheduler(doubling([]))
+    s.start()
+    await asyncio.sleep(0)  # the worker looks once and waits for an arrival
+    events.clear()
+    answer = await s.submit(lambda: {"x": np.ones((1, 2), np.float32)}, None, None)
+    events.append("answered")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    np.testing.assert_array_equal(answer["y"], np.full((1, 2), 2.0))
+    assert events == ["plan", "answered", "plan"]
+    await s.stop()
+
+
+async def test_with_requests_queued_the_next_batch_starts_before_the_answers_are_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under load the instance is not kept waiting while a batch's requests write answers: the
+    worker takes the next batch first."""
+    release, run = _blocking()
+    events: list[str] = []
+    _planning(monkeypatch, events)
+    s = scheduler(run, max_batch_size=1)
+    s.start()
+
+    async def request(name: str) -> None:
+        await s.submit({"x": np.zeros((1, 1))}, None, None)
+        events.append(name)
+
+    first = asyncio.ensure_future(request("first answered"))
+    await busy(s)
+    second = asyncio.ensure_future(request("second answered"))
+    await asyncio.sleep(0)
+    events.clear()
+    release.set()
+    await asyncio.gather(first, second)
+    assert events[:2] == ["plan", "first answered"]  # the second's batch was taken first
+    await s.stop()
+
+
 async def test_an_unprepared_request_is_batched_alone_and_others_batch_on() -> None:
     release, run = _blocking()
     sizes: list[int] = []
