@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -65,8 +65,9 @@ class InProcess:
         body: bytes = b"",
         headers: list[tuple[str, str]] | None = None,
         disconnect: bool = False,
+        on_send: Callable[[Message], None] | None = None,
     ) -> Reply:
-        return self.run(call(app, method, path, body, headers or [], disconnect))
+        return self.run(call(app, method, path, body, headers or [], disconnect, on_send))
 
     def close(self) -> None:
         self.run(self._lifespan.__aexit__(None, None, None))
@@ -81,9 +82,10 @@ async def call(
     body: bytes,
     headers: list[tuple[str, str]],
     disconnect: bool,
+    on_send: Callable[[Message], None] | None = None,
 ) -> Reply:
     """One request straight to ``app``; with ``disconnect`` the client leaves once it has sent
-    the body."""
+    the body; ``on_send`` is called with each message the app sends, as it sends it."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -112,6 +114,8 @@ async def call(
 
     async def send(message: Message) -> None:
         sent.append(message)
+        if on_send is not None:
+            on_send(message)
 
     await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")

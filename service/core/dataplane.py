@@ -64,7 +64,7 @@ from service.repository.models import ModelRepository, ModelState
 from service.repository.serving import ServedVersion
 from service.settings import Settings
 from service.telemetry.counters import request_held
-from service.telemetry.observation import Drain, Observer
+from service.telemetry.observation import After, Drain, Observer
 from service.telemetry.tracing import RequestTrace
 
 T = TypeVar("T")
@@ -174,12 +174,16 @@ class DataPlane:
 
     # -- inference --------------------------------------------------------------------------------
 
-    def call(self, protocol: str, model: str, version: str | None) -> Call:
+    def call(
+        self, protocol: str, model: str, version: str | None, after: After | None = None
+    ) -> Call:
         """``with dataplane.call(protocol, model, version) as call:`` around one inference
         request: 503 while the server refuses new work, then 404 / 503 for the model before any
         work; inside, the version is in use (unloading waits for it) and whatever happens is
-        counted, timed and logged once."""
-        return Call(self, protocol, model, version)
+        counted, timed and logged once: at the block's end, or, with ``after``, by what the
+        block leaves there, which the caller runs once it has sent the answer
+        (:meth:`Observer.finish <service.telemetry.observation.Observer.finish>`)."""
+        return Call(self, protocol, model, version, after)
 
     async def preprocess(self, request: InferenceRequest) -> dict[str, np.ndarray]:
         """What ``infer`` would feed the model for the request: the tensors, not the answer.
@@ -473,8 +477,15 @@ class Call:
         "version",
     )
 
-    def __init__(self, dataplane: DataPlane, protocol: str, model: str, version: str | None):
-        self._observing = dataplane.observer.observe(protocol, model, version)
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        protocol: str,
+        model: str,
+        version: str | None,
+        after: After | None = None,
+    ):
+        self._observing = dataplane.observer.observe(protocol, model, version, after)
         self.dataplane, self.model, self.asked = dataplane, model, version
         self._held = [0]  # bytes raw items took from the budget (DataPlane.prepare)
 

@@ -29,6 +29,7 @@ from service.protocol import v1, v2
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID
+from service.telemetry.observation import After
 
 log = logging.getLogger("tensorgate.app")
 
@@ -75,12 +76,15 @@ async def answer_inference(
     receive: Receive,
     reserve: Callable[[int], None] | None = None,
     peer: Peer = None,
+    after: After | None = None,
 ) -> Answer:
     """Answer one inference request: token, body (within its limit), decode, the core, encode;
     499 when the client leaves first, and any error as :func:`error_answer` maps it.
     ``headers`` are the request's, names in lower case (the first of repeated ones);
     ``reserve``: the server's budget for bodies in flight, told what a compressed body inflates
-    to (:mod:`service.limits.admission`); ``peer``: the client's address (ASGI's ``client``)."""
+    to (:mod:`service.limits.admission`); ``peer``: the client's address (ASGI's ``client``);
+    ``after``: where the request's counting and logging wait for the caller to run them once
+    it has sent the answer (:meth:`DataPlane.call`), else they run before this returns."""
     settings = dataplane.settings
     trace = None
     tracing.note_caller(headers)
@@ -108,11 +112,13 @@ async def answer_inference(
         if route.kind == "infer":
             header_length = v2.parse_header_length(headers.get(v2.HEADER_LENGTH), len(body))
             json_bytes = len(body) if header_length is None else header_length
-            work: Awaitable[Answer] = _infer(dataplane, route, body, header_length, timeout_s)
+            work: Awaitable[Answer] = _infer(
+                dataplane, route, body, header_length, timeout_s, after
+            )
         else:
             content_type = headers.get("content-type", "")
             json_bytes = v1.decode_work(body, content_type)
-            work = _predict(dataplane, route, body, content_type, timeout_s)
+            work = _predict(dataplane, route, body, content_type, timeout_s, after)
         if reserve is not None and json_bytes:
             reserve(JSON_HELD_PER_BYTE * json_bytes)  # before it is parsed, past the body
         looked_up = True
@@ -169,8 +175,9 @@ async def _infer(
     body: bytes,
     header_length: int | None,
     timeout_s: float | None,
+    after: After | None = None,
 ) -> Answer:
-    with dataplane.call("v2", route.model, route.version) as call:
+    with dataplane.call("v2", route.model, route.version, after) as call:
         request = await call.decode(
             v2.decode_work(body, header_length),
             v2.decode_request,
@@ -196,7 +203,12 @@ async def _infer(
 
 
 async def _predict(
-    dataplane: DataPlane, route: Route, body: bytes, content_type: str, timeout_s: float | None
+    dataplane: DataPlane,
+    route: Route,
+    body: bytes,
+    content_type: str,
+    timeout_s: float | None,
+    after: After | None = None,
 ) -> Answer:
     decode = (v1.decode_predict, route.model, body, content_type, timeout_s)
     if route.kind == "preprocess":
@@ -206,7 +218,7 @@ async def _predict(
             )
             archive = await dataplane.offload(len(body) + 65536, _npz, tensors)
         return Answer(200, archive, {"content-type": "application/x-npz"})
-    with dataplane.call("v1", route.model, None) as call:
+    with dataplane.call("v1", route.model, None, after) as call:
         request = await call.decode(v1.decode_work(body, content_type), *decode)
         result = await call.infer(request)
         content = await call.encode(v1.encode_predictions, result, pooled=True)

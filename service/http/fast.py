@@ -21,6 +21,7 @@ from service.http.answer import Route, answer_inference
 from service.limits.admission import reserve_of
 from service.limits.balance import BALANCE
 from service.telemetry.logs import REQUEST_ID, request_id_for
+from service.telemetry.observation import After
 
 _INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
 _PREDICT = re.compile(r"^/v1/models/([^/]+):predict$")
@@ -49,16 +50,21 @@ class InferFastPath:
                 headers.setdefault(name, value.decode("latin-1"))
         request_id = request_id_for(headers.get("x-request-id", ""))
         REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
-        answer = await answer_inference(
-            dataplane, route, headers, receive, reserve_of(scope), scope.get("client")
-        )
-        raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
-        raw.append((b"content-length", str(len(answer.body)).encode()))
-        raw.append((b"x-request-id", request_id.encode()))
-        if BALANCE.over_share():  # this worker holds more than its share: the client reconnects
-            raw.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": answer.status, "headers": raw})
-        await send({"type": "http.response.body", "body": answer.body})
+        after: After = []  # the request's counting and logging: once its answer is sent
+        try:
+            answer = await answer_inference(
+                dataplane, route, headers, receive, reserve_of(scope), scope.get("client"), after
+            )
+            raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
+            raw.append((b"content-length", str(len(answer.body)).encode()))
+            raw.append((b"x-request-id", request_id.encode()))
+            if BALANCE.over_share():  # this worker holds more than its share: the client reconnects
+                raw.append((b"connection", b"close"))
+            await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+            await send({"type": "http.response.body", "body": answer.body})
+        finally:
+            for run in after:
+                run()
 
 
 def _route(scope: Scope) -> Route | None:

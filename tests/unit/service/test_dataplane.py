@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import sys
 import threading
 import time
@@ -532,6 +533,39 @@ def test_a_v1_predict_classifies_each_row_once(
     assert len(rows) == 3
 
 
+def test_a_request_is_counted_and_logged_once_its_answer_is_sent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the inference routes the answer goes first: its statistics, metrics and access-log
+    line come after (the line's record, queued before the answer, cost a lone image 150 µs of
+    its way out), and the drain counts the request until then."""
+    from tests.server import copy_model
+
+    copy_model("digits", tmp_path / "digits")
+    running = InProcess(Settings(model_repository=tmp_path, intra_op_threads=1, access_log=True))
+    plane = running.dataplane
+    seen: list[tuple[int, int, int]] = []
+
+    def state() -> tuple[int, int, int]:
+        stats = plane.repository.ready_model("digits", None)[1].stats
+        access = [r for r in caplog.records if r.name == "tensorgate.access"]
+        return plane.drain.in_flight, stats.inference_count, len(access)
+
+    def on_send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            seen.append(state())
+
+    try:
+        with caplog.at_level(logging.INFO, logger="tensorgate.access"):
+            before = state()
+            _predict_pngs(running, 8, 1, on_send)
+            after = state()
+    finally:
+        running.close()
+    assert seen == [(1, before[1], before[2])]  # in flight, not yet counted nor logged
+    assert after == (0, before[1] + 1, before[2] + 1)
+
+
 def _serve_digits(tmp_path: Path) -> InProcess:
     from tests.server import copy_model
 
@@ -539,9 +573,9 @@ def _serve_digits(tmp_path: Path) -> InProcess:
     return InProcess(Settings(model_repository=tmp_path, intra_op_threads=1, access_log=False))
 
 
-def _predict_pngs(running: InProcess, side: int, count: int) -> list[Any]:
+def _predict_pngs(running: InProcess, side: int, count: int, on_send: Any = None) -> list[Any]:
     """v1 predict of ``count`` grey PNGs of ``side`` × ``side`` pixels to digits: its
-    predictions, one a PNG."""
+    predictions, one a PNG (``on_send``: told each message of the answer as it is sent)."""
     import base64
     import io
 
@@ -551,7 +585,9 @@ def _predict_pngs(running: InProcess, side: int, count: int) -> list[Any]:
     Image.new("L", (side, side), 200).save(buffer, format="PNG")
     item = {"b64": base64.b64encode(buffer.getvalue()).decode()}
     body = orjson.dumps({"instances": [item] * count})
-    reply = running.request(running.serving, "POST", "/v1/models/digits:predict", body)
+    reply = running.request(
+        running.serving, "POST", "/v1/models/digits:predict", body, on_send=on_send
+    )
     assert reply.status == 200, reply.body[:300]
     predictions: list[Any] = orjson.loads(reply.body)["predictions"]
     assert len(predictions) == count
