@@ -93,11 +93,11 @@ class Observer:
         """A request is answered with ``status``: its trace's attributes now (its span ends
         with the answer), then its model's statistics, metrics and log line, and its leaving
         the drain's count: now, or appended to ``after`` for the caller to run once the answer
-        is sent. Before the answer, the access-log line cost a lone image 150 µs of its way
-        out, its record queued and the writer thread woken to take the interpreter while the
-        answer waited (docs/performance.md, "What the answer waited for"); after, the client
-        has its answer, and the duration logged is the server's whole (the answer's encoding
-        and write included)."""
+        is sent. Before the answer, the access-log line cost a lone image 90–150 µs of its way
+        out, its record made and queued and the writer thread woken while the answer waited
+        (docs/performance.md, "A lone image stage by stage"); after, the client has its answer,
+        and the duration logged is the server's whole (the answer's encoding and write
+        included)."""
         trace = observation.trace
         if trace is not None:
             trace.span.set_attributes(

@@ -537,7 +537,7 @@ def test_a_request_is_counted_and_logged_once_its_answer_is_sent(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On the inference routes the answer goes first: its statistics, metrics and access-log
-    line come after (the line's record, queued before the answer, cost a lone image 150 µs of
+    line come after (the line's record, queued before the answer, cost a lone image 90–150 µs of
     its way out), and the drain counts the request until then."""
     from tests.server import copy_model
 
