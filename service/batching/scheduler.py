@@ -655,11 +655,14 @@ class Scheduler:
                     done.set_exception(error)
                 return
             assert answers is not None
-            if not self.queue:
-                answers()
-            if not done.done():  # else this worker was cancelled (stop): its answers still go
-                done.set_result(None)
-            if self.queue:
+            queued = bool(self.queue)
+            try:
+                if not queued:
+                    answers()
+            finally:  # the worker goes on even if answering failed (the loop logs that)
+                if not done.done():  # else the worker was cancelled (stop): answered all the same
+                    done.set_result(None)
+            if queued:
                 answers()
 
         def on_thread() -> None:

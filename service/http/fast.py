@@ -11,6 +11,7 @@ them with :func:`service.http.answer.answer_inference`, the function the FastAPI
 
 from __future__ import annotations
 
+import logging
 import re
 
 from fastapi import FastAPI
@@ -22,6 +23,8 @@ from service.limits.admission import reserve_of
 from service.limits.balance import BALANCE
 from service.telemetry.logs import REQUEST_ID, request_id_for
 from service.telemetry.observation import After
+
+log = logging.getLogger("tensorgate.app")
 
 _INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
 _PREDICT = re.compile(r"^/v1/models/([^/]+):predict$")
@@ -64,7 +67,10 @@ class InferFastPath:
             await send({"type": "http.response.body", "body": answer.body})
         finally:
             for run in after:
-                run()
+                try:
+                    run()
+                except Exception:  # the answer is sent: nobody to tell but the log
+                    log.exception("counting request %s after its answer failed", request_id)
 
 
 def _route(scope: Scope) -> Route | None:

@@ -566,6 +566,29 @@ def test_a_request_is_counted_and_logged_once_its_answer_is_sent(
     assert after == (0, before[1] + 1, before[2] + 1)
 
 
+def test_a_failure_to_count_an_answered_request_is_logged_and_serving_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counting runs after the answer is sent: an error there (a bug of ours) has nobody to be
+    answered to, and is logged with its traceback; the next request is served."""
+    from service.telemetry.observation import Observer
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("counting broke")
+
+    running = _serve_digits(tmp_path)
+    monkeypatch.setattr(Observer, "_count", broken)
+    try:
+        with caplog.at_level(logging.ERROR, logger="tensorgate.app"):
+            _predict_pngs(running, 8, 1)
+            _predict_pngs(running, 8, 1)
+    finally:
+        running.close()
+    failed = [r for r in caplog.records if "after its answer failed" in r.getMessage()]
+    assert len(failed) == 2
+    assert failed[0].exc_info is not None and "counting broke" in str(failed[0].exc_info[1])
+
+
 def _serve_digits(tmp_path: Path) -> InProcess:
     from tests.server import copy_model
 
