@@ -643,18 +643,20 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
-        def finished(value: T | None, error: BaseException | None) -> None:
-            answers = None
-            if error is None:
+        def finished(outcome: tuple[T] | BaseException) -> None:
+            """On the loop: ``(result,)`` of the work, or what it raised."""
+            if isinstance(outcome, BaseException):
+                error: BaseException | None = outcome
+            else:
                 try:
-                    answers = settle(value)  # type: ignore[arg-type]  # set when no error
+                    answers = settle(outcome[0])
+                    error = None
                 except BaseException as exc:
                     error = exc
             if error is not None:
                 if not done.done():
                     done.set_exception(error)
                 return
-            assert answers is not None
             queued = bool(self.queue)
             try:
                 if not queued:
@@ -666,13 +668,13 @@ class Scheduler:
                 answers()
 
         def on_thread() -> None:
-            value, error = None, None
+            outcome: tuple[T] | BaseException
             try:
-                value = work()
+                outcome = (work(),)
             except BaseException as exc:  # every error goes to the worker, as an executor's would
-                error = exc
+                outcome = exc
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-                loop.call_soon_threadsafe(finished, value, error)
+                loop.call_soon_threadsafe(finished, outcome)
 
         instance.executor.submit(on_thread)
         await done

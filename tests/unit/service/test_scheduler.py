@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ from service.batching.scheduler import (
     Plan,
     Scheduler,
     SchedulerConfig,
+    ShapeKey,
     collate,
     plan,
     shape_key,
@@ -584,9 +585,15 @@ def _planning(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
     """Each time a worker looks for its next batch, ``"plan"`` in ``events``."""
     import service.batching.scheduler as module
 
-    def recorded(*args: object, **kwargs: object) -> Plan:
+    def recorded(
+        queue: Sequence[tuple[int, ShapeKey, float]],
+        max_rows: int,
+        preferred: Sequence[int],
+        max_delay_s: float,
+        now: float,
+    ) -> Plan:
         events.append("plan")
-        return plan(*args, **kwargs)  # type: ignore[arg-type]
+        return plan(queue, max_rows, preferred, max_delay_s, now)
 
     monkeypatch.setattr(module, "plan", recorded)
 
