@@ -608,11 +608,16 @@ class Scheduler:
             )
             return partial(self._answer, items, parts, run)
 
+        def orphaned(exc: BaseException) -> None:
+            """The batch failed after its worker was cancelled (``stop``): nobody is left to
+            judge or retry it, so its requests get the error at once."""
+            _fail(items, self._orphan_error(exc))
+
         try:
             if inline:
                 settle(work())()
             else:
-                await self._on_thread(instance, work, settle)
+                await self._on_thread(instance, work, settle, orphaned)
         except _PreparationFailed as failed:
             _fail(items, failed.error)
         except TensorgateError as exc:
@@ -632,6 +637,7 @@ class Scheduler:
         instance: Instance,
         work: Callable[[], T],
         settle: Callable[[T], Answers],
+        orphaned: Callable[[BaseException], None],
     ) -> None:
         """``work()`` on the instance's thread, its result settled on the loop in the very
         callback that wakes the loop: the requests' tasks are ready one turn of the loop sooner
@@ -639,7 +645,8 @@ class Scheduler:
         answered them in its own turn. With nothing queued they also run before this worker
         looks for the next batch (a lone request waited for that: 30 µs, docs/performance.md);
         with requests queued this worker goes first, handing the instance its next batch before
-        any answer is written. An error, of ``work`` or of ``settle``, is raised here."""
+        any answer is written. An error, of ``work`` or of ``settle``, is raised here; once
+        this worker was cancelled, it goes to ``orphaned``."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
@@ -654,7 +661,9 @@ class Scheduler:
                 except BaseException as exc:
                     error = exc
             if error is not None:
-                if not done.done():
+                if done.done():  # the worker was cancelled (stop): its requests still wait
+                    orphaned(error)
+                else:
                     done.set_exception(error)
                 return
             queued = bool(self.queue)
@@ -776,6 +785,18 @@ class Scheduler:
         else:
             log.error("model %s failed on a request alone (%s)", self.model, reason, exc_info=exc)
         return ModelExecutionError(f"model '{self.model}' failed: {runtime_message(exc)}")
+
+    def _orphan_error(self, exc: BaseException) -> BaseException:
+        """What the requests of a batch that failed while its version stopped are answered: a
+        request's own error as it is, else 503 (the version is going; another may serve)."""
+        if isinstance(exc, _PreparationFailed):
+            return exc.error
+        if isinstance(exc, TensorgateError):
+            return exc
+        log.error("model %s: a batch failed while the version stopped", self.model, exc_info=exc)
+        return ServerBusy(
+            f"model '{self.model}' is shutting down; its batch failed: {runtime_message(exc)}"
+        )
 
     def _bad_input(self, exc: Exception, evidence: str) -> InvalidInput:
         log.info("model %s failed on one request's input (%s): %s", self.model, evidence, exc)

@@ -645,6 +645,39 @@ async def test_with_requests_queued_the_next_batch_starts_before_the_answers_are
     await s.stop()
 
 
+@pytest.mark.parametrize(
+    ("outputs", "answered"),
+    [
+        (lambda x: {"y": np.concatenate([x, x])}, ModelExecutionError),  # split fails
+        (None, ServerBusy),  # the model raises
+    ],
+    ids=["its outputs do not split", "its model raises"],
+)
+async def test_a_batch_that_fails_while_its_version_stops_still_answers_its_requests(
+    outputs: Callable[[np.ndarray], dict[str, np.ndarray]] | None, answered: type[Exception]
+) -> None:
+    """``stop`` cancels the worker awaiting a running batch; the batch's failure then has no
+    worker to go to, and its requests are answered with it (they waited until shutdown)."""
+    release = threading.Event()
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        release.wait(10)
+        if outputs is None:
+            raise RuntimeError("boom")
+        return outputs(batch["x"])
+
+    s = scheduler(run, max_batch_size=1)
+    s.start()
+    request = asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None))
+    await busy(s)
+    timer = threading.Timer(0.05, release.set)  # stop() waits for the thread, holding the loop
+    timer.start()
+    await s.stop()
+    with pytest.raises(answered, match="model 'm'"):
+        await asyncio.wait_for(request, 5)
+    timer.join()
+
+
 async def test_an_unprepared_request_is_batched_alone_and_others_batch_on() -> None:
     release, run = _blocking()
     sizes: list[int] = []
