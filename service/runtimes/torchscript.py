@@ -1,12 +1,15 @@
 """TorchScript models on libtorch, with inference hygiene enforced rather than hoped for.
 
 Every submodule is put in eval mode, every parameter stops requiring grad, every call runs under
-``torch.inference_mode()``, and a module that still reports ``training`` after that is refused.
+``torch.inference_mode()``, and a module that still reports ``training`` after that is refused,
+as is one traced in training mode (:func:`traced_in_training`: ``eval()`` cannot undo what the
+trace fixed in its graph).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,54 @@ from service.runtimes.libtorch import HALF, TorchRuntime
 
 GraphKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 log = logging.getLogger("tensorgate.runtime")
+
+_DROPOUT = re.compile(r"^aten::(feature_)?(alpha_)?dropout_?$")
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def traced_in_training(module: torch.jit.ScriptModule) -> list[str]:
+    """The dropouts and batch norms of ``module``'s graph that a trace fixed in training mode:
+    ``torch.jit.trace`` of a module in ``train()`` writes ``train=True`` into each as a
+    constant, so that after ``eval()`` no submodule reports ``training`` and yet every call
+    drops activations at random and normalises by the batch's own statistics (updating the
+    running ones). A batch norm without running statistics (``track_running_stats=False``)
+    normalises by the batch's in eval mode too, and is not counted. Each as "op at file(line)",
+    the first frame of the trace outside torch: the caller's own line."""
+    found: list[str] = []
+
+    def visit(block: Any) -> None:
+        for node in block.nodes():
+            kind, inputs = node.kind(), list(node.inputs())
+            if _DROPOUT.match(kind) and len(inputs) >= 3 and _constant(inputs[2]) is True:
+                found.append(f"{kind.removeprefix('aten::')} at {_where(node)}")
+            elif (
+                kind == "aten::batch_norm"
+                and len(inputs) >= 6
+                and _constant(inputs[5]) is True
+                and not (
+                    inputs[3].node().kind() == "prim::Constant" and _constant(inputs[3]) is None
+                )
+            ):
+                found.append(f"batch_norm at {_where(node)}")
+            for inner in node.blocks():
+                visit(inner)
+
+    visit(module.inlined_graph)
+    return found
+
+
+def _constant(value: Any) -> Any:
+    """A graph value's constant (None where it is not one)."""
+    return value.toIValue() if value.node().kind() == "prim::Constant" else None
+
+
+def _where(node: Any) -> str:
+    """Where the trace recorded ``node``: the first frame of its stack outside torch."""
+    frames: str = node.sourceRange()
+    for frame in frames.split("Serialized", 1)[0].splitlines():
+        if frame.strip() and not frame.startswith(_TORCH_DIR):
+            return frame.strip()
+    return "an unknown line"
 
 
 def _probe(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -96,6 +147,16 @@ class TorchScriptRuntime(TorchRuntime):
         if still_training:
             raise ModelLoadError(
                 f"submodules still in training mode after eval(): {still_training}"
+            )
+        if fixed := traced_in_training(module):
+            shown = "; ".join(fixed[:5]) + (
+                f"; and {len(fixed) - 5} more" if len(fixed) > 5 else ""
+            )
+            raise ModelLoadError(
+                f"{path.name} was traced in training mode: its graph fixes {len(fixed)} dropout or "
+                f"batch norm ops to training ({shown}), which eval() cannot undo (each call would "
+                "drop activations at random or use the batch's statistics); call model.eval() "
+                "before torch.jit.trace and save it again (tensorgate export does)"
             )
         arguments = [arg.name for arg in module.forward.schema.arguments[1:]]
         if len(arguments) != len(declared.inputs):

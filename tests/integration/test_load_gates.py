@@ -1,7 +1,8 @@
 """Load gates, bring-your-own artifacts and inference hygiene, in one real server.
 
 One repository holds an intact model, one broken copy per gate, a bare ONNX file, a TorchScript
-module saved in training mode and a model that breaks the batch contract. Each broken one must
+module saved in training mode (scripted: served in eval mode; traced: refused) and a model that
+breaks the batch contract. Each broken one must
 be UNAVAILABLE with a reason naming its cause while the others serve.
 """
 
@@ -37,11 +38,12 @@ def _edit_json(path: Path, **changes: object) -> None:
 
 
 def _torchscript_model(
-    root: Path, name: str, module: torch.nn.Module, width: int, out: int
+    root: Path, name: str, module: torch.nn.Module, width: int, out: int, traced: bool = False
 ) -> None:
     folder = root / name
     (folder / "1").mkdir(parents=True)
-    torch.jit.script(module).save(str(folder / "1" / "model.pt"))
+    archive = torch.jit.trace(module, torch.zeros(2, width)) if traced else torch.jit.script(module)
+    archive.save(str(folder / "1" / "model.pt"))
     (folder / "config.yaml").write_text(
         yaml.safe_dump(
             {
@@ -90,6 +92,9 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     (unbatched.parent / "config.yaml").write_text("backend: onnx\n")
 
     _torchscript_model(root, "train_mode", TrainModeNet().train(), width=8, out=4)
+    _torchscript_model(
+        root, "traced_in_training", TrainModeNet().train(), width=8, out=4, traced=True
+    )
     _torchscript_model(root, "drops_a_row", DropsARow(), width=4, out=4)
 
     server = Server(root, log_path=root.parent / "server.log")
@@ -108,6 +113,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         ("future_torch", "exported with torch 3.1.0, this server runs torch 2."),
         ("unknown_opset", "ONNX opset 99 cannot run on onnxruntime"),
         ("edited_preprocessing", "preprocessing in config.yaml differs from the one this artifact"),
+        ("traced_in_training", "model.pt was traced in training mode: its graph fixes 2 dropout"),
     ],
 )
 def test_each_gate_leaves_its_model_unavailable_with_the_cause(

@@ -57,6 +57,53 @@ def test_torchscript_runtime_enforces_eval_no_grad_and_inference_mode(
     assert raw.is_inference() and not raw.requires_grad and raw.grad_fn is None
 
 
+class NormsWithoutStats(torch.nn.Module):
+    """A batch norm that keeps no running statistics normalises by the batch's in eval mode too:
+    traced in eval mode its graph says training=True, rightly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(8, track_running_stats=False)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def test_a_module_traced_in_training_mode_is_refused_naming_each_op_and_its_line(
+    tmp_path: Path,
+) -> None:
+    """eval() cannot undo a trace in train(): dropout and batch norm have train=True fixed in
+    the graph, and no submodule reports training. It served with dropout on."""
+    path = tmp_path / "model.pt"
+    torch.jit.trace(TrainModeNet().train(), torch.zeros(2, 8)).save(str(path))
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    with pytest.raises(ModelLoadError) as refused:
+        runtime.load(path, SIGNATURE, max_batch_size=8)
+    message = str(refused.value)
+    assert message.startswith(
+        "model.pt was traced in training mode: its graph fixes 2 dropout or batch norm ops to "
+        "training (batch_norm at "
+    )
+    assert "dropout at " in message and "tests/models.py(" in message  # the module's own line
+    assert "call model.eval() before torch.jit.trace" in message
+
+
+@pytest.mark.parametrize("module", [TrainModeNet, NormsWithoutStats])
+def test_a_module_traced_in_eval_mode_loads_and_answers_as_eager(
+    tmp_path: Path, module: type[torch.nn.Module]
+) -> None:
+    eager = module().eval()
+    path = tmp_path / "model.pt"
+    torch.jit.trace(eager, torch.zeros(2, 8)).save(str(path))
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    runtime.load(path, SIGNATURE, max_batch_size=8)
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = eager(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(runtime.run({"x": x})["y"], expected, atol=1e-5)
+
+
 @pytest.mark.parametrize(("shared", "expected"), [(1, [2, 1, 2]), (0, [2, 2, 2])])
 def test_a_torch_runtime_takes_every_cpu_alone_and_its_share_beside_another_batch(
     train_mode_archive: Path, shared: int, expected: list[int]
