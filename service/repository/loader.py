@@ -433,7 +433,7 @@ def _open_runtimes(
     artifact = path / runtimes[0].artifact
     if not artifact.is_file():
         raise ModelLoadError(f"{artifact} is missing; run `make models` or export the model")
-    declared = _declared(config, manifest)
+    declared = _declared(config, manifest, warnings)
     signature = runtimes[0].load(artifact, declared, config.max_batch_size)
     for runtime in runtimes[1:]:
         runtime.load(artifact, declared, config.max_batch_size)
@@ -514,12 +514,53 @@ def _replay_answers(
             raise ModelLoadError(f"end-to-end golden replay: {exc.message}") from None
 
 
-def _declared(config: ModelConfig, manifest: Manifest | None) -> Signature | None:
+def _declared(
+    config: ModelConfig, manifest: Manifest | None, warnings: list[str]
+) -> Signature | None:
     if config.inputs is not None and config.outputs is not None:
-        return Signature(config.inputs, config.outputs)
+        inputs = config.inputs
+        if manifest is not None:
+            inputs = _within_exported_ranges(inputs, manifest.inputs, warnings)
+        return Signature(inputs, config.outputs)
     if manifest is not None:
         return Signature(manifest.inputs, manifest.outputs)
     return None
+
+
+def _within_exported_ranges(
+    inputs: tuple[TensorConfig, ...], exported: tuple[TensorConfig, ...], warnings: list[str]
+) -> tuple[TensorConfig, ...]:
+    """``config.yaml``'s inputs, each kept within the range its export recorded (the ids an
+    embedding has rows for, or what the exporter was told and checked): a config may narrow a
+    range, never drop or widen it, for outside it the model answers wrongly or fails (ONNX
+    Runtime takes id -1 for an embedding's last row). Each input served with a range other
+    than the config's is a warning; one with no value left in both is refused."""
+    recorded = {t.name: t.range for t in exported if t.range is not None}
+    kept = []
+    for t in inputs:
+        proven = recorded.get(t.name)
+        given = t.range
+        if proven is None or (given is not None and proven[0] <= given[0] <= given[1] <= proven[1]):
+            kept.append(t)
+            continue
+        served = proven if given is None else (max(given[0], proven[0]), min(given[1], proven[1]))
+        if served[0] > served[1]:
+            raise ModelLoadError(
+                f"input '{t.name}': config.yaml's range {_listed(given)} has no value within "
+                f"{_listed(proven)}, the range its export recorded (the values the model answers)"
+            )
+        said = "drops" if given is None else f"widens to {_listed(given)}"
+        warnings.append(
+            f"input '{t.name}': config.yaml {said} the range its export recorded, "
+            f"{_listed(proven)}; served with {_listed(served)} (outside it the model answers "
+            "wrongly or fails): a request outside it is a 400"
+        )
+        kept.append(t.model_copy(update={"range": served}))
+    return tuple(kept)
+
+
+def _listed(bounds: tuple[float, float] | None) -> str:
+    return "none" if bounds is None else f"[{bounds[0]:g}, {bounds[1]:g}]"
 
 
 def _unwarmed_dims(config: ModelConfig, signature: Signature, shapes: ShapePolicy) -> list[str]:

@@ -188,10 +188,24 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     return repository, export(repository, {**EXPORTS, "heatmap": heatmap, "text": text})
 
 
+def edited_copy(repository: Path, model: str, copy: str, item_range: list[int] | None) -> None:
+    """``model`` again as ``copy``, its config.yaml edited by hand (so the user's: no closing
+    comment) to give input 'item_id' ``item_range`` (None: no range)."""
+    shutil.copytree(repository / model, repository / copy)
+    config = yaml.safe_load((repository / copy / "config.yaml").read_text())
+    item = next(t for t in config["inputs"] if t["name"] == "item_id")
+    item.pop("range")
+    if item_range is not None:
+        item["range"] = item_range
+    (repository / copy / "config.yaml").write_text(yaml.safe_dump(config))
+
+
 @pytest.fixture(scope="module")
 def server(
     exported: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
+    edited_copy(exported[0], "ctr", "ctr_unranged", None)
+    edited_copy(exported[0], "ctr", "ctr_widened", [-5, 1999])
     running = Server(exported[0], log_path=tmp_path_factory.mktemp("own-log") / "server.log")
     try:
         running.wait_until(timeout=300)
@@ -582,6 +596,33 @@ def test_a_bare_pt2_with_an_unranged_integer_input_is_refused(tmp_path: Path) ->
         assert response.status_code == 400, response.text
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "said"), [("ctr_unranged", "drops"), ("ctr_widened", "widens to [-5, 1999]")]
+)
+def test_a_config_edited_to_drop_or_widen_an_exported_range_is_still_held_to_it(
+    server: Server, model: str, said: str
+) -> None:
+    """ONNX Runtime answered item_id -1 with the embedding's last row (200, a wrong answer)
+    once a user deleted the range from config.yaml; the range export recorded still holds."""
+    metadata = server.client.get(f"/v2/models/{model}").json()
+    assert metadata["verified"] is True
+    assert (
+        f"input 'item_id': config.yaml {said} the range its export recorded, [0, 999]; served "
+        "with [0, 999]"
+    ) in " ".join(metadata["warnings"])
+    dense = np.zeros((1, 8), np.float32)
+    for bad in (-1, 1000):
+        response = infer(server.client, model, item_id=np.array([[bad]]), dense=dense)
+        assert response.status_code == 400, response.text
+        assert "item_id" in response.json()["error"] and "[0, 999]" in response.json()["error"]
+    ids = np.array([[0], [999]])
+    dense = np.ones((2, 8), np.float32)
+    got = output(infer(server.client, model, item_id=ids, dense=dense))
+    np.testing.assert_allclose(
+        got, eager(user_models.ClickThrough(), ids, dense), atol=1e-4, rtol=1e-3
+    )
 
 
 def test_the_config_says_what_a_request_is_held_to(server: Server) -> None:
