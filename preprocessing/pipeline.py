@@ -151,15 +151,24 @@ class Pipeline:
         """Called once at load, before the model is ready: pay for lazy set-up here."""
 
 
+def as_item(raw: Any) -> Item:
+    """A raw item as the server hands it to a pipeline: an :class:`Item` as it is, bytes as
+    an item's bytes, anything else as a JSON value (one of v1's ``instances``)."""
+    if isinstance(raw, Item):
+        return raw
+    return Item(raw) if isinstance(raw, bytes) else Item(value=raw)
+
+
 def answer_one(
-    pipeline: Pipeline, item: Item, run: Callable[[Arrays], Arrays], batched: bool = True
+    pipeline: Pipeline, item: Any, run: Callable[[Arrays], Arrays], batched: bool = True
 ) -> Any:
-    """What the server answers for one raw item, with ``run`` (a batch → the model's outputs)
-    as the model: preprocess, run, postprocess. Training code can evaluate a pipeline with it
-    exactly as it will be served; export records its answers, and the server replays them at
-    load."""
+    """What the server answers for one raw item (an :class:`Item`, bytes, or a JSON value, as
+    :func:`as_item` takes them, and as ``PipelineDataset`` does), with ``run`` (a batch → the
+    model's outputs) as the model: preprocess, run, postprocess. Training code can evaluate a
+    pipeline with it exactly as it will be served; export records its answers, and the server
+    replays them at load."""
     context: dict[str, Any] = {}
-    batch = pipeline.preprocess_batch([item], [context])
+    batch = pipeline.preprocess_batch([as_item(item)], [context])
     if not batched:
         batch = {name: array[0] for name, array in batch.items()}
     outputs = run(batch)

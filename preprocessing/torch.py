@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from preprocessing.image import ImagePipeline
-from preprocessing.pipeline import Item, Pipeline
+from preprocessing.pipeline import Pipeline, as_item
 from preprocessing.spec import ImageSpec
 
 
@@ -79,13 +79,5 @@ class PipelineDataset(torch.utils.data.Dataset[tuple[dict[str, torch.Tensor], in
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], int]:
-        raw = self.items[index]
-        item = (
-            raw
-            if isinstance(raw, Item)
-            else Item(raw)
-            if isinstance(raw, bytes)
-            else Item(value=raw)
-        )
-        rows = self.pipeline.preprocess(item, {})
+        rows = self.pipeline.preprocess(as_item(self.items[index]), {})
         return {name: torch.from_numpy(array) for name, array in rows.items()}, self.labels[index]

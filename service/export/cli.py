@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import hashlib
 import importlib
+import inspect
 import logging
 import os
 import shutil
@@ -237,7 +238,13 @@ def read_spec(path: Path, out_dir: Path, written: Overwrites) -> PreprocessingSp
     python spec's module and the local modules it imports, from beside it into the model's
     folder (``out_dir``'s parent), where the server imports them."""
     try:
-        spec = SPEC.validate_python(yaml.safe_load(path.read_text()))
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, dict) and set(data) == {"preprocessing"}:
+            raise ValueError(
+                f"{path}: this file is the spec itself, as config.yaml's preprocessing: holds "
+                "it; drop the 'preprocessing:' level (its keys, kind: first, at the top)"
+            )
+        spec = SPEC.validate_python(data)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
     except yaml.YAMLError as exc:
@@ -352,7 +359,24 @@ def load_module(spec: str) -> torch.nn.Module:
     if not hasattr(imported, attribute):
         raise SystemExit(f"{module_name} has no {attribute!r} (from {spec})")
     target = getattr(imported, attribute)
-    module = target if isinstance(target, torch.nn.Module) else target()
+    if isinstance(target, torch.nn.Module):
+        module = target
+    else:
+        if not callable(target):
+            raise SystemExit(
+                f"{spec} is a {type(target).__name__}: name a torch.nn.Module, or a callable "
+                "that returns one"
+            )
+        try:
+            inspect.signature(target).bind()
+        except TypeError as exc:  # what calling it would say, before anything of it runs
+            raise SystemExit(
+                f"{spec} must be callable with no arguments (a factory that builds the module, "
+                f"e.g. def make_model(): return Net(width=64)), but: {exc}"
+            ) from None
+        except ValueError:  # no signature to read (a builtin): calling it will tell
+            pass
+        module = target()
     if not isinstance(module, torch.nn.Module):
         raise SystemExit(f"{spec} gave {type(module).__name__}, not a torch.nn.Module")
     return module

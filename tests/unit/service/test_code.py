@@ -135,6 +135,14 @@ def test_answer_one_is_preprocess_run_postprocess_with_the_context_carried() -> 
     assert answer == {"sum": 6.0, "n": 3}
 
 
+@pytest.mark.parametrize("raw", [[1, 2, 3], b"[1, 2, 3]"])
+def test_answer_one_takes_raw_items_as_pipeline_dataset_does(raw: object) -> None:
+    """The docs pair PipelineDataset(pipeline, items, labels), which takes raw JSON values or
+    bytes, with answer_one: given a record, it failed in the user's own code ('dict' object has
+    no attribute 'json')."""
+    assert answer_one(_Rows(), raw, lambda batch: batch) == {"sum": 6.0, "n": 3}
+
+
 def test_stack_refuses_items_of_different_shapes_as_bad_input() -> None:
     assert stack([{"x": np.zeros(2)}, {"x": np.ones(2)}])["x"].shape == (2, 2)
     with pytest.raises(BadInput, match=r"items make 'x' of different shapes \(\[2\], \[3\]\)"):

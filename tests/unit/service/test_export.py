@@ -10,7 +10,14 @@ import torch
 from preprocessing.spec import ImageSpec, PythonSpec, spec_hash
 from service.artifacts.manifest import Tolerance
 from service.artifacts.shapes import Follow
-from service.export.cli import check_tensors, golden_input, parse_tensor
+from service.export.cli import (
+    Overwrites,
+    check_tensors,
+    golden_input,
+    load_module,
+    parse_tensor,
+    read_spec,
+)
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
 from tests.models import Mlp, TrainModeNet
@@ -471,6 +478,49 @@ def test_the_command_line_s_tensors_say_what_is_wrong_with_them() -> None:
     with pytest.raises(SystemExit, match=r"--buckets 8,16: no input has a dynamic \(-1\) dim"):
         check_tensors([x], [parse_tensor("y:FP32:2")], "8,16")
     check_tensors([parse_tensor("ids:INT64:-1")], [parse_tensor("y:FP32:-1,2")], "8,16")
+
+
+FACTORIES = """
+import torch
+
+def needs_arg(width):
+    return torch.nn.Linear(width, 2)
+
+def make():
+    return torch.nn.Linear(3, 2)
+
+NOT_A_MODULE = 3
+"""
+
+
+def test_a_factory_that_cannot_be_called_bare_is_one_line_naming_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was a traceback ending in TypeError, where every other bad factory is one line."""
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        SystemExit,
+        match=r"factories:needs_arg must be callable with no arguments .*missing a required "
+        r"argument: 'width'",
+    ):
+        load_module("factories:needs_arg")
+    with pytest.raises(SystemExit, match=r"factories:NOT_A_MODULE is a int: name a torch.nn"):
+        load_module("factories:NOT_A_MODULE")
+    assert isinstance(load_module("factories:make"), torch.nn.Linear)
+
+
+def test_a_spec_file_wrapped_in_preprocessing_says_to_unwrap_it(tmp_path: Path) -> None:
+    """A user copying config.yaml's block into spec.yaml read pydantic's "Unable to extract tag
+    using discriminator 'kind'"."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("preprocessing:\n  kind: image\n  resize: 8\n")
+    with pytest.raises(
+        ValueError, match=r"this file is the spec itself.*drop the 'preprocessing:'"
+    ):
+        read_spec(spec, tmp_path / "out", Overwrites())
+    spec.write_text("kind: image\nresize: 8\n")
+    assert read_spec(spec, tmp_path / "out", Overwrites()).kind == "image"
 
 
 MAKES = """
