@@ -20,6 +20,7 @@ import inspect
 import logging
 import mimetypes
 import platform
+import re
 import shutil
 import tempfile
 import warnings
@@ -330,8 +331,17 @@ def export_model(
         artifacts[fmt] = artifact
         versions.update(made)
     if not artifacts:
+        hint = ""
+        if "torchscript" not in formats and any(_DATA_DEPENDENT in r for r in skipped.values()):
+            hint = (
+                "; a branch on a tensor's values stops torch.export, and tracing keeps only the "
+                "branch its example took: --formats torchscript scripts the module and keeps "
+                "each branch (or write the branch with torch.cond)"
+            )
         raise ExportError(
-            "no format could be exported: " + "; ".join(f"{f}: {r}" for f, r in skipped.items())
+            "no format could be exported: "
+            + "; ".join(f"{f}: {r}" for f, r in skipped.items())
+            + hint
         )
 
     answers = code.answers(eager_run, out_dir, max_batch_size > 0) if code else []
@@ -694,7 +704,7 @@ def _exported_program(
     try:
         return torch.export.export(module, example, dynamic_shapes=shapes), ""
     except Exception as exc:  # torch.export raises many unrelated types for untraceable code
-        return None, f"torch.export failed: {_first_line(exc)}"
+        return None, f"torch.export failed: {_first_line(exc)}{_user_line(exc)}"
 
 
 def _export_pt2(program: ExportedProgram, path: Path, cpu: str) -> dict[str, str | None]:
@@ -841,6 +851,23 @@ def _opset(path: Path) -> int:
 
     model = onnx.load(str(path), load_external_data=False)
     return int(next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
+
+
+_DATA_DEPENDENT = "data-dependent expression"
+"""What torch.export says of a branch on a tensor's values (``if x.sum() > 0:``)."""
+_RAISED_AT = re.compile(
+    r'The following call raised this error:\n\s*File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)'
+)
+
+
+def _user_line(exc: BaseException) -> str:
+    """ " at file:line in function (code)" of the module's own line torch.export names in its
+    message, else nothing (the first line alone names none)."""
+    found = _RAISED_AT.search(str(exc))
+    if found is None:
+        return ""
+    path, line, function, code = found.groups()
+    return f" at {Path(path).name}:{line} in {function} ({code.strip()})"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -216,19 +216,43 @@ def test_an_untraceable_module_falls_back_to_the_torchscript_onnx_exporter_sayin
     assert f"ONNX: {reason}; using the TorchScript-based exporter instead" in caplog.text
 
 
-def test_pt2_of_an_untraceable_module_is_refused_naming_torch_export(tmp_path: Path) -> None:
+def export_branchy(tmp_path: Path, golden: np.ndarray, formats: tuple[str, ...]) -> None:
     x = TensorConfig(name="x", datatype="FP32", shape=(4,))
-    with pytest.raises(ExportError, match="torch.export failed.*leave pt2 out of the formats"):
-        export_model(
-            Branchy(),
-            tmp_path,
-            name="b",
-            inputs=[x],
-            outputs=[x.model_copy(update={"name": "y"})],
-            golden_inputs={"x": np.ones((2, 4), np.float32)},
-            max_batch_size=4,
-            formats=("pt2",),
-        )
+    export_model(
+        Branchy(),
+        tmp_path,
+        name="b",
+        inputs=[x],
+        outputs=[x.model_copy(update={"name": "y"})],
+        golden_inputs={"x": golden},
+        max_batch_size=4,
+        formats=formats,
+    )
+
+
+def test_pt2_of_an_untraceable_module_is_refused_naming_torch_export(tmp_path: Path) -> None:
+    with pytest.raises(
+        ExportError,
+        match=r"torch.export failed.* at test_export.py:\d+ in forward \(return x \* 2.0 if "
+        r"bool\(x.sum\(\) > 0\) else x\).*leave pt2 out of the formats",
+    ):
+        export_branchy(tmp_path, np.ones((2, 4), np.float32), ("pt2",))
+
+
+def test_when_a_branch_on_values_fails_every_format_export_says_torchscript_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """The helper's user read that no format could be exported, and not which one could."""
+    golden = np.array([[1.0] * 4, [-3.0] * 4], np.float32)
+    with pytest.raises(ExportError) as failed:  # one branch traced, the other met by a probe
+        export_branchy(tmp_path, golden, ("onnx", "pt2"))
+    message = str(failed.value)
+    assert message.startswith("no format could be exported: onnx: ")
+    assert message.endswith(
+        "a branch on a tensor's values stops torch.export, and tracing keeps only the branch "
+        "its example took: --formats torchscript scripts the module and keeps each branch (or "
+        "write the branch with torch.cond)"
+    )
 
 
 def test_writing_torchscript_warns_that_it_is_deprecated_upstream(
