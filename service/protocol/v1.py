@@ -37,8 +37,9 @@ def decode_predict(
         return _request(model, timeout_s, raw=[body], raw_type=media)
     if media not in ("application/json", ""):
         raise UnsupportedMediaType(
-            f"Content-Type {content_type!r} is not accepted; send an image (image/jpeg, "
-            'image/png, ...) or application/json with {"instances": [...]}'
+            f"Content-Type {content_type!r} is not accepted by '{model}:predict'; send "
+            'application/json with {"instances": [...]} (texts, JSON values, or {"b64": ...} '
+            "items), or one image's raw bytes (image/jpeg, image/png, ...)"
         )
     try:
         payload = orjson.loads(body)

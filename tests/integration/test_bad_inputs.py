@@ -162,7 +162,8 @@ CASES = [
         b"hello",
         "text/plain",
         415,
-        "Content-Type 'text/plain' is not accepted",
+        "Content-Type 'text/plain' is not accepted by 'efficientnet_lite0:predict'; send "
+        'application/json with {"instances": [...]} (texts, JSON values',
     ),
     (
         "an image to v2 infer",  # it was a 400 about UTF-8 surrogates, the JPEG parsed as JSON
