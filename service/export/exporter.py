@@ -861,8 +861,8 @@ _RAISED_AT = re.compile(
 
 
 def _user_line(exc: BaseException) -> str:
-    """ " at file:line in function (code)" of the module's own line torch.export names in its
-    message, else nothing (the first line alone names none)."""
+    """The module's own line that torch.export's message names, as ' at file:line in function
+    (code)'; empty where it names none (its first line alone never does)."""
     found = _RAISED_AT.search(str(exc))
     if found is None:
         return ""
