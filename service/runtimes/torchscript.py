@@ -2,8 +2,8 @@
 
 Every submodule is put in eval mode, every parameter stops requiring grad, every call runs under
 ``torch.inference_mode()``, and a module that still reports ``training`` after that is refused,
-as is one traced in training mode (:func:`traced_in_training`: ``eval()`` cannot undo what the
-trace fixed in its graph).
+as is one whose graph fixes dropout or batch norm to training (:func:`fixed_to_training`: a
+trace in ``train()`` does, and ``eval()`` cannot undo it).
 """
 
 from __future__ import annotations
@@ -26,23 +26,28 @@ log = logging.getLogger("tensorgate.runtime")
 
 _DROPOUT = re.compile(r"^aten::(feature_)?(alpha_)?dropout_?$")
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_FRAME = re.compile(
+    r'^\s*(?:File "(?P<file>[^"]+)", line (?P<line>\d+)|(?P<traced>\S.*?)\((?P<at>\d+)\): '
+    r"(?P<function>\S+))"
+)
 
 
-def traced_in_training(module: torch.jit.ScriptModule) -> list[str]:
-    """The dropouts and batch norms of ``module``'s graph that a trace fixed in training mode:
-    ``torch.jit.trace`` of a module in ``train()`` writes ``train=True`` into each as a
-    constant, so that after ``eval()`` no submodule reports ``training`` and yet every call
-    drops activations at random and normalises by the batch's own statistics (updating the
-    running ones). A batch norm without running statistics (``track_running_stats=False``)
-    normalises by the batch's in eval mode too, and is not counted. Each as "op at file(line)",
-    the first frame of the trace outside torch: the caller's own line."""
+def fixed_to_training(module: torch.jit.ScriptModule) -> list[str]:
+    """The dropouts and batch norms of ``module``'s graph fixed to training mode, whatever
+    ``eval()`` says: ``torch.jit.trace`` of a module in ``train()`` writes ``train=True`` into
+    each as a constant (so after ``eval()`` no submodule reports ``training``, and yet every
+    call drops activations at random and normalises by the batch's own statistics, updating the
+    running ones), as does ``F.dropout`` without ``training=``, traced or scripted. A batch
+    norm without running statistics (``track_running_stats=False``) normalises by the batch's
+    in eval mode too, and is not counted. Each as "op at file(line)" (:func:`_where`), once."""
     found: list[str] = []
 
     def visit(block: Any) -> None:
         for node in block.nodes():
             kind, inputs = node.kind(), list(node.inputs())
+            said = None
             if _DROPOUT.match(kind) and len(inputs) >= 3 and _constant(inputs[2]) is True:
-                found.append(f"{kind.removeprefix('aten::')} at {_where(node)}")
+                said = f"{kind.removeprefix('aten::').rstrip('_')} at {_where(node)}"
             elif (
                 kind == "aten::batch_norm"
                 and len(inputs) >= 6
@@ -51,7 +56,9 @@ def traced_in_training(module: torch.jit.ScriptModule) -> list[str]:
                     inputs[3].node().kind() == "prim::Constant" and _constant(inputs[3]) is None
                 )
             ):
-                found.append(f"batch_norm at {_where(node)}")
+                said = f"batch_norm at {_where(node)}"
+            if said is not None and said not in found:  # F.dropout's two branches: one op
+                found.append(said)
             for inner in node.blocks():
                 visit(inner)
 
@@ -65,11 +72,21 @@ def _constant(value: Any) -> Any:
 
 
 def _where(node: Any) -> str:
-    """Where the trace recorded ``node``: the first frame of its stack outside torch."""
-    frames: str = node.sourceRange()
-    for frame in frames.split("Serialized", 1)[0].splitlines():
-        if frame.strip() and not frame.startswith(_TORCH_DIR):
-            return frame.strip()
+    """Where ``node`` came from: the first frame of its source range outside torch (a trace
+    records the caller's stack, "path(line): function"), else torch's own line (a scripted
+    module records only the op's: "File "path", line N")."""
+    text: str = node.sourceRange()
+    frames = [
+        (found["file"] or found["traced"], found["line"] or found["at"], found["function"])
+        for line in text.split("Serialized", 1)[0].splitlines()
+        if (found := _FRAME.match(line)) is not None
+    ]
+    for path, line, function in frames:
+        if not path.startswith(_TORCH_DIR):
+            return f"{path}({line})" + (f": {function}" if function else "")
+    if frames:
+        path, line, _ = frames[0]
+        return f"torch/{Path(path).relative_to(_TORCH_DIR)}({line}), in the module's code"
     return "an unknown line"
 
 
@@ -148,15 +165,17 @@ class TorchScriptRuntime(TorchRuntime):
             raise ModelLoadError(
                 f"submodules still in training mode after eval(): {still_training}"
             )
-        if fixed := traced_in_training(module):
+        if fixed := fixed_to_training(module):
             shown = "; ".join(fixed[:5]) + (
                 f"; and {len(fixed) - 5} more" if len(fixed) > 5 else ""
             )
             raise ModelLoadError(
-                f"{path.name} was traced in training mode: its graph fixes {len(fixed)} dropout or "
-                f"batch norm ops to training ({shown}), which eval() cannot undo (each call would "
-                "drop activations at random or use the batch's statistics); call model.eval() "
-                "before torch.jit.trace and save it again (tensorgate export does)"
+                f"{path.name} runs in training mode whatever eval() says: its graph fixes "
+                f"{len(fixed)} dropout or batch norm ops to training ({shown}), so each call would "
+                "drop activations at random or use the batch's statistics. A trace of a module in "
+                "train() fixes them so: call model.eval() before torch.jit.trace and save it "
+                "again (tensorgate export does); and pass training=self.training to F.dropout, "
+                "whose default is True"
             )
         arguments = [arg.name for arg in module.forward.schema.arguments[1:]]
         if len(arguments) != len(declared.inputs):

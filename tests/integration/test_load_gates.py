@@ -113,7 +113,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         ("future_torch", "exported with torch 3.1.0, this server runs torch 2."),
         ("unknown_opset", "ONNX opset 99 cannot run on onnxruntime"),
         ("edited_preprocessing", "preprocessing in config.yaml differs from the one this artifact"),
-        ("traced_in_training", "model.pt was traced in training mode: its graph fixes 2 dropout"),
+        ("traced_in_training", "model.pt runs in training mode whatever eval() says: its graph"),
     ],
 )
 def test_each_gate_leaves_its_model_unavailable_with_the_cause(

@@ -82,11 +82,29 @@ def test_a_module_traced_in_training_mode_is_refused_naming_each_op_and_its_line
         runtime.load(path, SIGNATURE, max_batch_size=8)
     message = str(refused.value)
     assert message.startswith(
-        "model.pt was traced in training mode: its graph fixes 2 dropout or batch norm ops to "
-        "training (batch_norm at "
+        "model.pt runs in training mode whatever eval() says: its graph fixes 2 dropout or "
+        "batch norm ops to training (batch_norm at "
     )
     assert "dropout at " in message and "tests/models.py(" in message  # the module's own line
     assert "call model.eval() before torch.jit.trace" in message
+
+
+class AlwaysDrops(torch.nn.Module):
+    """F.dropout without training=self.training: its default, True, drops in eval mode too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.dropout(x, 0.5))
+
+
+def test_a_scripted_dropout_that_ignores_eval_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torch.jit.script(AlwaysDrops().eval()).save(str(path))
+    with pytest.raises(ModelLoadError, match=r"fixes 1 dropout or batch norm ops to training"):
+        TorchScriptRuntime(RuntimeOptions("cpu", 1)).load(path, SIGNATURE, max_batch_size=8)
 
 
 @pytest.mark.parametrize("module", [TrainModeNet, NormsWithoutStats])
