@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import math
 import threading
 import time
@@ -49,6 +50,7 @@ from service.errors import (
     ModelExecutionError,
     ModelNotReady,
     PayloadTooLarge,
+    TensorgateError,
     UnsupportedMediaType,
 )
 from service.inference import InferenceRequest, InferenceResult, OutputTensor, RequestedOutput
@@ -68,6 +70,7 @@ from service.telemetry.observation import After, Drain, Observer
 from service.telemetry.tracing import RequestTrace
 
 T = TypeVar("T")
+log = logging.getLogger("tensorgate.app")
 
 OFFLOAD_BYTES = 32 * 1024
 """Work through this many bytes (or more) moves to the thread pool; below it the hop costs more.
@@ -328,11 +331,35 @@ class DataPlane:
 
     async def load_model(self, name: str, polled: bool = False) -> None:
         """Load (or reload) a model; its new versions serve once their gates and warmup pass.
-        ``polled``: by ``--poll``, which leaves a model unloaded through the API meanwhile."""
-        entry = await asyncio.to_thread(self.repository.load_model, name, polled)
-        for version in entry.versions.values():
-            if version.served is not None:
-                version.served.start()
+        ``polled``: by ``--poll``, which leaves a model unloaded through the API meanwhile.
+
+        Then each pipeline whose code called it in its load's replay is reloaded, so that its
+        answers are replayed through what serves now (:meth:`ModelRepository.dependents`). It
+        serves on meanwhile (``replaying``); if the replay fails it is UNAVAILABLE, saying why
+        (``missing_step``). Its refusal is its own, never this load's: logged, and in its
+        metadata."""
+        await self._load(name, polled, {name})
+
+    async def _load(self, name: str, polled: bool, done: set[str]) -> None:
+        repository = self.repository
+        dependents = [d for d in repository.dependents(name) if d not in done]
+        repository.replaying.update(dependents)  # before the swap: they serve on meanwhile
+        try:
+            entry = await asyncio.to_thread(repository.load_model, name, polled)
+            for version in entry.versions.values():
+                if version.served is not None:
+                    version.served.start()
+            for dependent in dependents:
+                done.add(dependent)
+                log.info("model %s was loaded: replaying %s's answers through it", name, dependent)
+                try:
+                    await self._load(dependent, False, done)
+                except TensorgateError as exc:
+                    log.error("model %s, which calls %s, was refused: %s", dependent, name, exc)
+                finally:
+                    repository.replaying.discard(dependent)
+        finally:
+            repository.replaying.difference_update(dependents)
 
     async def unload_model(self, name: str, requested: bool = True) -> None:
         """``requested``: asked for (the repository API), so ``--poll`` leaves it unloaded."""

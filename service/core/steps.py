@@ -70,6 +70,14 @@ class Steps:
     ) -> None:
         self.repository, self.loop, self.default_s = repository, loop, default_s
 
+    def serial_of(self, model: str, version: str | None) -> int | None:
+        """Which load of ``model`` serves a call now (:attr:`LoadedVersion.serial`), if one
+        does: what a pipeline's replay records of each step it ran through."""
+        try:
+            return self.repository.ready_model(model, version, whole=False)[1].loaded.serial
+        except TensorgateError:
+            return None
+
     def infer(
         self, model: str, inputs: Mapping[str, np.ndarray], version: str | None = None
     ) -> dict[str, np.ndarray]:

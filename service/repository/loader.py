@@ -13,6 +13,7 @@ naming the refusal, which leaves the version UNAVAILABLE with that reason:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -81,6 +82,20 @@ SKIPPED_WITHOUT_MANIFEST = (
 )
 
 
+_LOADS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A model a pipeline's code called in its load's end-to-end replay."""
+
+    model: str
+    asked: str | None
+    """The version the code asked for (None: whichever serves)."""
+    serial: int | None
+    """:attr:`LoadedVersion.serial` of what served the call (None: not known)."""
+
+
 @dataclass(frozen=True, eq=False)
 class LoadedVersion:
     """What loading a version made and found; it never changes once built (how it is served
@@ -109,9 +124,12 @@ class LoadedVersion:
     """The exported golden pairs, replayed after a request fails alone to tell whose fault it
     was (None without a manifest)."""
     tolerance: Tolerance
-    steps: tuple[tuple[str, str | None], ...] = ()
-    """The other models (and versions asked for) its code called in the load's end-to-end
-    replay: while one of them cannot serve, neither can this version."""
+    steps: tuple[Step, ...] = ()
+    """The other models its code called in the load's end-to-end replay: while one of them
+    cannot serve, or serves other than what the replay ran through, neither can this version."""
+    serial: int = field(default_factory=lambda: next(_LOADS))
+    """This load's number in the process: a step's identity as a pipeline's replay met it (a
+    reload of the step, even at the same version number, is another)."""
     _code_pool: list[ThreadPoolExecutor] = field(default_factory=list, repr=False)
 
     def code_pool(self, threads: int) -> ThreadPoolExecutor:
@@ -300,7 +318,7 @@ def _gate_and_warm(
     check_names(pipeline, signature.inputs, signature.outputs, config.postprocessing is not None)
     if pipeline is not None and models is not None and isinstance(config.preprocessing, PythonSpec):
         pipeline.models = models  # before the replay: its steps may call other models
-    called: set[tuple[str, str | None]] = set()
+    called: set[Step] = set()
     if pipeline is not None:
         signature = bounded_signature(pipeline, signature)
         _bounded(bound, pipeline.warm, "the pipeline's warm()")
@@ -356,7 +374,7 @@ def _gate_and_warm(
         shapes,
         golden,
         tolerance,
-        tuple(sorted(called, key=str)),
+        tuple(sorted(called, key=lambda step: (step.model, str(step.asked)))),
     )
 
 
@@ -368,7 +386,7 @@ class _Recording:
     """``models`` that notes which model (and version) each call asks for: the steps a
     pipeline's replay reaches."""
 
-    def __init__(self, models: Models, called: set[tuple[str, str | None]], own: str) -> None:
+    def __init__(self, models: Models, called: set[Step], own: str) -> None:
         self.models, self.called, self.own = models, called, own
 
     def infer(
@@ -382,7 +400,9 @@ class _Recording:
             )
         # as the step will be looked up: an int was kept as it came, and the version lookups of
         # readiness, metadata, the index and /metrics took it for a string (500s)
-        self.called.add((model, None if version is None else str(version)))
+        asked = None if version is None else str(version)
+        serial_of = getattr(self.models, "serial_of", None)  # the server's steps say
+        self.called.add(Step(model, asked, serial_of(model, asked) if serial_of else None))
         return self.models.infer(model, inputs, version)
 
 

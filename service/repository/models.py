@@ -161,6 +161,10 @@ class ModelRepository:
         """Loads begun or ended and unloads done so far (:meth:`model_changes`)."""
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         self.steps: Models | None = None
+        self.replaying: set[str] = set()
+        """Pipelines being reloaded because a model their code calls was loaded again: they
+        serve on until the replay of their answers through it passes or fails (the core's
+        ``load_model``)."""
         self.budget: BatchBudget | None = None
         """The server's budget, where batches hold what they concatenate (set by the app)."""
         """The server's models, for pipeline code that calls them (set by the app)."""
@@ -464,20 +468,50 @@ class ModelRepository:
 
     def missing_step(self, version: ModelVersion) -> str:
         """Why a READY version cannot serve for want of a model its code calls (one its
-        load's replay called: unloaded, not ready, gone), or ""."""
+        load's replay called: unloaded, not ready, gone, or loaded again since that replay
+        and not being replayed through now (:attr:`replaying`): its answers through the step
+        as it is now are unproven), or ""."""
         steps = version.served.loaded.steps if version.served is not None else ()
-        for model, asked in steps:
+        for step in steps:
             try:
-                found = self.version(model, asked)
+                found = self.version(step.model, step.asked)
             except TensorgateError as exc:
-                return f"its pipeline step '{model}': {exc.message}"
-            if found.state is not ModelState.READY:
+                return f"its pipeline step '{step.model}': {exc.message}"
+            if found.state is not ModelState.READY or found.served is None:
                 detail = f": {found.reason}" if found.reason else ""
                 return (
-                    f"its pipeline step '{model}' version {found.version} is "
+                    f"its pipeline step '{step.model}' version {found.version} is "
                     f"{found.state.value}{detail}"
                 )
+            if (
+                step.serial is not None
+                and found.served.loaded.serial != step.serial
+                and version.name not in self.replaying
+            ):
+                entry = self.models.get(version.name)
+                refused = entry.last_load_error if entry is not None else ""
+                return (
+                    f"its pipeline step '{step.model}' version {found.version} was loaded after "
+                    "this version's end-to-end replay ran through the one before; "
+                    + (
+                        f"replaying its answers through it failed: {refused}"
+                        if refused
+                        else f"reload '{version.name}' to replay its answers through it (a load "
+                        "of the step through the server does)"
+                    )
+                )
         return ""
+
+    def dependents(self, name: str) -> list[str]:
+        """The models with a version whose code called ``name`` in its load's replay: a load
+        of ``name`` reloads them, to replay their answers through what now serves."""
+        return sorted(
+            {
+                v.name
+                for v, served in self.served_versions()
+                if v.name != name and any(s.model == name for s in served.loaded.steps)
+            }
+        )
 
     def state(self, version: ModelVersion) -> tuple[ModelState, str]:
         """A version's state and reason as callers see them: a READY version whose step

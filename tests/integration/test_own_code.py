@@ -242,8 +242,8 @@ def export_with_the_cli(repository: Path, source: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def export_scorer(folder: Path, version: str = "1") -> None:
-    torch.manual_seed(0)
+def export_scorer(folder: Path, version: str = "1", seed: int = 0) -> None:
+    torch.manual_seed(seed)
     module = torch.nn.Linear(4, 2)
     item = folder.parent / f"{folder.name}-item.json"
     item.write_text(json.dumps({"x": [1.0, -2.0, 3.0, 0.5]}))
@@ -268,6 +268,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_scorer(root / "scorer")
     write_chain(root / "chain")  # loads before the scorer it calls by name: the server waits
     write_chain(root / "selfie", step="selfie")  # calls itself
+    write_scorer(root / "swapped")  # a step that gets other weights (its own gates pass)
+    write_chain(root / "over_swapped", step="swapped")
     export_with_the_cli(root, tmp_path_factory.mktemp("user-src"))
     for change, _ in CHANGES:
         folder = root / ("edited_" + _folder_name(change))
@@ -765,6 +767,36 @@ def test_a_pipeline_whose_step_is_unloaded_says_so_until_the_step_serves_again(
     assert server.client.get("/v2/models/chain/ready").status_code == 200
     assert server.client.get("/v2/models/chain").json()["state"] == "READY"
     assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
+
+
+def test_a_step_loaded_with_other_answers_leaves_its_pipeline_unavailable_until_they_match(
+    server: Server,
+) -> None:
+    """A step's load replays the answers of each pipeline that calls it through it: a step
+    that now answers otherwise leaves the pipeline UNAVAILABLE, naming the step and the failed
+    replay. The pipeline kept serving, READY and verified, answers its own gate refused."""
+    folder = server.repository / "swapped"
+    pipeline = {"x": [0.5, 1.0, -1.0, 2.0], "step": "swapped"}
+    assert predict(server, "over_swapped", [pipeline]).status_code == 200
+    try:
+        export_scorer(folder, seed=5)  # version 1 again, other weights: its own gates pass
+        assert _load(server, "swapped").status_code == 200
+        metadata = server.client.get("/v2/models/over_swapped").json()
+        assert metadata["state"] == "UNAVAILABLE", metadata
+        assert (
+            "its pipeline step 'swapped' version 1 was loaded after this version's end-to-end "
+            "replay ran through the one before; replaying its answers through it failed: "
+        ) in metadata["reason"]
+        assert "end-to-end golden replay" in metadata["reason"]
+        response = predict(server, "over_swapped", [pipeline])
+        assert response.status_code == 503, response.text
+        assert server.client.get("/v2/models/over_swapped/ready").status_code == 503
+        assert server.client.get("/v2/models/swapped/ready").status_code == 200  # the step serves
+    finally:
+        export_scorer(folder)  # its weights back: the replay passes again
+        assert _load(server, "swapped").status_code == 200
+    assert server.client.get("/v2/models/over_swapped").json()["state"] == "READY"
+    assert predict(server, "over_swapped", [pipeline]).status_code == 200
 
 
 def test_a_step_model_reloaded_under_traffic_fails_no_pipeline_request(server: Server) -> None:
