@@ -11,8 +11,11 @@ request's crops and another client's requests share a batch. What carries throug
 - the step model's in-use count (unloading it, or the server's drain, waits for the step),
   and its statistics (a step counts as a request of its own);
 - failures: a step that fails fails the request with the step named (``pipeline step
-  'rnet': ...``), with the step's own status (404 for a model that is not there, 503 for one
-  not ready, 400 for inputs it does not take).
+  'rnet': ...``), with the step's own status where the request may be at fault or the step
+  may recover (503 for a model not ready, 400 for a shape or value it does not take, 504 past
+  the deadline), and 500 where the code is (a model or version that is not there, an input
+  name or dtype the model does not take: the code's own mistakes, whatever the client sent,
+  counted as errors where a 4xx would have counted them as the client's).
 
 A step sends tensors to the step model itself (its own pipeline, if any, is not run), so a
 pipeline never waits on the pool it runs in.
@@ -37,6 +40,8 @@ from service.datatypes import FROM_NUMPY, TO_NUMPY
 from service.errors import (
     DeadlineExceeded,
     InvalidInput,
+    ModelExecutionError,
+    ModelNotFound,
     ModelNotReady,
     StepCancelled,
     TensorgateError,
@@ -94,8 +99,12 @@ class Steps:
             )
         try:
             for _ in range(3):  # a version retired meanwhile (a reload): its successor runs it
-                _, served = self.repository.ready_model(model, version, whole=False)
+                try:
+                    _, served = self.repository.ready_model(model, version, whole=False)
+                except ModelNotFound as exc:  # the code named it: not the client's 404
+                    raise ModelExecutionError(exc.message) from None
                 loaded = served.loaded
+                _check_names_and_dtypes(inputs, loaded)
                 tensors = [_tensor(name, array) for name, array in inputs.items()]
                 batch = check_inputs(tensors, loaded.signature, loaded.config, model, empty=True)
                 if loaded.batched and not rows_of(batch, True):
@@ -114,6 +123,25 @@ class Steps:
             raise ModelNotReady(f"model '{model}' was reloaded again and again meanwhile")
         except TensorgateError as exc:
             raise _named(exc, model) from None
+
+
+def _check_names_and_dtypes(inputs: Mapping[str, np.ndarray], loaded: LoadedVersion) -> None:
+    """The code's inputs for a step have the model's names and dtypes: a mismatch is the
+    code's 500, whatever the request sent (shapes and values, which may follow from what it
+    sent, are checked as a request's own, a 400)."""
+    sent = sorted(inputs)
+    takes = sorted(spec.name for spec in loaded.signature.inputs)
+    if sent != takes:
+        raise ModelExecutionError(
+            f"the code sent inputs {sent}; model '{loaded.name}' takes {takes}"
+        )
+    for spec in loaded.signature.inputs:
+        dtype = np.asarray(inputs[spec.name]).dtype
+        if dtype != TO_NUMPY[spec.datatype]:
+            raise ModelExecutionError(
+                f"the code sent input '{spec.name}' as {dtype}; model '{loaded.name}' takes "
+                f"{spec.datatype} ({TO_NUMPY[spec.datatype]})"
+            )
 
 
 def _no_rows(loaded: LoadedVersion) -> dict[str, np.ndarray]:

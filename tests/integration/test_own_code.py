@@ -708,9 +708,10 @@ def test_steps_of_concurrent_requests_batch_at_the_step_model(server: Server) ->
 @pytest.mark.parametrize(
     ("step", "status", "says"),
     [
-        ("nosuch", 404, "pipeline step 'nosuch': unknown model 'nosuch'"),
+        # the code's own mistakes are its 500s, not the client's 404 or 400
+        ("nosuch", 500, "pipeline step 'nosuch': unknown model 'nosuch'"),
         ("edited_scorer_scorer_py", 503, "pipeline step 'edited_scorer_scorer_py': model "),
-        ("wine", 400, "pipeline step 'wine': model 'wine' has no input ['x']"),
+        ("wine", 500, "pipeline step 'wine': the code sent inputs ['x']; model 'wine' takes"),
     ],
 )
 def test_a_step_that_fails_fails_the_request_naming_the_step(

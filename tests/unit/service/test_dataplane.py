@@ -798,7 +798,9 @@ def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
     try:
         repository: Any = SimpleNamespace(ready_model=ready_model)  # all Steps asks of one
         steps = Steps(repository, loop, 5.0)
-        with pytest.raises(ModelNotFound, match="pipeline step 'm': model 'm' has no version '1'"):
+        with pytest.raises(  # the code asked for it: its 500, not the client's 404
+            ModelExecutionError, match="pipeline step 'm': model 'm' has no version '1'"
+        ):
             steps.infer("m", {"x": np.zeros((1, 2), np.float32)}, version=1)  # type: ignore[arg-type]  # an int, as pipeline code may pass
     finally:
         loop.close()
