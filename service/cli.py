@@ -408,10 +408,17 @@ def _health(probe: str) -> int:
     connection = http.client.HTTPConnection(host, settings.port, timeout=2)
     try:
         connection.request("GET", f"/v2/health/{probe}", headers=headers)
-        status = connection.getresponse().status
+        response = connection.getresponse()
+        status, body = response.status, response.read(2048)
     except OSError as exc:
         sys.stderr.write(f"tensorgate health: {host}:{settings.port}: {exc}\n")
         return 1
     finally:
         connection.close()
-    return 0 if status == 200 else 1
+    if status == 200:
+        return 0
+    said = " ".join(body.decode("utf-8", "replace").split())[:500]  # one line, bounded
+    sys.stderr.write(
+        f"tensorgate health {probe}: {host}:{settings.port} answered {status} {said}\n"
+    )
+    return 1

@@ -75,6 +75,14 @@ class Steps:
     ) -> None:
         self.repository, self.loop, self.default_s = repository, loop, default_s
 
+    def _left_out(self, model: str) -> str:
+        """Why a model the code calls is unknown, where the server chose not to load it."""
+        repository = self.repository
+        chosen = repository.settings.models
+        if chosen and model not in chosen and model in repository.on_disk():
+            return " (it is in the repository, but TG_MODELS leaves it out)"
+        return ""
+
     def serial_of(self, model: str, version: str | None) -> int | None:
         """Which load of ``model`` serves a call now (:attr:`LoadedVersion.serial`), if one
         does: what a pipeline's replay records of each step it ran through."""
@@ -102,7 +110,7 @@ class Steps:
                 try:
                     _, served = self.repository.ready_model(model, version, whole=False)
                 except ModelNotFound as exc:  # the code named it: not the client's 404
-                    raise ModelExecutionError(exc.message) from None
+                    raise ModelExecutionError(exc.message + self._left_out(model)) from None
                 loaded = served.loaded
                 _check_names_and_dtypes(inputs, loaded)
                 tensors = [_tensor(name, array) for name, array in inputs.items()]

@@ -57,7 +57,12 @@ def test_a_token_file_protects_health_and_the_health_command_sends_it(
             assert done.returncode == 0, done.stderr
         without_token = {k: v for k, v in probe_env.items() if k != "TG_API_TOKEN_FILE"}
         assert "TG_API_TOKEN_FILE" not in os.environ
-        assert tensorgate("health", env=without_token).returncode == 1  # 401 is not healthy
+        refused = tensorgate("health", env=without_token)
+        assert refused.returncode == 1  # 401 is not healthy, and a user running it reads why
+        assert refused.stderr.startswith(
+            f"tensorgate health ready: 127.0.0.1:{server.port} answered 401 "
+        ), refused.stderr
+        assert refused.stderr.count("\n") == 1
     finally:
         assert server.stop() == 0
     assert (

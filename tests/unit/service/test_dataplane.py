@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import sys
 import threading
 import time
@@ -796,7 +797,9 @@ def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
 
     loop = asyncio.new_event_loop()
     try:
-        repository: Any = SimpleNamespace(ready_model=ready_model)  # all Steps asks of one
+        repository: Any = SimpleNamespace(  # all Steps asks of one
+            ready_model=ready_model, settings=SimpleNamespace(models=None)
+        )
         steps = Steps(repository, loop, 5.0)
         with pytest.raises(  # the code asked for it: its 500, not the client's 404
             ModelExecutionError, match="pipeline step 'm': model 'm' has no version '1'"
@@ -805,6 +808,34 @@ def test_a_step_asked_for_a_version_by_number_looks_that_version_up() -> None:
     finally:
         loop.close()
     assert asked == ["1"]
+
+
+def test_a_step_that_tg_models_leaves_out_says_so(tmp_path: Path) -> None:
+    """The pipeline was UNAVAILABLE with "unknown model 'boxer'" while boxer's folder was in
+    the repository: TG_MODELS had left it out."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from service.core.steps import Steps
+
+    def ready_model(model: str, version: object, whole: bool = True) -> None:
+        raise ModelNotFound(f"unknown model '{model}'")
+
+    loop = asyncio.new_event_loop()
+    try:
+        repository: Any = SimpleNamespace(
+            ready_model=ready_model,
+            settings=SimpleNamespace(models=["inspect"]),
+            on_disk=lambda: {"boxer": tmp_path, "inspect": tmp_path},
+        )
+        steps = Steps(repository, loop, 5.0)
+        said = "pipeline step 'boxer': unknown model 'boxer' (it is in the repository, but "
+        with pytest.raises(ModelExecutionError, match=re.escape(said) + "TG_MODELS leaves it out"):
+            steps.infer("boxer", {"x": np.zeros((1, 2), np.float32)})
+        with pytest.raises(ModelExecutionError, match=r"unknown model 'ghost'$"):
+            steps.infer("ghost", {"x": np.zeros((1, 2), np.float32)})
+    finally:
+        loop.close()
 
 
 def test_a_large_json_answer_is_written_off_the_event_loop_a_binary_one_on_it(
