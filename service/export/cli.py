@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,16 @@ import yaml
 from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec
 from preprocessing.text import TextPipeline
 from service.artifacts.code import code_facts
-from service.artifacts.manifest import Manifest, read_manifest
+from service.artifacts.manifest import Manifest
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
-from service.export.exporter import DEFAULT_OPSET, FORMATS, ExportError, export_model
+from service.export.exporter import (
+    DEFAULT_OPSET,
+    FORMATS,
+    ExportError,
+    export_model,
+    other_versions,
+)
 from service.model_config import TensorConfig, describe_validation_error, yaml_problem
 from service.repository.models import NAME_PATTERN
 
@@ -135,32 +140,17 @@ def _export(
     backend = args.backend or next(f for f in FORMATS if f in manifest.artifacts)
     config = model_dir / "config.yaml"
     wrote = write_config(config, manifest, backend, preprocessing)
-    _warn_of_versions_with_other_code(model_dir, out_dir, manifest)
     if wrote:
         _warn_of_versions_without(backend, model_dir, out_dir)
     log.info("%s", summary(manifest, out_dir, config, backend, wrote))
     return 0
 
 
-def _other_versions(model_dir: Path, out_dir: Path) -> Iterator[tuple[Path, Manifest]]:
-    """The model's other version folders that have a readable manifest, with it (one that
-    does not is not this export's to judge: the server says why at load)."""
-    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
-        if version == out_dir:
-            continue
-        try:
-            other = read_manifest(version)
-        except ModelLoadError:
-            continue
-        if other is not None:
-            yield version, other
-
-
 def _warn_of_versions_without(backend: str, model_dir: Path, out_dir: Path) -> None:
     """The config.yaml export wrote is the model's, its versions' alike: say which of the
     others have no artifact for the backend it names (served beside this one, by
     ``version_policy``, each would be refused)."""
-    for version, other in _other_versions(model_dir, out_dir):
+    for version, other in other_versions(model_dir, out_dir):
         if backend not in other.artifacts:
             log.warning(
                 "version %s of %s has no %s artifact (it has %s), and config.yaml now names "
@@ -170,32 +160,6 @@ def _warn_of_versions_without(backend: str, model_dir: Path, out_dir: Path) -> N
                 backend,
                 ", ".join(sorted(other.artifacts)),
                 backend,
-            )
-
-
-def _warn_of_versions_with_other_code(model_dir: Path, out_dir: Path, manifest: Manifest) -> None:
-    """A model's code lives in its folder, shared by its versions: say which of the others
-    were exported with other code, which the server now refuses to load."""
-    if manifest.code is None:
-        return
-    files = manifest.code.get("files", {})
-    for version, other in _other_versions(model_dir, out_dir):
-        if other.code is None:
-            continue
-        changed = sorted(
-            name
-            for name in {*files, *other.code.get("files", {})}
-            if files.get(name) != other.code.get("files", {}).get(name)
-        )
-        if changed:
-            log.warning(
-                "version %s of %s was exported with other code (%s): the code in the model's "
-                "folder is its versions' alike, so the server now refuses to load version %s "
-                "(export it again, or serve its code from another model folder)",
-                version.name,
-                model_dir.name,
-                ", ".join(changed),
-                version.name,
             )
 
 

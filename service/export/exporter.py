@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +38,7 @@ from preprocessing.pipeline import BadInput, Item, Models, Pipeline, answer_one
 from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec, spec_hash
 from service.artifacts import cpu_targets
 from service.artifacts.code import CodeFacts, code_facts, plain
-from service.artifacts.manifest import GOLDEN, MANIFEST, Manifest, Tolerance
+from service.artifacts.manifest import GOLDEN, MANIFEST, Manifest, Tolerance, read_manifest
 from service.artifacts.shapes import ShapeFacts, guess_axes
 from service.core.validation import check_made
 from service.datatypes import TO_NUMPY
@@ -370,7 +370,48 @@ def export_model(
     )
     (out_dir / MANIFEST).write_text(manifest.model_dump_json(indent=2) + "\n")
     log.debug("exported %s to %s: parity %s", name, out_dir, parity)
+    _warn_of_versions_with_other_code(out_dir.parent, out_dir, manifest)
     return manifest
+
+
+def other_versions(model_dir: Path, out_dir: Path) -> Iterator[tuple[Path, Manifest]]:
+    """The model's other version folders that have a readable manifest, with it (one that
+    does not is not this export's to judge: the server says why at load)."""
+    for version in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        if version == out_dir:
+            continue
+        try:
+            other = read_manifest(version)
+        except ModelLoadError:
+            continue
+        if other is not None:
+            yield version, other
+
+
+def _warn_of_versions_with_other_code(model_dir: Path, out_dir: Path, manifest: Manifest) -> None:
+    """A model's code lives in its folder, shared by its versions: say which of the others
+    were exported with other code, which the server now refuses to load."""
+    if manifest.code is None:
+        return
+    files = manifest.code.get("files", {})
+    for version, other in other_versions(model_dir, out_dir):
+        if other.code is None:
+            continue
+        changed = sorted(
+            name
+            for name in {*files, *other.code.get("files", {})}
+            if files.get(name) != other.code.get("files", {}).get(name)
+        )
+        if changed:
+            log.warning(
+                "version %s of %s was exported with other code (%s): the code in the model's "
+                "folder is its versions' alike, so the server now refuses to load version %s "
+                "(export it again, or serve its code from another model folder)",
+                version.name,
+                model_dir.name,
+                ", ".join(changed),
+                version.name,
+            )
 
 
 @dataclass
@@ -439,7 +480,18 @@ def _code(spec: PythonSpec, folder: Path, name: str, items: Sequence[Path]) -> _
             "a kind: python pipeline needs raw items to record its end-to-end answers "
             "(answer_items, --answer-items FILE...)"
         )
-    facts = code_facts(spec, folder)
+    try:
+        facts = code_facts(spec, folder)
+    except ModelLoadError as exc:
+        said = str(exc)
+        if spec.package is None and not (folder / f"{spec.module.replace('.', '/')}.py").is_file():
+            said += (
+                f"; export_model imports a kind: python pipeline's code from the model's "
+                f"folder ({folder}, the version folder's parent) and copies nothing: put the "
+                "code there first (`tensorgate export --preprocessing spec.yaml` copies it from "
+                "beside the spec)"
+            )
+        raise ExportError(said) from None
     try:
         pipeline = load_pipeline(spec, folder, name)
     except ModelLoadError as exc:

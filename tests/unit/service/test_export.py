@@ -587,16 +587,19 @@ class Casting(torch.nn.Module):
         return self.net(features.float())
 
 
-def export_records(root: Path, code: str, code_in: str = "records") -> Path:
+def export_records(
+    root: Path, code: str, code_in: str = "records", code_folder: bool = True, version: int = 1
+) -> Path:
     """Export :class:`Casting` with ``code`` (``records.py``, written in ``root / code_in``)
-    as the pipeline of ``root / "records"``: the answer item's path."""
+    as the pipeline of ``root / "records"``: the answer item's path. ``code_folder``: name
+    the code's folder to export_model (else it looks in the model's own)."""
     (root / code_in).mkdir(exist_ok=True)
     (root / code_in / "records.py").write_text(code)
     item = root / "example.json"
     item.write_text(json.dumps({"features": [0.5, -1.0]}))
     export_model(
         Casting(),
-        root / "records" / "1",
+        root / "records" / str(version),
         name="records",
         inputs=[TensorConfig(name="features", datatype="FP32", shape=(2,))],
         outputs=[TensorConfig(name="logits", datatype="FP32", shape=(3,))],
@@ -606,7 +609,7 @@ def export_records(root: Path, code: str, code_in: str = "records") -> Path:
             {"kind": "python", "module": "records", "class": "Records"}
         ),
         answer_items=[item],
-        code_folder=root / code_in,
+        code_folder=root / code_in if code_folder else None,
         formats=("onnx",),
     )
     return item
@@ -658,3 +661,25 @@ def test_code_outside_the_model_folder_is_refused_at_export(tmp_path: Path) -> N
     the server imports it from: every load then failed ("cannot read records.py")."""
     with pytest.raises(ExportError, match="code_folder .* is not the model's folder"):
         export_records(tmp_path, MAKES.replace("{MADE}", '{"features": features}'), "src")
+
+
+def test_export_model_says_which_versions_were_exported_with_other_code(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only `tensorgate export` said so; a pipeline that calls other models is exported from
+    Python, and its version 1 was then refused at load without a word."""
+    export_records(tmp_path, MAKES.replace("{MADE}", '{"features": features}'))
+    other = MAKES.replace("{MADE}", '{"features": features * 1}')
+    with caplog.at_level(logging.WARNING, logger="tensorgate.export"):
+        export_records(tmp_path, other, version=2)
+    assert "version 1 of records was exported with other code (records.py)" in caplog.text
+
+
+def test_code_not_in_the_model_folder_says_export_model_copies_nothing(tmp_path: Path) -> None:
+    """Without code_folder it was a ModelLoadError traceback: "preprocessing: cannot read"."""
+    made = MAKES.replace("{MADE}", '{"features": features}')
+    with pytest.raises(ExportError) as refused:
+        export_records(tmp_path, made, "src", code_folder=False)
+    said = str(refused.value)
+    assert "records.py" in said and "export_model imports a kind: python pipeline's code" in said
+    assert f"from the model's folder ({tmp_path / 'records'}" in said
