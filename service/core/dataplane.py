@@ -552,9 +552,13 @@ class Call:
         alone = served.in_flight == 1
         trace = observation.trace
         preparing = 0 if trace is None else time.perf_counter_ns()
-        prepared = await self.dataplane.prepare(
-            loaded, request, alone, deadline, self._held, timing
-        )
+        try:
+            prepared = await self.dataplane.prepare(
+                loaded, request, alone, deadline, self._held, timing
+            )
+        except BaseException:  # a failed (or timed out) preprocessing: its time still shows
+            timing.compute_input_ns = time.perf_counter_ns() - timing.started_ns
+            raise
         if isinstance(prepared.work, dict):
             observation.rows = rows_of(prepared.work, loaded.batched)
             now = time.perf_counter_ns()
@@ -583,17 +587,19 @@ class Call:
                 started = time.perf_counter_ns()
                 done = partial(_answer, pipeline, outputs, prepared.contexts, loaded)
                 runner, gone = _code_context(deadline, timing)
-                said, answers = await _within(
-                    asyncio.get_running_loop().run_in_executor(
-                        self.dataplane.code_pool(loaded), runner, done
-                    ),
-                    deadline,
-                    loaded.name,
-                    "postprocessing",
-                    gone,
-                )
+                try:
+                    said, answers = await _within(
+                        asyncio.get_running_loop().run_in_executor(
+                            self.dataplane.code_pool(loaded), runner, done
+                        ),
+                        deadline,
+                        loaded.name,
+                        "postprocessing",
+                        gone,
+                    )
+                finally:  # a failed (or timed out) postprocessing: its time still shows
+                    timing.compute_output_ns += time.perf_counter_ns() - started
                 parameters.update(said)
-                timing.compute_output_ns += time.perf_counter_ns() - started
         tensors = _outputs(loaded, request.outputs, outputs, answers)
         if trace is not None:
             trace.stage("postprocess", postprocessing, time.perf_counter_ns())

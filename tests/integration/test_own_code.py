@@ -540,9 +540,18 @@ def test_slow_parameters_code_holds_no_other_request_and_meets_the_deadline(
     that slept 3 s held /v2/health/live and every model for 3 s, then answered 200."""
     said = tmp_path / "said"
     item = {"x": [0, 0, 1, 0], "slow": {"s": 4, "done": str(said)}}
-    response = predict(server, "scorer", [item], {"X-Request-Timeout": "0.5"})
+    headers = {"X-Request-Timeout": "0.5", "X-Request-ID": "slow-parameters"}
+    response = predict(server, "scorer", [item], headers)
     assert response.status_code == 504, response.text
     assert "model 'scorer': its postprocessing code did not finish" in response.json()["error"]
+    # the access line shows where the time went (it said postprocess_ms 0.0 for a failure)
+    server.wait_for(lambda: "slow-parameters" in server.log(), timeout=10)
+    (line,) = [
+        json.loads(text)
+        for text in server.log().splitlines()
+        if text.startswith("{") and '"request_id":"slow-parameters"' in text.replace(" ", "")
+    ]
+    assert line["status"] == 504 and line["postprocess_ms"] >= 300, line
     assert server.client.get("/v2/health/live").status_code == 200
     assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200
     assert not said.exists()  # all that while, parameters() slept
