@@ -64,12 +64,14 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         _enable_second_thread(settings)
         tracing.start(settings.tracing, __version__, span_exporter)
         repository = ModelRepository(settings)
-        repository.steps = Steps(repository, asyncio.get_running_loop(), settings.request_timeout_s)
+        drain = Drain()
+        metrics = Metrics(repository, lambda: drain.in_flight)
+        repository.steps = Steps(
+            repository, asyncio.get_running_loop(), settings.request_timeout_s, metrics
+        )
         repository.budget = budget  # batches of several requests hold their copy in it
         repository.scan()
         pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
-        drain = Drain()
-        metrics = Metrics(repository, lambda: drain.in_flight)
         observer = Observer(repository, metrics, drain, settings.access_log)
         app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
         app.state.dataplane.budget = budget  # what raw items decode into is held in it too

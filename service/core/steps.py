@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +51,10 @@ from service.inference import InputTensor
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
+from service.telemetry.observation import status_of
+
+if TYPE_CHECKING:  # only its type: the app passes the instance
+    from service.telemetry.metrics import Metrics
 
 DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "tensorgate_step_deadline", default=None
@@ -71,9 +76,16 @@ class Steps:
     """The server's models, for pipeline code: :meth:`infer` from any thread but the loop's."""
 
     def __init__(
-        self, repository: ModelRepository, loop: asyncio.AbstractEventLoop, default_s: float
+        self,
+        repository: ModelRepository,
+        loop: asyncio.AbstractEventLoop,
+        default_s: float,
+        metrics: Metrics | None = None,
     ) -> None:
+        """``metrics``: where each step is counted and timed as a request of protocol
+        ``step`` (the step model's series: its requests, duration and stages)."""
         self.repository, self.loop, self.default_s = repository, loop, default_s
+        self.metrics = metrics
 
     def _left_out(self, model: str) -> str:
         """Why a model the code calls is unknown, where the server chose not to load it."""
@@ -108,7 +120,7 @@ class Steps:
         try:
             for _ in range(3):  # a version retired meanwhile (a reload): its successor runs it
                 try:
-                    _, served = self.repository.ready_model(model, version, whole=False)
+                    found, served = self.repository.ready_model(model, version, whole=False)
                 except ModelNotFound as exc:  # the code named it: not the client's 404
                     raise ModelExecutionError(exc.message + self._left_out(model)) from None
                 loaded = served.loaded
@@ -119,7 +131,8 @@ class Steps:
                     return _no_rows(loaded)
                 batch, crop = _warmed(loaded, batch)
                 ran = asyncio.run_coroutine_threadsafe(
-                    _run(served, batch, deadline, CALLER.get()), self.loop
+                    _run(served, batch, deadline, CALLER.get(), self.metrics, str(found.version)),
+                    self.loop,
                 )
                 try:
                     outputs = ran.result(timeout=max(0.0, deadline - time.monotonic()) + 0.05)
@@ -182,20 +195,30 @@ async def _run(
     batch: dict[str, np.ndarray],
     deadline: float,
     caller: RequestTiming | None = None,
+    metrics: Metrics | None = None,
+    version: str = "",
 ) -> dict[str, np.ndarray] | None:
-    """The step on the loop, counted in the step model's statistics as a request of its own;
-    None if ``served`` was retired since the code's thread looked it up (a reload swapped
-    another version in, and this one no longer waits for requests: it would fail the step)."""
+    """The step on the loop, counted in the step model's statistics and ``metrics`` as a
+    request of its own; None if ``served`` was retired since the code's thread looked it up (a
+    reload swapped another version in, and this one no longer waits for requests: it would
+    fail the step)."""
     timing = RequestTiming()
+    loaded = served.loaded
     with served.use():
         if served.closing:  # read after the use is counted: a close() not seen yet waits for it
             return None
         try:
             outputs = await served.execute(batch, timing, deadline)
-        except BaseException:
+        except BaseException as exc:
             served.stats.record_failure(timing)
+            if metrics is not None:
+                elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
+                metrics.record(loaded.name, version, "step", status_of(exc), elapsed, timing)
             raise
-    served.stats.record_success(rows_of(batch, served.loaded.batched), timing)
+    served.stats.record_success(rows_of(batch, loaded.batched), timing)
+    if metrics is not None:
+        elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
+        metrics.record(loaded.name, version, "step", 200, elapsed, timing)
     if caller is not None and timing.unwarmed:
         caller.unwarmed = True
     return outputs

@@ -75,7 +75,9 @@ OUTCOMES = {
 }
 
 
-PROTOCOLS = ("v1", "v2", "grpc")
+PROTOCOLS = ("v1", "v2", "grpc", "step")
+"""How a request came: REST's two, gRPC, or a pipeline's code calling the model as a step
+(:mod:`service.core.steps`)."""
 SERVER_FAILURES = ("error", "unavailable", "timeout")
 """The outcomes the error-ratio alert counts (deploy/prometheus/rules.yaml)."""
 

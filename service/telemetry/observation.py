@@ -180,12 +180,13 @@ class _Observing:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if kind is None:
-            status = 200
-        elif isinstance(exc, TensorgateError):
-            status = exc.status
-        elif isinstance(exc, asyncio.CancelledError):
-            status = 499
-        else:
-            status = 500
+        status = 200 if kind is None else status_of(exc)
         self.observer.finish(self.protocol, self.name, self.observation, status, self.after)
+
+
+def status_of(exc: BaseException | None) -> int:
+    """The status a request that ended in ``exc`` is counted with: its own, 499 when it was
+    cancelled (its client left), 500 for anything else."""
+    if isinstance(exc, TensorgateError):
+        return exc.status
+    return 499 if isinstance(exc, asyncio.CancelledError) else 500

@@ -712,6 +712,20 @@ def test_steps_of_concurrent_requests_batch_at_the_step_model(server: Server) ->
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 32 and executions < inferences
+    # on /metrics too, as protocol "step": its dashboard panels showed the step model idle
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in server.client.get("/metrics").text.splitlines()
+        if line.startswith("tensorgate_") and 'model="scorer"' in line
+    }
+    steps = (
+        'tensorgate_requests_total{model="scorer",outcome="success",protocol="step",version="1"}'
+    )
+    assert samples[steps] >= 32
+    assert samples['tensorgate_compute_duration_seconds_count{model="scorer"}'] >= 32
+    assert (
+        samples['tensorgate_request_duration_seconds_count{model="scorer",protocol="step"}'] >= 32
+    )
 
 
 @pytest.mark.parametrize(
