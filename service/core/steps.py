@@ -36,7 +36,7 @@ import numpy as np
 from service.artifacts.shapes import Crop, apply_crop
 from service.batching.scheduler import Batch, rows_of
 from service.batching.stats import RequestTiming
-from service.core.validation import check_inputs
+from service.core.validation import castable, check_inputs
 from service.datatypes import FROM_NUMPY, TO_NUMPY
 from service.errors import (
     DeadlineExceeded,
@@ -147,9 +147,10 @@ class Steps:
 
 
 def _check_names_and_dtypes(inputs: Mapping[str, np.ndarray], loaded: LoadedVersion) -> None:
-    """The code's inputs for a step have the model's names and dtypes: a mismatch is the
-    code's 500, whatever the request sent (shapes and values, which may follow from what it
-    sent, are checked as a request's own, a 400)."""
+    """The code's inputs for a step have the model's names and dtypes (numeric dtypes it casts,
+    where the step model's ``cast_inputs`` is on): a mismatch is the code's 500, whatever the
+    request sent (shapes and values, which may follow from what it sent, are checked as a
+    request's own, a 400)."""
     sent = sorted(inputs)
     takes = sorted(spec.name for spec in loaded.signature.inputs)
     if sent != takes:
@@ -158,6 +159,9 @@ def _check_names_and_dtypes(inputs: Mapping[str, np.ndarray], loaded: LoadedVers
         )
     for spec in loaded.signature.inputs:
         dtype = np.asarray(inputs[spec.name]).dtype
+        given = FROM_NUMPY.get(dtype)
+        if given is not None and castable(loaded.config, given, spec.datatype):
+            continue  # cast to the declared datatype, as a request's tensors are (check_inputs)
         if dtype != TO_NUMPY[spec.datatype]:
             raise ModelExecutionError(
                 f"the code sent input '{spec.name}' as {dtype}; model '{loaded.name}' takes "

@@ -44,7 +44,7 @@ def check_inputs(
         tensor = given[spec.name]
         want = ((-1,) if batched else ()) + spec.shape
         data = tensor.data
-        if tensor.datatype != spec.datatype and _castable(config, tensor.datatype, spec.datatype):
+        if tensor.datatype != spec.datatype and castable(config, tensor.datatype, spec.datatype):
             data = cast(data, tensor.datatype, spec.datatype)
         elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
             raise InvalidInput(
@@ -94,7 +94,9 @@ def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where:
         )
 
 
-def _castable(config: ModelConfig, given: str, wanted: str) -> bool:
+def castable(config: ModelConfig, given: str, wanted: str) -> bool:
+    """Whether a tensor of datatype ``given`` is cast to the ``wanted`` one the model takes:
+    with its ``cast_inputs`` on, numbers only (never to or from BYTES)."""
     return config.cast_inputs and "BYTES" not in (given, wanted)
 
 

@@ -838,6 +838,29 @@ def test_a_step_that_tg_models_leaves_out_says_so(tmp_path: Path) -> None:
         loop.close()
 
 
+@pytest.mark.parametrize("cast", [False, True])
+def test_a_steps_dtype_is_the_codes_500_unless_the_step_model_casts(cast: bool) -> None:
+    """A step model with cast_inputs takes numpy's default float64 for its FP32 input, as a
+    request's tensors are cast; without it, the dtype is the code's mistake (a 500)."""
+    from types import SimpleNamespace
+
+    from service.core.steps import _check_names_and_dtypes
+    from service.model_config import ModelConfig, TensorConfig
+    from service.runtimes.base import Signature
+
+    x = TensorConfig(name="x", datatype="FP32", shape=(2,))
+    config = ModelConfig.model_validate({"backend": "onnx", "cast_inputs": cast})
+    loaded: Any = SimpleNamespace(name="m", signature=Signature((x,), (x,)), config=config)
+    sent = {"x": np.zeros((1, 2))}  # float64
+    if cast:
+        _check_names_and_dtypes(sent, loaded)
+    else:
+        with pytest.raises(ModelExecutionError, match="the code sent input 'x' as float64"):
+            _check_names_and_dtypes(sent, loaded)
+    with pytest.raises(ModelExecutionError, match=r"the code sent inputs \['y'\]"):
+        _check_names_and_dtypes({"y": np.zeros((1, 2), np.float32)}, loaded)
+
+
 def test_a_large_json_answer_is_written_off_the_event_loop_a_binary_one_on_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
