@@ -50,7 +50,6 @@ from service.errors import (
     ModelExecutionError,
     ModelNotReady,
     PayloadTooLarge,
-    TensorgateError,
     UnsupportedMediaType,
 )
 from service.inference import InferenceRequest, InferenceResult, OutputTensor, RequestedOutput
@@ -62,7 +61,7 @@ from service.pipelines.classification import (
 )
 from service.pipelines.inputs import BUILT_IN, ImageInput, Prepared, TextInput
 from service.repository.loader import LoadedVersion
-from service.repository.models import ModelRepository, ModelState
+from service.repository.models import ModelEntry, ModelRepository, ModelState
 from service.repository.serving import ServedVersion
 from service.settings import Settings
 from service.telemetry.counters import request_held
@@ -333,37 +332,66 @@ class DataPlane:
         """Load (or reload) a model; its new versions serve once their gates and warmup pass.
         ``polled``: by ``--poll``, which leaves a model unloaded through the API meanwhile.
 
-        Then each pipeline whose code called it in its load's replay is reloaded, so that its
-        answers are replayed through what serves now (:meth:`ModelRepository.dependents`). It
-        serves on meanwhile (``replaying``); if the replay fails it is UNAVAILABLE, saying why
+        Then each pipeline whose load's replay ran through a step that has been loaded again
+        since is reloaded, so that its answers are replayed through what serves now
+        (:meth:`ModelRepository.stale`), those calling others after them. The pipelines that
+        call this model, directly or through others, serve on meanwhile
+        (:attr:`ModelRepository.replaying`); one whose replay fails is UNAVAILABLE, saying why
         (``missing_step``). Its refusal is its own, never this load's: logged, and in its
-        metadata."""
-        await self._load(name, polled, {name})
+        metadata. The load and the replays run to their end even if the caller is cancelled
+        (a gRPC client gone): the swap, in its thread, would happen all the same."""
+        done = asyncio.ensure_future(self._load(name, polled))
+        done.add_done_callback(_retrieve)
+        await asyncio.shield(done)
 
-    async def _load(self, name: str, polled: bool, done: set[str]) -> None:
+    async def _load(self, name: str, polled: bool) -> None:
         repository = self.repository
-        dependents = [d for d in repository.dependents(name) if d not in done]
-        repository.replaying.update(dependents)  # before the swap: they serve on meanwhile
+        callers = repository.depending_on(name)
+        repository.replaying.update(callers)  # before the swap: they serve on meanwhile
         try:
-            entry = await asyncio.to_thread(repository.load_model, name, polled)
-            for version in entry.versions.values():
-                if version.served is not None:
-                    version.served.start()
-            for dependent in dependents:
-                done.add(dependent)
-                log.info("model %s was loaded: replaying %s's answers through it", name, dependent)
-                try:
-                    await self._load(dependent, False, done)
-                except TensorgateError as exc:
-                    log.error("model %s, which calls %s, was refused: %s", dependent, name, exc)
-                finally:
-                    repository.replaying.discard(dependent)
+            _start(await asyncio.to_thread(repository.load_model, name, polled))
+            await self._replay_stale()
         finally:
-            repository.replaying.difference_update(dependents)
+            repository.replaying.subtract(callers)
+            for caller in callers:
+                if repository.replaying[caller] <= 0:
+                    del repository.replaying[caller]
+
+    async def _replay_stale(self) -> None:
+        """Reload each stale pipeline once, leaves first (one that calls another stale one
+        after it); a refusal leaves the pipeline to say why, and the rest go on."""
+        repository = self.repository
+        tried: set[str] = set()
+        while stale := [name for name in repository.stale() if name not in tried]:
+            waiting = set(stale)
+            leaves = [n for n in stale if not repository.steps_of(n) & waiting] or stale
+            for pipeline in leaves:
+                tried.add(pipeline)
+                log.info(
+                    "replaying %s's answers through the steps it calls as they now serve", pipeline
+                )
+                try:  # polled: a pipeline unloaded meanwhile stays unloaded
+                    _start(await asyncio.to_thread(repository.load_model, pipeline, True))
+                except Exception:
+                    log.exception("model %s: its reload, to replay its answers, failed", pipeline)
 
     async def unload_model(self, name: str, requested: bool = True) -> None:
         """``requested``: asked for (the repository API), so ``--poll`` leaves it unloaded."""
         await asyncio.to_thread(self.repository.unload_model, name, requested)
+
+
+def _start(entry: ModelEntry) -> None:
+    """Start the schedulers of ``entry``'s versions that serve (in the running loop)."""
+    for version in entry.versions.values():
+        if version.served is not None:
+            version.served.start()
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    """A load's outcome, read once its caller may have left (else asyncio logs it as never
+    retrieved): a refusal was logged by the repository already."""
+    if not done.cancelled():
+        done.exception()
 
 
 def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -> None:

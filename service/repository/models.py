@@ -10,6 +10,7 @@ other files, are as they were when it loaded serves on: it is not loaded and war
 
 from __future__ import annotations
 
+import collections
 import enum
 import hashlib
 import logging
@@ -161,10 +162,10 @@ class ModelRepository:
         """Loads begun or ended and unloads done so far (:meth:`model_changes`)."""
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         self.steps: Models | None = None
-        self.replaying: set[str] = set()
-        """Pipelines being reloaded because a model their code calls was loaded again: they
-        serve on until the replay of their answers through it passes or fails (the core's
-        ``load_model``)."""
+        self.replaying: collections.Counter[str] = collections.Counter()
+        """Pipelines that call a model being loaded (directly or through others), by the loads
+        under way: they serve on until the replay of their answers through what it loaded
+        passes or fails (the core's ``load_model``)."""
         self.budget: BatchBudget | None = None
         """The server's budget, where batches hold what they concatenate (set by the app)."""
         """The server's models, for pipeline code that calls them (set by the app)."""
@@ -486,7 +487,7 @@ class ModelRepository:
             if (
                 step.serial is not None
                 and found.served.loaded.serial != step.serial
-                and version.name not in self.replaying
+                and self.replaying[version.name] <= 0
             ):
                 entry = self.models.get(version.name)
                 refused = entry.last_load_error if entry is not None else ""
@@ -503,8 +504,7 @@ class ModelRepository:
         return ""
 
     def dependents(self, name: str) -> list[str]:
-        """The models with a version whose code called ``name`` in its load's replay: a load
-        of ``name`` reloads them, to replay their answers through what now serves."""
+        """The models with a version whose code called ``name`` in its load's replay."""
         return sorted(
             {
                 v.name
@@ -512,6 +512,46 @@ class ModelRepository:
                 if v.name != name and any(s.model == name for s in served.loaded.steps)
             }
         )
+
+    def depending_on(self, name: str) -> set[str]:
+        """The models whose code calls ``name``, directly or through others' code."""
+        found: set[str] = set()
+        todo = [name]
+        while todo:
+            for caller in self.dependents(todo.pop()):
+                if caller not in found and caller != name:
+                    found.add(caller)
+                    todo.append(caller)
+        return found
+
+    def steps_of(self, name: str) -> set[str]:
+        """The models the serving versions of ``name`` called in their loads' replays."""
+        return {
+            step.model
+            for v, served in self.served_versions()
+            if v.name == name
+            for step in served.loaded.steps
+        }
+
+    def stale(self) -> list[str]:
+        """The models with a serving version whose load's replay ran through a step that has
+        been loaded again since (it serves, another load of it): their answers through it are
+        unproven until a reload replays them."""
+        found: set[str] = set()
+        for version, served in self.served_versions():
+            for step in served.loaded.steps:
+                try:
+                    now = self.version(step.model, step.asked)
+                except TensorgateError:  # gone: missing_step says so; nothing to replay through
+                    continue
+                if (
+                    step.serial is not None
+                    and now.served is not None
+                    and now.state is ModelState.READY
+                    and now.served.loaded.serial != step.serial
+                ):
+                    found.add(version.name)
+        return sorted(found)
 
     def state(self, version: ModelVersion) -> tuple[ModelState, str]:
         """A version's state and reason as callers see them: a READY version whose step
