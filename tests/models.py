@@ -106,3 +106,52 @@ class Copy(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
+
+
+class NormsWithoutStats(nn.Module):
+    """A batch norm that keeps no running statistics normalises by the batch's in eval mode too:
+    traced in eval mode its graph says training=True, rightly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8, track_running_stats=False)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+class AlwaysDrops(nn.Module):
+    """F.dropout without training=self.training: its default, True, drops in eval mode too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.dropout(x, 0.5))
+
+
+class GuardedDrops(nn.Module):
+    """Dropout only in training, by the module's own test: the branch never runs in eval."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = nn.functional.dropout(x, 0.5)
+        return self.out(x)
+
+
+class DropsNothing(nn.Module):
+    """Dropout of p = 0, the identity in training too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.0)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(x))

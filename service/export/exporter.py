@@ -49,6 +49,7 @@ from service.pipelines.code import last_frame, load_pipeline
 from service.pipelines.inputs import check_names
 from service.runtimes.base import RuntimeOptions, Signature, shape_fits
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
+from service.runtimes.torchscript import training_refusal
 
 log = logging.getLogger("tensorgate.export")
 P = ParamSpec("P")
@@ -815,6 +816,8 @@ def _export_torchscript(
             scripted = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]  # torch.jit is untyped
     scripted.save(str(path))  # type: ignore[no-untyped-call]  # torch.jit is untyped
     loaded: torch.jit.ScriptModule = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]  # torch.jit is untyped
+    if refusal := training_refusal(path.name, loaded):  # what the server would refuse at load
+        raise ExportError(refusal)
     return loaded
 
 

@@ -46,7 +46,12 @@ def fixed_to_training(module: torch.jit.ScriptModule) -> list[str]:
         for node in block.nodes():
             kind, inputs = node.kind(), list(node.inputs())
             said = None
-            if _DROPOUT.match(kind) and len(inputs) >= 3 and _constant(inputs[2]) is True:
+            if (
+                _DROPOUT.match(kind)
+                and len(inputs) >= 3
+                and _constant(inputs[2]) is True
+                and _constant(inputs[1]) != 0  # p = 0 drops nothing
+            ):
                 said = f"{kind.removeprefix('aten::').rstrip('_')} at {_where(node)}"
             elif (
                 kind == "aten::batch_norm"
@@ -59,11 +64,43 @@ def fixed_to_training(module: torch.jit.ScriptModule) -> list[str]:
                 said = f"batch_norm at {_where(node)}"
             if said is not None and said not in found:  # F.dropout's two branches: one op
                 found.append(said)
-            for inner in node.blocks():
+            for inner in _live(node):
                 visit(inner)
 
     visit(module.inlined_graph)
     return found
+
+
+def training_refusal(artifact: str, module: torch.jit.ScriptModule) -> str:
+    """Why ``module`` (the ``artifact`` file's) cannot serve for what :func:`fixed_to_training`
+    finds in it, or "" (the server's refusal at load, and export's before it writes one)."""
+    fixed = fixed_to_training(module)
+    if not fixed:
+        return ""
+    shown = "; ".join(fixed[:5]) + (f"; and {len(fixed) - 5} more" if len(fixed) > 5 else "")
+    return (
+        f"{artifact} runs in training mode whatever eval() says: its graph fixes {len(fixed)} "
+        f"dropout or batch norm ops to training ({shown}), so each call would drop activations "
+        "at random or use the batch's statistics. A trace of a module in train() fixes them so: "
+        "call model.eval() before torch.jit.trace and save it again (tensorgate export does); "
+        "and pass training=self.training to F.dropout, whose default is True"
+    )
+
+
+def _live(node: Any) -> list[Any]:
+    """The blocks of ``node`` that can run in eval mode: of an ``if`` on ``self.training`` (or
+    on a constant) only the branch taken, so that ``if self.training: x = F.dropout(x, p)`` is
+    not refused for a dropout that never runs."""
+    blocks = list(node.blocks())
+    if node.kind() != "prim::If" or len(blocks) != 2:
+        return blocks
+    condition = next(node.inputs())
+    made = condition.node()
+    if made.kind() == "prim::GetAttr" and made.s("name") == "training":
+        return [blocks[1]]
+    if made.kind() == "prim::Constant" and isinstance(taken := _constant(condition), bool):
+        return [blocks[0] if taken else blocks[1]]
+    return blocks
 
 
 def _constant(value: Any) -> Any:
@@ -165,18 +202,8 @@ class TorchScriptRuntime(TorchRuntime):
             raise ModelLoadError(
                 f"submodules still in training mode after eval(): {still_training}"
             )
-        if fixed := fixed_to_training(module):
-            shown = "; ".join(fixed[:5]) + (
-                f"; and {len(fixed) - 5} more" if len(fixed) > 5 else ""
-            )
-            raise ModelLoadError(
-                f"{path.name} runs in training mode whatever eval() says: its graph fixes "
-                f"{len(fixed)} dropout or batch norm ops to training ({shown}), so each call would "
-                "drop activations at random or use the batch's statistics. A trace of a module in "
-                "train() fixes them so: call model.eval() before torch.jit.trace and save it "
-                "again (tensorgate export does); and pass training=self.training to F.dropout, "
-                "whose default is True"
-            )
+        if refusal := training_refusal(path.name, module):
+            raise ModelLoadError(refusal)
         arguments = [arg.name for arg in module.forward.schema.arguments[1:]]
         if len(arguments) != len(declared.inputs):
             raise ModelLoadError(

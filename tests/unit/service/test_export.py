@@ -20,7 +20,7 @@ from service.export.cli import (
 )
 from service.export.exporter import ExportError, export_model
 from service.model_config import TensorConfig
-from tests.models import Mlp, TrainModeNet
+from tests.models import AlwaysDrops, Mlp, TrainModeNet
 from tests.user_models import Heatmap, ShiftedLookup, Tagger
 
 X = TensorConfig(name="x", datatype="FP32", shape=(64,))
@@ -253,6 +253,26 @@ def test_when_a_branch_on_values_fails_every_format_export_says_torchscript_keep
         "its example took: --formats torchscript scripts the module and keeps each branch (or "
         "write the branch with torch.cond)"
     )
+
+
+def test_a_torchscript_export_the_server_would_refuse_for_training_mode_fails(
+    tmp_path: Path,
+) -> None:
+    """F.dropout without training= drops in eval mode: export wrote model.pt, and the server
+    refused it at every load."""
+    x = TensorConfig(name="x", datatype="FP32", shape=(8,))
+    with pytest.raises(ExportError, match="torchscript: model.pt runs in training mode"):
+        export_model(
+            AlwaysDrops(),
+            tmp_path,
+            name="d",
+            inputs=[x],
+            outputs=[TensorConfig(name="y", datatype="FP32", shape=(4,))],
+            golden_inputs={"x": np.ones((2, 8), np.float32)},
+            max_batch_size=4,
+            formats=("torchscript",),
+            required=["torchscript"],
+        )
 
 
 def test_writing_torchscript_warns_that_it_is_deprecated_upstream(

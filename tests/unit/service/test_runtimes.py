@@ -22,7 +22,16 @@ from service.runtimes.onnx import providers_for
 from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime
 from service.runtimes.torchscript import TorchScriptRuntime
 from tests.conftest import Exported
-from tests.models import Copy, Mlp, TinyText, TrainModeNet
+from tests.models import (
+    AlwaysDrops,
+    Copy,
+    DropsNothing,
+    GuardedDrops,
+    Mlp,
+    NormsWithoutStats,
+    TinyText,
+    TrainModeNet,
+)
 
 SIGNATURE = Signature(
     (TensorConfig(name="x", datatype="FP32", shape=(8,)),),
@@ -57,19 +66,6 @@ def test_torchscript_runtime_enforces_eval_no_grad_and_inference_mode(
     assert raw.is_inference() and not raw.requires_grad and raw.grad_fn is None
 
 
-class NormsWithoutStats(torch.nn.Module):
-    """A batch norm that keeps no running statistics normalises by the batch's in eval mode too:
-    traced in eval mode its graph says training=True, rightly."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = torch.nn.BatchNorm1d(8, track_running_stats=False)
-        self.out = torch.nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
-
-
 def test_a_module_traced_in_training_mode_is_refused_naming_each_op_and_its_line(
     tmp_path: Path,
 ) -> None:
@@ -89,22 +85,32 @@ def test_a_module_traced_in_training_mode_is_refused_naming_each_op_and_its_line
     assert "call model.eval() before torch.jit.trace" in message
 
 
-class AlwaysDrops(torch.nn.Module):
-    """F.dropout without training=self.training: its default, True, drops in eval mode too."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = torch.nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.nn.functional.dropout(x, 0.5))
-
-
 def test_a_scripted_dropout_that_ignores_eval_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     torch.jit.script(AlwaysDrops().eval()).save(str(path))
     with pytest.raises(ModelLoadError, match=r"fixes 1 dropout or batch norm ops to training"):
         TorchScriptRuntime(RuntimeOptions("cpu", 1)).load(path, SIGNATURE, max_batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("module", "made"),
+    [
+        (GuardedDrops, "script"),
+        (DropsNothing, "trace"),  # traced in train(): its dropout fixed to training, p = 0
+    ],
+)
+def test_a_dropout_that_never_drops_in_eval_mode_is_not_refused(
+    tmp_path: Path, module: type[torch.nn.Module], made: str
+) -> None:
+    path = tmp_path / "model.pt"
+    if made == "script":
+        torch.jit.script(module().eval()).save(str(path))
+    else:
+        torch.jit.trace(module().train(), torch.zeros(2, 8)).save(str(path))
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    runtime.load(path, SIGNATURE, max_batch_size=8)
+    x = np.ones((2, 8), np.float32)
+    np.testing.assert_array_equal(runtime.run({"x": x})["y"], runtime.run({"x": x})["y"])
 
 
 @pytest.mark.parametrize("module", [TrainModeNet, NormsWithoutStats])
