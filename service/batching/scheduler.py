@@ -623,14 +623,18 @@ class Scheduler:
         except TensorgateError as exc:
             _fail(items, exc)
         except Exception as exc:
-            if is_out_of_memory(exc):
-                await self._after_oom(instance, items)
-            elif failures is not None:
-                failures.extend((p, exc) for p in items)
-            elif len(items) > 1:
-                await self._isolate(instance, items, exc)
-            else:
-                _fail(items, await self._judge(instance, exc))
+            try:
+                if is_out_of_memory(exc):
+                    await self._after_oom(instance, items)
+                elif failures is not None:
+                    failures.extend((p, exc) for p in items)
+                elif len(items) > 1:
+                    await self._isolate(instance, items, exc)
+                else:
+                    _fail(items, await self._judge(instance, exc))
+            except asyncio.CancelledError:  # stop() meanwhile: what was not answered never will
+                _fail(items, ServerBusy(f"model '{self.model}' is shutting down"))
+                raise
 
     async def _on_thread(
         self,

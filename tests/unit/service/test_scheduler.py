@@ -678,6 +678,38 @@ async def test_a_batch_that_fails_while_its_version_stops_still_answers_its_requ
     timer.join()
 
 
+async def test_a_batch_being_isolated_when_its_version_stops_answers_every_request() -> None:
+    """A failed batch re-run a request at a time (to find the poisoned one): ``stop`` then
+    cancelled the worker between runs, and the requests not run yet were never answered."""
+    release = threading.Event()
+    sizes: list[int] = []
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        sizes.append(batch["x"].shape[0])
+        if batch["x"].shape[0] > 1:
+            raise RuntimeError("boom")
+        release.wait(10)
+        return {"y": batch["x"]}
+
+    s = scheduler(run, max_batch_size=2, max_queue_delay_s=0.2)
+    s.start()
+    requests = [
+        asyncio.ensure_future(s.submit({"x": np.zeros((1, 1))}, None, None)) for _ in range(2)
+    ]
+    for _ in range(1000):  # until the first request's lone re-run holds the instance
+        if sizes == [2, 1]:
+            break
+        await asyncio.sleep(0.005)
+    assert sizes == [2, 1]
+    timer = threading.Timer(0.05, release.set)  # stop() waits for the thread, holding the loop
+    timer.start()
+    await s.stop()
+    answers = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 5)
+    timer.join()
+    assert [type(a) for a in answers] == [ServerBusy, ServerBusy], answers
+    assert "model 'm' is shutting down" in str(answers[1])
+
+
 async def test_an_unprepared_request_is_batched_alone_and_others_batch_on() -> None:
     release, run = _blocking()
     sizes: list[int] = []
