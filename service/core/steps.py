@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -51,10 +50,8 @@ from service.inference import InputTensor
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
+from service.telemetry.metrics import STEP, Metrics
 from service.telemetry.observation import status_of
-
-if TYPE_CHECKING:  # only its type: the app passes the instance
-    from service.telemetry.metrics import Metrics
 
 DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "tensorgate_step_deadline", default=None
@@ -217,12 +214,12 @@ async def _run(
             served.stats.record_failure(timing)
             if metrics is not None:
                 elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
-                metrics.record(loaded.name, version, "step", status_of(exc), elapsed, timing)
+                metrics.record(loaded.name, version, STEP, status_of(exc), elapsed, timing)
             raise
     served.stats.record_success(rows_of(batch, loaded.batched), timing)
     if metrics is not None:
         elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
-        metrics.record(loaded.name, version, "step", 200, elapsed, timing)
+        metrics.record(loaded.name, version, STEP, 200, elapsed, timing)
     if caller is not None and timing.unwarmed:
         caller.unwarmed = True
     return outputs

@@ -75,9 +75,12 @@ OUTCOMES = {
 }
 
 
-PROTOCOLS = ("v1", "v2", "grpc", "step")
-"""How a request came: REST's two, gRPC, or a pipeline's code calling the model as a step
-(:mod:`service.core.steps`)."""
+PROTOCOLS = ("v1", "v2", "grpc")
+"""How a request came: REST's two, or gRPC (each version's failure series primed from 0)."""
+STEP = "step"
+"""The protocol of a pipeline's code calling the model (:mod:`service.core.steps`): its series
+appear with its first call (most models are nobody's step), and time only the stages a step
+has (queue and compute)."""
 SERVER_FAILURES = ("error", "unavailable", "timeout")
 """The outcomes the error-ratio alert counts (deploy/prometheus/rules.yaml)."""
 
@@ -156,21 +159,18 @@ class Metrics:
                 self.duration.labels(model, protocol),
             )
             if status == 200:  # the stages are timed for successes only
-                children += (
-                    self.queue.labels(model),
-                    self.compute.labels(model),
-                    self.preprocess.labels(model),
-                    self.postprocess.labels(model),
-                )
+                children += (self.queue.labels(model), self.compute.labels(model))
+                if protocol != STEP:  # a step has no pre- or postprocessing of its own
+                    children += (self.preprocess.labels(model), self.postprocess.labels(model))
             self._children[key] = children
         children[0].inc()
         children[1].observe(elapsed_s)
         if status == 200:
-            queue, compute, preprocess, postprocess = children[2:]
-            queue.observe(timing.queue_ns / 1e9)
-            compute.observe(timing.compute_infer_ns / 1e9)
-            preprocess.observe(timing.compute_input_ns / 1e9)
-            postprocess.observe(timing.compute_output_ns / 1e9)
+            children[2].observe(timing.queue_ns / 1e9)
+            children[3].observe(timing.compute_infer_ns / 1e9)
+            if len(children) > 4:
+                children[4].observe(timing.compute_input_ns / 1e9)
+                children[5].observe(timing.compute_output_ns / 1e9)
 
     def _stage(self, stage: str, help_text: str) -> DurationHistogram:
         return DurationHistogram(
