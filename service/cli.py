@@ -409,14 +409,16 @@ def _health(probe: str) -> int:
     try:
         connection.request("GET", f"/v2/health/{probe}", headers=headers)
         response = connection.getresponse()
+        if response.status == 200:  # healthy: its body is not awaited
+            return 0
         status, body = response.status, response.read(2048)
-    except OSError as exc:
-        sys.stderr.write(f"tensorgate health: {host}:{settings.port}: {exc}\n")
+    except (OSError, http.client.HTTPException) as exc:  # no answer, or not HTTP
+        sys.stderr.write(
+            f"tensorgate health: {host}:{settings.port}: {exc or type(exc).__name__}\n"
+        )
         return 1
     finally:
         connection.close()
-    if status == 200:
-        return 0
     said = " ".join(body.decode("utf-8", "replace").split())[:500]  # one line, bounded
     sys.stderr.write(
         f"tensorgate health {probe}: {host}:{settings.port} answered {status} {said}\n"
