@@ -414,7 +414,7 @@ def _health(probe: str) -> int:
         status, body = response.status, response.read(2048)
     except (OSError, http.client.HTTPException) as exc:  # no answer, or not HTTP
         sys.stderr.write(
-            f"tensorgate health: {host}:{settings.port}: {exc or type(exc).__name__}\n"
+            f"tensorgate health: {host}:{settings.port}: {str(exc) or type(exc).__name__}\n"
         )
         return 1
     finally:

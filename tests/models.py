@@ -155,3 +155,16 @@ class DropsNothing(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.drop(x))
+
+
+class InvertedGuard(nn.Module):
+    """Dropout only in training, tested the other way round (``not self.training``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.out(x)
+        return self.out(nn.functional.dropout(x, 0.5))

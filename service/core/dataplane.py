@@ -50,6 +50,7 @@ from service.errors import (
     ModelExecutionError,
     ModelNotReady,
     PayloadTooLarge,
+    TensorgateError,
     UnsupportedMediaType,
 )
 from service.inference import InferenceRequest, InferenceResult, OutputTensor, RequestedOutput
@@ -349,29 +350,43 @@ class DataPlane:
         callers = repository.depending_on(name)
         repository.replaying.update(callers)  # before the swap: they serve on meanwhile
         try:
-            _start(await asyncio.to_thread(repository.load_model, name, polled))
-            await self._replay_stale()
+            entry = await asyncio.to_thread(repository.load_model, name, polled)
+            if repository.stopping.is_set():  # closed meanwhile: nothing is to start
+                return
+            _start(entry)
+            await self._replay_stale({name} | callers)
         finally:
             repository.replaying.subtract(callers)
             for caller in callers:
                 if repository.replaying[caller] <= 0:
                     del repository.replaying[caller]
 
-    async def _replay_stale(self) -> None:
-        """Reload each stale pipeline once, leaves first (one that calls another stale one
-        after it); a refusal leaves the pipeline to say why, and the rest go on."""
+    async def _replay_stale(self, scope: set[str]) -> None:
+        """Reload each stale pipeline of ``scope`` (the model loaded and those that call it)
+        once it is due, leaves first: one waits while a model it calls is stale, or calls a
+        stale one through others (it would replay through what is about to be replaced). A
+        refusal leaves the pipeline to say why (a later load of one of its steps tries it
+        again, not any load), and the rest go on."""
         repository = self.repository
         tried: set[str] = set()
-        while stale := [name for name in repository.stale() if name not in tried]:
+        while not repository.stopping.is_set() and (
+            stale := [n for n in repository.stale() if n in scope and n not in tried]
+        ):
             waiting = set(stale)
-            leaves = [n for n in stale if not repository.steps_of(n) & waiting] or stale
-            for pipeline in leaves:
+            for name in stale:
+                waiting |= repository.depending_on(name)
+            due = [n for n in stale if not repository.steps_of(n) & waiting] or stale
+            for pipeline in due:
                 tried.add(pipeline)
+                if pipeline not in repository.stale():  # another load replayed it meanwhile
+                    continue
                 log.info(
                     "replaying %s's answers through the steps it calls as they now serve", pipeline
                 )
                 try:  # polled: a pipeline unloaded meanwhile stays unloaded
                     _start(await asyncio.to_thread(repository.load_model, pipeline, True))
+                except TensorgateError as exc:  # its refusal: in its metadata too
+                    log.error("model %s: the replay of its answers was refused: %s", pipeline, exc)
                 except Exception:
                     log.exception("model %s: its reload, to replay its answers, failed", pipeline)
 
@@ -389,9 +404,11 @@ def _start(entry: ModelEntry) -> None:
 
 def _retrieve(done: asyncio.Future[None]) -> None:
     """A load's outcome, read once its caller may have left (else asyncio logs it as never
-    retrieved): a refusal was logged by the repository already."""
-    if not done.cancelled():
-        done.exception()
+    retrieved): a refusal the repository logged already, anything else here."""
+    if done.cancelled():
+        return
+    if (exc := done.exception()) is not None and not isinstance(exc, TensorgateError):
+        log.error("a model's load failed", exc_info=exc)
 
 
 def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -> None:

@@ -817,6 +817,7 @@ def _export_torchscript(
     scripted.save(str(path))  # type: ignore[no-untyped-call]  # torch.jit is untyped
     loaded: torch.jit.ScriptModule = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]  # torch.jit is untyped
     if refusal := training_refusal(path.name, loaded):  # what the server would refuse at load
+        path.unlink()  # not left beside the formats that did export
         raise ExportError(refusal)
     return loaded
 

@@ -96,11 +96,18 @@ def _live(node: Any) -> list[Any]:
         return blocks
     condition = next(node.inputs())
     made = condition.node()
-    if made.kind() == "prim::GetAttr" and made.s("name") == "training":
+    if _is_training(made):
         return [blocks[1]]
+    if made.kind() == "aten::__not__" and _is_training(next(made.inputs()).node()):
+        return [blocks[0]]
     if made.kind() == "prim::Constant" and isinstance(taken := _constant(condition), bool):
         return [blocks[0] if taken else blocks[1]]
     return blocks
+
+
+def _is_training(node: Any) -> bool:
+    """Whether ``node`` reads a module's ``training`` (False once ``eval()`` ran)."""
+    return bool(node.kind() == "prim::GetAttr" and node.s("name") == "training")
 
 
 def _constant(value: Any) -> Any:

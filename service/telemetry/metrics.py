@@ -79,8 +79,8 @@ PROTOCOLS = ("v1", "v2", "grpc")
 """How a request came: REST's two, or gRPC (each version's failure series primed from 0)."""
 STEP = "step"
 """The protocol of a pipeline's code calling the model (:mod:`service.core.steps`): its series
-appear with its first call (most models are nobody's step), and time only the stages a step
-has (queue and compute)."""
+appear with its first call, its failures from 0 then (most models are nobody's step), and time
+only the stages a step has (queue and compute)."""
 SERVER_FAILURES = ("error", "unavailable", "timeout")
 """The outcomes the error-ratio alert counts (deploy/prometheus/rules.yaml)."""
 
@@ -119,6 +119,7 @@ class Metrics:
         self.postprocess = self._stage("postprocess", "Postprocessing and response encoding.")
         self._children: dict[tuple[str, str, str, int], tuple[Any, ...]] = {}
         self._primed: set[tuple[str, str]] = set()
+        self._steps_primed: set[tuple[str, str]] = set()
         self.repository = repository
         ProcessCollector(registry=r)  # process_*: the names stock dashboards and alerts use
         r.register(_RepositoryCollector(repository, in_flight))
@@ -154,6 +155,10 @@ class Metrics:
         key = (model, version, protocol, status)
         children = self._children.get(key)
         if children is None:  # prometheus' labels() costs microseconds a call: look up once
+            if protocol == STEP and (model, version) not in self._steps_primed:
+                self._steps_primed.add((model, version))  # its failures from 0, for rate()
+                for failed in SERVER_FAILURES:
+                    self.requests.labels(model, version, STEP, failed)
             children = (
                 self.requests.labels(model, version, protocol, outcome(status)),
                 self.duration.labels(model, protocol),

@@ -722,6 +722,8 @@ def test_steps_of_concurrent_requests_batch_at_the_step_model(server: Server) ->
         'tensorgate_requests_total{model="scorer",outcome="success",protocol="step",version="1"}'
     )
     assert samples[steps] >= 32
+    for failed in ("error", "unavailable", "timeout"):  # from 0, so that rate() sees the first
+        assert steps.replace("success", failed) in samples
     assert samples['tensorgate_compute_duration_seconds_count{model="scorer"}'] >= 32
     assert (
         samples['tensorgate_request_duration_seconds_count{model="scorer",protocol="step"}'] >= 32

@@ -27,6 +27,7 @@ from tests.models import (
     Copy,
     DropsNothing,
     GuardedDrops,
+    InvertedGuard,
     Mlp,
     NormsWithoutStats,
     TinyText,
@@ -96,6 +97,7 @@ def test_a_scripted_dropout_that_ignores_eval_is_refused(tmp_path: Path) -> None
     ("module", "made"),
     [
         (GuardedDrops, "script"),
+        (InvertedGuard, "script"),
         (DropsNothing, "trace"),  # traced in train(): its dropout fixed to training, p = 0
     ],
 )

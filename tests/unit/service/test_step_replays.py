@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,9 @@ import pytest
 
 from service.core.dataplane import DataPlane
 from service.errors import ModelLoadRefused
+from service.repository.loader import Step
+from service.repository.models import ModelEntry, ModelRepository, ModelState, ModelVersion
+from service.settings import Settings
 
 
 class Repository:
@@ -29,6 +33,7 @@ class Repository:
         self.loads: list[str] = []
         self.release: dict[str, threading.Event] = {}
         self.refuse: set[str] = set()
+        self.stopping = threading.Event()
         self.marked_during: dict[str, list[dict[str, int]]] = {}
         """What ``replaying`` held as each load of a model began."""
 
@@ -130,3 +135,64 @@ async def test_a_load_whose_caller_left_still_replays_its_pipelines() -> None:
     assert repository.loads == ["A", "P"] and repository.stale() == []
     await asyncio.sleep(0.01)
     assert repository.replaying == {}
+
+
+async def test_a_pipeline_that_calls_a_stale_one_through_others_waits_for_them() -> None:
+    """C calls Q2 and S, Q2 calls Q1, Q1 calls S: a load of S found C and Q1 stale, replayed C
+    first (through the Q2 about to be replaced), and C stayed stale (503)."""
+    repository = Repository({"S": set(), "Q1": {"S"}, "Q2": {"Q1"}, "C": {"Q2", "S"}})
+    await core(repository).load_model("S")
+    assert repository.loads == ["S", "Q1", "Q2", "C"]
+    assert repository.stale() == []
+
+
+async def test_a_refused_replay_is_tried_again_by_its_steps_loads_not_by_any_load() -> None:
+    """Every load of any model reloaded (and warmed, and replayed) each pipeline refused once."""
+    repository = Repository({"A": set(), "X": set(), "P": {"A"}})
+    repository.refuse.add("P")
+    plane = core(repository)
+    await plane.load_model("A")
+    await plane.load_model("X")
+    assert repository.loads == ["A", "P", "X"]
+    await plane.load_model("A")
+    assert repository.loads == ["A", "P", "X", "A", "P"]
+
+
+async def test_a_refused_load_still_answers_its_caller_with_the_refusal() -> None:
+    repository = Repository({"A": set(), "P": {"A"}})
+    repository.refuse.add("A")
+    with pytest.raises(ModelLoadRefused, match="failed to load 'A'"):
+        await core(repository).load_model("A")
+    assert repository.loads == ["A"] and repository.replaying == {}
+
+
+def test_the_repository_tells_a_pipeline_replayed_through_another_load_of_its_step(
+    tmp_path: Path,
+) -> None:
+    """The real repository's view, with stand-ins for what serves: which load of each step a
+    pipeline's replay ran through, against the one serving now."""
+    repository = ModelRepository(Settings(model_repository=tmp_path))
+
+    def serve(name: str, serial: int, steps: tuple[Step, ...] = ()) -> ModelVersion:
+        served: Any = SimpleNamespace(loaded=SimpleNamespace(serial=serial, steps=steps))
+        version = ModelVersion(name, 1, tmp_path / name / "1", ModelState.READY, served=served)
+        repository.models[name] = ModelEntry(name, tmp_path / name, versions={1: version})
+        return version
+
+    serve("A", 7)
+    pipeline = serve("P", 8, (Step("A", None, 7),))
+    assert repository.depending_on("A") == {"P"} and repository.steps_of("P") == {"A"}
+    assert repository.stale() == [] and repository.missing_step(pipeline) == ""
+    serve("A", 9)  # loaded again
+    assert repository.stale() == ["P"]
+    said = repository.missing_step(pipeline)
+    assert said.startswith("its pipeline step 'A' version 1 was loaded after this version's")
+    assert "reload 'P' to replay its answers through it" in said
+    assert repository.state(pipeline)[0] is ModelState.UNAVAILABLE
+    repository.replaying["P"] += 1  # a load of A under way: P serves on meanwhile
+    assert repository.missing_step(pipeline) == ""
+    repository.models["P"].last_load_error = "failed to load 'P': version 1: end-to-end ..."
+    repository.replaying["P"] -= 1
+    assert "replaying its answers through it failed: failed to load 'P'" in (
+        repository.missing_step(pipeline)
+    )
