@@ -121,23 +121,23 @@ class NormsWithoutStats(nn.Module):
         return self.out(self.norm(x))
 
 
-class AlwaysDrops(nn.Module):
-    """F.dropout without training=self.training: its default, True, drops in eval mode too."""
+class _LinearHead(nn.Module):
+    """8 features → 4 outputs; the dropout test modules below differ only in their forward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.out = nn.Linear(8, 4)
+
+
+class AlwaysDrops(_LinearHead):
+    """F.dropout without training=self.training: its default, True, drops in eval mode too."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(nn.functional.dropout(x, 0.5))
 
 
-class GuardedDrops(nn.Module):
+class GuardedDrops(_LinearHead):
     """Dropout only in training, by the module's own test: the branch never runs in eval."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -145,24 +145,19 @@ class GuardedDrops(nn.Module):
         return self.out(x)
 
 
-class DropsNothing(nn.Module):
+class DropsNothing(_LinearHead):
     """Dropout of p = 0, the identity in training too."""
 
     def __init__(self) -> None:
         super().__init__()
         self.drop = nn.Dropout(0.0)
-        self.out = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.drop(x))
 
 
-class InvertedGuard(nn.Module):
+class InvertedGuard(_LinearHead):
     """Dropout only in training, tested the other way round (``not self.training``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,6 @@ from service.batching.scheduler import (
     Plan,
     Scheduler,
     SchedulerConfig,
-    ShapeKey,
     collate,
     plan,
     shape_key,
@@ -585,15 +585,9 @@ def _planning(monkeypatch: pytest.MonkeyPatch, events: list[str]) -> None:
     """Each time a worker looks for its next batch, ``"plan"`` in ``events``."""
     import service.batching.scheduler as module
 
-    def recorded(
-        queue: Sequence[tuple[int, ShapeKey, float]],
-        max_rows: int,
-        preferred: Sequence[int],
-        max_delay_s: float,
-        now: float,
-    ) -> Plan:
+    def recorded(*args: Any, **kwargs: Any) -> Plan:
         events.append("plan")
-        return plan(queue, max_rows, preferred, max_delay_s, now)
+        return plan(*args, **kwargs)
 
     monkeypatch.setattr(module, "plan", recorded)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -72,6 +73,15 @@ class Repository:
         )
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Polled, bounded: until ``condition`` holds (a load's thread reached a point)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise TimeoutError("the condition never held")
+
+
 def core(repository: Repository) -> Any:
     """A DataPlane of ``repository`` alone: all its loads ask of one."""
     plane: Any = DataPlane.__new__(DataPlane)
@@ -105,10 +115,10 @@ async def test_two_loads_of_a_step_keep_its_pipeline_serving_until_both_replayed
     plane = core(repository)
     repository.release["A"] = threading.Event()
     first = asyncio.ensure_future(plane.load_model("A"))
-    await asyncio.sleep(0.05)
+    await until(lambda: len(repository.marked_during.get("A", [])) == 1)  # first load holds
     assert repository.replaying == {"P": 1}
     second = asyncio.ensure_future(plane.load_model("A"))
-    await asyncio.sleep(0.05)
+    await until(lambda: len(repository.marked_during.get("A", [])) == 2)  # so does the second
     assert repository.replaying == {"P": 2}
     repository.release["A"].set()
     await asyncio.gather(first, second)
@@ -123,17 +133,13 @@ async def test_a_load_whose_caller_left_still_replays_its_pipelines() -> None:
     repository = Repository({"A": set(), "P": {"A"}})
     repository.release["A"] = threading.Event()
     caller = asyncio.ensure_future(core(repository).load_model("A"))
-    await asyncio.sleep(0.05)
+    await until(lambda: "A" in repository.marked_during)  # its load holds, in its thread
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
     repository.release["A"].set()
-    for _ in range(200):
-        if "P" in repository.loads:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: "P" in repository.loads and not repository.replaying)
     assert repository.loads == ["A", "P"] and repository.stale() == []
-    await asyncio.sleep(0.01)
     assert repository.replaying == {}
 
 
