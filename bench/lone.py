@@ -4,13 +4,16 @@
                                    [--old REV]
 
 #27 asks a lone W1 image (a 640×480 JPEG → efficientnet_lite0 → top-5) served at 0.95 × the
-rate of the same pipeline in process. Two servers stay up: tensorgate at its defaults, and
+rate of the same pipeline in process. Three servers stay up: tensorgate at its defaults,
 ``bench.bare_server`` (the in-process pipeline behind a blocking socket in one thread: no
-framework, no event loop, no hand-off). Each round measures both, the order alternating, with
+framework, no event loop, no hand-off) and ``bench.bare_asgi`` (the same pipeline run on one
+worker thread behind uvicorn with tensorgate's event loop and HTTP parser: what the stack
+tensorgate is built on costs at least). Each round measures all, the order rotating, with
 :func:`bench.batching.one_image_pairs` (one image in this process, one served, in turns, on one
 keep-alive connection). The bare server's ratio is the most any server could reach here, the
-rest being the request's way in and the answer's way out; tensorgate's against it is what
-tensorgate itself costs. ``--also "LABEL:NAME=VALUE,..."`` adds a tensorgate with those
+rest being the request's way in and the answer's way out; uvicorn's, the floor of any server
+on uvicorn with the work on a thread; tensorgate's against them is what tensorgate itself
+costs. ``--also "LABEL:NAME=VALUE,..."`` adds a tensorgate with those
 settings (repeatable), measured in the same rounds; ``--old REV`` adds tensorgate at its
 defaults as of that git revision (a worktree), the old side of a change. Writes
 bench/results/lone.md.
@@ -39,6 +42,7 @@ from service.resources import available_cpus
 from tests.server import REPO_ROOT, free_port
 
 BARE = "bare server (one thread, blocking socket)"
+ASGI = "uvicorn, one thread hop"
 DEFAULTS = "tensorgate (defaults)"
 
 
@@ -64,7 +68,7 @@ def main() -> None:
     old = f"tensorgate at {args.old} (defaults)"
     trees = {name: REPO_ROOT for name in configs}
     times: dict[str, list[tuple[float, float]]] = {
-        name: [] for name in [*configs, *([old] if args.old else []), BARE]
+        name: [] for name in [*configs, *([old] if args.old else []), BARE, ASGI]
     }
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         if args.old:
@@ -77,12 +81,19 @@ def main() -> None:
             cwd=REPO_ROOT,
             stdout=subprocess.DEVNULL,
         )
+        asgi_port = free_port()
+        asgi = subprocess.Popen(
+            [sys.executable, "-m", "bench.bare_asgi", str(asgi_port)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+        )
         servers = {
             **{
                 name: serve_tree(trees[name], repository, {**QUIET, **settings})
                 for name, settings in configs.items()
             },
             BARE: (bare, port),
+            ASGI: (asgi, asgi_port),
         }
         with running(servers) as urls:
             ports = {name: int(url.rsplit(":", 1)[1]) for name, url in urls.items()}
@@ -115,6 +126,9 @@ def main() -> None:
     over_bare = [
         bare / served for (_, bare), (_, served) in zip(times[BARE], times[DEFAULTS], strict=True)
     ]
+    over_asgi = [
+        asgi / served for (_, asgi), (_, served) in zip(times[ASGI], times[DEFAULTS], strict=True)
+    ]
     over_old = ""
     if args.old:
         ratios = [o / n for (_, o), (_, n) in zip(times[old], times[DEFAULTS], strict=True)]
@@ -132,6 +146,8 @@ def main() -> None:
         )
         + "\n\ntensorgate's rate at its defaults / the bare server's, round by round: "
         + spread(over_bare, "{:.3f}")
+        + "\ntensorgate's rate at its defaults / uvicorn's with one thread hop, round by round: "
+        + spread(over_asgi, "{:.3f}")
         + over_old
         + "\n",
     )
