@@ -211,6 +211,9 @@ class ModelConfig(_Strict):
     """Cast numeric inputs of another datatype to the declared one instead of refusing them."""
     tolerance_override: float | None = Field(default=None, gt=0)
     """Widen the manifest's golden tolerance explicitly (e.g. on another device)."""
+    stochastic: bool = False
+    """The model draws random numbers on purpose (it samples): serve it although two runs of
+    one batch answer differently (refused at load otherwise, as a dropout left in train())."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:

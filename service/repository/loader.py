@@ -9,6 +9,7 @@ naming the refusal, which leaves the version UNAVAILABLE with that reason:
    golden inputs replay to the exported outputs, on every device;
 4. ``pipeline_for``: the pipeline fits the model's inputs; postprocessing fits its outputs;
 5. ``_warm_up``: every batch size × shape bucket has run, on every device.
+6. ``_check_repeatable``: two runs of one batch answer the same (no dropout left live).
 """
 
 from __future__ import annotations
@@ -342,6 +343,8 @@ def _gate_and_warm(
     if bound is not None:
         bound.check()
     warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes, bound)
+    if not config.stochastic:
+        _check_repeatable(runtimes[0], signature, config, shapes)
     for runtime in runtimes[1:]:  # each device compiles (and captures) its own shapes
         _warm_up(runtime, signature, config, shapes, bound)
     done = time.perf_counter()
@@ -640,6 +643,69 @@ def _warm_up(
             warmed.add(batch_shape(batch))
             log.debug("warmed %s in %.1f ms", label, timings[label] * 1000)
     return timings, warmed
+
+
+def _check_repeatable(
+    runtime: Runtime, signature: Signature, config: ModelConfig, shapes: ShapePolicy
+) -> None:
+    """Refuse a model that answers one batch twice differently: it draws random numbers as it
+    runs, which a served model does only when it was exported in ``train()`` mode (the ONNX
+    exporter of torch 2.13 keeps a ``Dropout`` live in a module left in ``train()``, and a
+    ``torch.jit.trace`` fixes ``scaled_dot_product_attention``'s dropout in its graph). The
+    golden replay catches that too, but only with a manifest: a bring-your-own artifact has
+    none. The batch is the first warmed shape, of ones (each ranged input at its range's middle,
+    so that no dropout meets only zeros); a model that samples on purpose sets ``stochastic``."""
+    batched = config.max_batch_size > 0
+    size = config.warmup_batch_sizes()[0] if batched else 0
+    dims = shapes.warm_sizes()[0]
+    shaped = [(t, _warm_shape(t, size, dims, 1 if batched else 0)) for t in signature.inputs]
+    with CPU_USE:
+        try:
+            batch = {t.name: _ones(shape, t) for t, shape in shaped}
+            first = runtime.run(batch)
+        except Exception:  # ones are no input of it (an index into one row): warmup's zeros
+            batch = {t.name: _zeros(shape, t) for t, shape in shaped}
+            first = runtime.run(batch)
+        second = runtime.run(batch)
+    for name, answer in first.items():
+        apart = _apart(answer, second[name])
+        if apart is None:
+            continue
+        raise ModelLoadError(
+            f"two runs of the same batch answered differently (output '{name}': {apart}): the "
+            "model draws random numbers as it runs, most likely a dropout exported in train() "
+            "mode (torch.onnx.export and torch.export keep a module's dropouts live unless "
+            "model.eval() was called first, as `tensorgate export` does). Export it again after "
+            "model.eval(); a model that samples on purpose: set stochastic: true in config.yaml"
+        )
+
+
+def _apart(first: np.ndarray, second: np.ndarray) -> str | None:
+    """How two runs' values of one output differ, or None when they agree (floating point:
+    within 1e-4 + 1e-3 × the largest magnitude, what two runs of one graph on other threads
+    may differ by; anything else: exactly)."""
+    if first.shape != second.shape:
+        return f"shape {list(first.shape)}, then {list(second.shape)}"
+    if first.dtype.kind not in "fc":
+        return None if np.array_equal(first, second) else "values differ"
+    a, b = first.astype(np.float64), second.astype(np.float64)
+    if not np.array_equal(np.isnan(a), np.isnan(b)):
+        return "NaN in one run only"
+    finite = ~np.isnan(a)
+    if not finite.any():
+        return None
+    gap = float(np.max(np.abs(a[finite] - b[finite])))
+    scale = float(np.max(np.abs(a[finite])))
+    if gap <= 1e-4 + 1e-3 * scale:
+        return None
+    return f"up to {gap:.3g} apart, values up to {scale:.3g}"
+
+
+def _ones(shape: tuple[int, ...], tensor: TensorConfig) -> np.ndarray:
+    if tensor.datatype == "BYTES":
+        return np.full(shape, b"", dtype=object)
+    value = 1.0 if tensor.range is None else (tensor.range[0] + tensor.range[1]) / 2
+    return np.full(shape, value).astype(TO_NUMPY[tensor.datatype])
 
 
 def _warm_shape(

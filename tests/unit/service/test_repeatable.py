@@ -1,0 +1,113 @@
+"""A model that answers one batch twice differently is refused at load (a dropout exported in
+train() mode), whatever its format, with a manifest or without."""
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from service.errors import ModelLoadError
+from service.model_config import ModelConfig
+from service.repository.loader import _apart, load_version
+from service.settings import Settings
+
+
+class DropsLast(nn.Module):
+    """A head whose dropout is its last op: onnxruntime's optimizer removes a dropout between
+    two ops, but not one whose output is the graph's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.out = nn.Linear(8, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.out(x))
+
+
+class Attends(nn.Module):
+    """nn.MultiheadAttention with dropout: a trace in train() fixes the dropout inside
+    scaled_dot_product_attention, where no submodule or graph op says training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def _onnx(module: nn.Module, path: Path) -> None:
+    path.parent.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module,
+            (torch.zeros(2, 8),),
+            str(path),
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_shapes={"x": {0: torch.export.Dim("batch", max=8)}},
+        )
+
+
+def _config(backend: str, **extra: object) -> ModelConfig:
+    return ModelConfig.model_validate({"backend": backend, "max_batch_size": 8, **extra})
+
+
+def test_an_onnx_model_exported_in_train_mode_is_refused_unless_it_samples_on_purpose(
+    tmp_path: Path,
+) -> None:
+    """torch.onnx.export of a module left in train() keeps its Dropout live (training_mode
+    True): onnxruntime drops at random on every call. No manifest: no golden replay."""
+    _onnx(DropsLast().train(), tmp_path / "net" / "1" / "model.onnx")
+    settings = Settings(model_repository=tmp_path)
+    with pytest.raises(ModelLoadError) as refused:
+        load_version("net", tmp_path / "net" / "1", _config("onnx"), settings)
+    said = str(refused.value)
+    assert "two runs of the same batch answered differently (output 'y': up to " in said
+    assert "most likely a dropout exported in train() mode" in said
+    assert "set stochastic: true in config.yaml" in said
+
+    loaded = load_version("net", tmp_path / "net" / "1", _config("onnx", stochastic=True), settings)
+    loaded.close()
+
+
+def test_the_same_model_exported_in_eval_mode_loads(tmp_path: Path) -> None:
+    _onnx(DropsLast().eval(), tmp_path / "net" / "1" / "model.onnx")
+    settings = Settings(model_repository=tmp_path)
+    load_version("net", tmp_path / "net" / "1", _config("onnx"), settings).close()
+
+
+def test_a_trace_in_train_mode_of_attention_with_dropout_is_refused(tmp_path: Path) -> None:
+    """The TorchScript check reads dropout and batch norm ops; the dropout of
+    scaled_dot_product_attention is an argument of it, and is caught here, by its effect."""
+    version = tmp_path / "attends" / "1"
+    version.mkdir(parents=True)
+    archive = str(version / "model.pt")
+    torch.jit.trace(Attends().train(), torch.zeros(2, 3, 8), check_trace=False).save(archive)
+    tensors = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 8]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3, 8]}],
+    }
+    settings = Settings(model_repository=tmp_path)
+    with pytest.raises(ModelLoadError, match="two runs of the same batch answered differently"):
+        load_version("attends", version, _config("torchscript", **tensors), settings)
+    torch.jit.trace(Attends().eval(), torch.zeros(2, 3, 8), check_trace=False).save(archive)
+    load_version("attends", version, _config("torchscript", **tensors), settings).close()
+
+
+def test_two_runs_agree_within_what_other_threads_may_change() -> None:
+    logits = np.array([[3.0, -1.0, 0.5]], dtype=np.float32)
+    assert _apart(logits, logits + np.float32(1e-4)) is None  # within 1e-4 + 1e-3 × 3
+    assert _apart(logits, logits * 2) == "up to 3 apart, values up to 3"
+    assert _apart(np.array([np.nan, 1.0]), np.array([np.nan, 1.0])) is None
+    assert _apart(np.array([np.nan, 1.0]), np.array([0.0, 1.0])) == "NaN in one run only"
+    assert _apart(np.array([1, 2]), np.array([1, 2])) is None
+    assert _apart(np.array([1, 2]), np.array([1, 3])) == "values differ"
+    assert _apart(np.zeros((1, 2)), np.zeros((2, 2))) == "shape [1, 2], then [2, 2]"
