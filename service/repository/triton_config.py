@@ -34,6 +34,7 @@ OWN_SETTINGS = (
     "device",
     "gpu",
     "tolerance_override",
+    "stochastic",
 )
 """tensorgate's own config keys, given under ``parameters`` as ``tensorgate.<key>``."""
 
