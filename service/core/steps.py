@@ -50,6 +50,7 @@ from service.inference import InputTensor
 from service.repository.loader import LoadedVersion
 from service.repository.models import ModelRepository
 from service.repository.serving import ServedVersion
+from service.telemetry import tracing
 from service.telemetry.metrics import STEP, Metrics
 from service.telemetry.observation import status_of
 
@@ -200,26 +201,32 @@ async def _run(
     version: str = "",
 ) -> dict[str, np.ndarray] | None:
     """The step on the loop, counted in the step model's statistics and ``metrics`` as a
-    request of its own; None if ``served`` was retired since the code's thread looked it up (a
-    reload swapped another version in, and this one no longer waits for requests: it would
-    fail the step)."""
-    timing = RequestTiming()
+    request of its own, and traced as a ``step`` span of its caller's when that is traced; None
+    if ``served`` was retired since the code's thread looked it up (a reload swapped another
+    version in, and this one no longer waits for requests: it would fail the step)."""
     loaded = served.loaded
     with served.use():
         if served.closing:  # read after the use is counted: a close() not seen yet waits for it
             return None
+        trace = tracing.step(caller.trace if caller is not None else None, loaded.name, version)
+        timing = RequestTiming(trace=trace)
         try:
             outputs = await served.execute(batch, timing, deadline)
         except BaseException as exc:
+            status = status_of(exc)
             served.stats.record_failure(timing)
             if metrics is not None:
                 elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
-                metrics.record(loaded.name, version, STEP, status_of(exc), elapsed, timing)
+                metrics.record(loaded.name, version, STEP, status, elapsed, timing)
+            if trace is not None:
+                trace.end(status >= 500, {"tensorgate.status": status})
             raise
     served.stats.record_success(rows_of(batch, loaded.batched), timing)
     if metrics is not None:
         elapsed = (time.perf_counter_ns() - timing.started_ns) / 1e9
         metrics.record(loaded.name, version, STEP, 200, elapsed, timing)
+    if trace is not None:
+        trace.end(False, {"tensorgate.status": 200})
     if caller is not None and timing.unwarmed:
         caller.unwarmed = True
     return outputs

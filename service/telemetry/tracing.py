@@ -14,6 +14,10 @@ costs no span calls until then. The model's run is one ``compute`` span per batc
 the batch's first traced request, linked to every request's span in the batch (and each of
 those to it), so a slow request shows the batch it waited for.
 
+A step that a model's own pipeline code runs on another model (``self.models.infer``) is an
+INTERNAL ``step`` span, the calling request's child, with its own ``queue`` and ``compute``
+under it: a face request shows each of its detector's stages and how long each waited.
+
 With tracing off none of this runs: :data:`TRACER` is None, and the request path reads one
 global and one context variable (docs/performance.md, "Tracing").
 """
@@ -220,6 +224,21 @@ def begin(name: str, carrier: Mapping[str, str], request_id: str) -> RequestTrac
     trace = RequestTrace(tracer, span)
     CURRENT.set(trace)
     return trace
+
+
+def step(caller: object, model: str, version: str) -> RequestTrace | None:
+    """The span of a pipeline step on ``model`` that the traced request ``caller`` (its
+    ``RequestTiming.trace``) called: its child, which the step's batch reports to as a request
+    of its own; None when ``caller`` is not a trace (tracing off, or the request not sampled)."""
+    if not isinstance(caller, RequestTrace):
+        return None
+    span = caller.tracer.start_span(
+        "step",
+        set_span_in_context(caller.span),
+        SpanKind.INTERNAL,
+        {"tensorgate.model": model, "tensorgate.model.version": version},
+    )
+    return RequestTrace(caller.tracer, span)
 
 
 class RequestTrace:
