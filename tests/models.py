@@ -163,3 +163,39 @@ class InvertedGuard(_LinearHead):
         if not self.training:
             return self.out(x)
         return self.out(nn.functional.dropout(x, 0.5))
+
+
+class Attends(nn.Module):
+    """nn.MultiheadAttention with dropout over (3, 8) sequences: a trace in train() fixes the
+    dropout_p of scaled_dot_product_attention, which it passes only in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+class InstanceNormed(_LinearHead):
+    """An instance norm over 2 channels of 4: with running statistics it uses them in eval mode
+    only (a trace in train() fixes use_input_stats); without, each item's own, in both."""
+
+    def __init__(self, running: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.InstanceNorm1d(2, track_running_stats=running)
+        if running:  # statistics unlike an item's own, so that train and eval differ visibly
+            self.norm.running_mean.fill_(0.5)
+            self.norm.running_var.fill_(3.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x.view(-1, 2, 4)).flatten(1))
+
+
+class Noisy(_LinearHead):
+    """Gaussian noise added on every call, eval() or not (a regulariser left in forward): no
+    dropout or normalisation op, so only its answers show it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x + torch.randn_like(x))

@@ -33,13 +33,16 @@ _FRAME = re.compile(
 
 
 def fixed_to_training(module: torch.jit.ScriptModule) -> list[str]:
-    """The dropouts and batch norms of ``module``'s graph fixed to training mode, whatever
+    """The dropouts and normalisations of ``module``'s graph fixed to training mode, whatever
     ``eval()`` says: ``torch.jit.trace`` of a module in ``train()`` writes ``train=True`` into
     each as a constant (so after ``eval()`` no submodule reports ``training``, and yet every
     call drops activations at random and normalises by the batch's own statistics, updating the
-    running ones), as does ``F.dropout`` without ``training=``, traced or scripted. A batch
-    norm without running statistics (``track_running_stats=False``) normalises by the batch's
-    in eval mode too, and is not counted. Each as "op at file(line)" (:func:`_where`), once."""
+    running ones), as does ``F.dropout`` without ``training=``, traced or scripted. The same
+    holds for an instance norm that keeps running statistics (its ``use_input_stats`` fixed
+    True) and for the ``dropout_p`` of ``scaled_dot_product_attention`` (``nn.MultiheadAttention``
+    passes it only in training). A batch or instance norm without running statistics
+    (``track_running_stats=False``) normalises by the input's in eval mode too, and is not
+    counted. Each as "op at file(line)" (:func:`_where`), once."""
     found: list[str] = []
 
     def visit(block: Any) -> None:
@@ -57,11 +60,23 @@ def fixed_to_training(module: torch.jit.ScriptModule) -> list[str]:
                 kind == "aten::batch_norm"
                 and len(inputs) >= 6
                 and _constant(inputs[5]) is True
-                and not (
-                    inputs[3].node().kind() == "prim::Constant" and _constant(inputs[3]) is None
-                )
+                and not _none(inputs[3])
             ):
                 said = f"batch_norm at {_where(node)}"
+            elif (  # use_input_stats fixed True where running statistics were kept
+                kind == "aten::instance_norm"
+                and len(inputs) >= 6
+                and _constant(inputs[5]) is True
+                and not _none(inputs[3])
+            ):
+                said = f"instance_norm at {_where(node)}"
+            elif (  # nn.MultiheadAttention passes its dropout only in training
+                kind == "aten::scaled_dot_product_attention"
+                and len(inputs) >= 5
+                and isinstance(p := _constant(inputs[4]), float)
+                and p > 0
+            ):
+                said = f"scaled_dot_product_attention's dropout_p at {_where(node)}"
             if said is not None and said not in found:  # F.dropout's two branches: one op
                 found.append(said)
             for inner in _live(node):
@@ -80,7 +95,7 @@ def training_refusal(artifact: str, module: torch.jit.ScriptModule) -> str:
     shown = "; ".join(fixed[:5]) + (f"; and {len(fixed) - 5} more" if len(fixed) > 5 else "")
     return (
         f"{artifact} runs in training mode whatever eval() says: its graph fixes {len(fixed)} "
-        f"dropout or batch norm ops to training ({shown}), so each call would drop activations "
+        f"dropout or normalisation ops to training ({shown}), so each call would drop activations "
         "at random or use the batch's statistics. A trace of a module in train() fixes them so: "
         "call model.eval() before torch.jit.trace and save it again (tensorgate export does); "
         "and pass training=self.training to F.dropout, whose default is True"
@@ -108,6 +123,11 @@ def _live(node: Any) -> list[Any]:
 def _is_training(node: Any) -> bool:
     """Whether ``node`` reads a module's ``training`` (False once ``eval()`` ran)."""
     return bool(node.kind() == "prim::GetAttr" and node.s("name") == "training")
+
+
+def _none(value: Any) -> bool:
+    """Whether a graph value is the constant None (an optional tensor not given)."""
+    return bool(value.node().kind() == "prim::Constant" and value.toIValue() is None)
 
 
 def _constant(value: Any) -> Any:

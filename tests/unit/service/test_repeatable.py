@@ -1,5 +1,5 @@
 """A model that answers one batch twice differently is refused at load (a dropout exported in
-train() mode), whatever its format, with a manifest or without."""
+train() mode, noise left in forward), whatever its format, with a manifest or without."""
 
 import warnings
 from pathlib import Path
@@ -13,6 +13,7 @@ from service.errors import ModelLoadError
 from service.model_config import ModelConfig
 from service.repository.loader import _apart, load_version
 from service.settings import Settings
+from tests.models import Noisy
 
 
 class DropsLast(nn.Module):
@@ -27,19 +28,6 @@ class DropsLast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.out(x))
-
-
-class Attends(nn.Module):
-    """nn.MultiheadAttention with dropout: a trace in train() fixes the dropout inside
-    scaled_dot_product_attention, where no submodule or graph op says training."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attention(x, x, x, need_weights=False)[0]
 
 
 def _onnx(module: nn.Module, path: Path) -> None:
@@ -84,22 +72,23 @@ def test_the_same_model_exported_in_eval_mode_loads(tmp_path: Path) -> None:
     load_version("net", tmp_path / "net" / "1", _config("onnx"), settings).close()
 
 
-def test_a_trace_in_train_mode_of_attention_with_dropout_is_refused(tmp_path: Path) -> None:
-    """The TorchScript check reads dropout and batch norm ops; the dropout of
-    scaled_dot_product_attention is an argument of it, and is caught here, by its effect."""
-    version = tmp_path / "attends" / "1"
+def test_a_torchscript_model_that_adds_noise_in_eval_mode_is_refused(tmp_path: Path) -> None:
+    """No dropout or normalisation op for the TorchScript check to read: Gaussian noise added
+    in forward, whatever eval() says. Its answers show it."""
+    version = tmp_path / "noisy" / "1"
     version.mkdir(parents=True)
-    archive = str(version / "model.pt")
-    torch.jit.trace(Attends().train(), torch.zeros(2, 3, 8), check_trace=False).save(archive)
+    torch.jit.trace(Noisy().eval(), torch.zeros(2, 8), check_trace=False).save(
+        str(version / "model.pt")
+    )
     tensors = {
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 8]}],
-        "outputs": [{"name": "y", "datatype": "FP32", "shape": [3, 8]}],
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [8]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [4]}],
     }
     settings = Settings(model_repository=tmp_path)
     with pytest.raises(ModelLoadError, match="two runs of the same batch answered differently"):
-        load_version("attends", version, _config("torchscript", **tensors), settings)
-    torch.jit.trace(Attends().eval(), torch.zeros(2, 3, 8), check_trace=False).save(archive)
-    load_version("attends", version, _config("torchscript", **tensors), settings).close()
+        load_version("noisy", version, _config("torchscript", **tensors), settings)
+    config = _config("torchscript", stochastic=True, **tensors)
+    load_version("noisy", version, config, settings).close()
 
 
 def test_two_runs_agree_within_what_other_threads_may_change() -> None:

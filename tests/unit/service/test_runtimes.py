@@ -24,9 +24,11 @@ from service.runtimes.torchscript import TorchScriptRuntime
 from tests.conftest import Exported
 from tests.models import (
     AlwaysDrops,
+    Attends,
     Copy,
     DropsNothing,
     GuardedDrops,
+    InstanceNormed,
     InvertedGuard,
     Mlp,
     NormsWithoutStats,
@@ -80,7 +82,7 @@ def test_a_module_traced_in_training_mode_is_refused_naming_each_op_and_its_line
     message = str(refused.value)
     assert message.startswith(
         "model.pt runs in training mode whatever eval() says: its graph fixes 2 dropout or "
-        "batch norm ops to training (batch_norm at "
+        "normalisation ops to training (batch_norm at "
     )
     assert "dropout at " in message and "tests/models.py(" in message  # the module's own line
     assert "call model.eval() before torch.jit.trace" in message
@@ -89,8 +91,55 @@ def test_a_module_traced_in_training_mode_is_refused_naming_each_op_and_its_line
 def test_a_scripted_dropout_that_ignores_eval_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     torch.jit.script(AlwaysDrops().eval()).save(str(path))
-    with pytest.raises(ModelLoadError, match=r"fixes 1 dropout or batch norm ops to training"):
+    with pytest.raises(ModelLoadError, match=r"fixes 1 dropout or normalisation ops to training"):
         TorchScriptRuntime(RuntimeOptions("cpu", 1)).load(path, SIGNATURE, max_batch_size=8)
+
+
+SEQUENCES = Signature(
+    (TensorConfig(name="x", datatype="FP32", shape=(3, 8)),),
+    (TensorConfig(name="y", datatype="FP32", shape=(3, 8)),),
+)
+
+
+@pytest.mark.parametrize(
+    ("module", "example", "signature", "op"),
+    [
+        (Attends, torch.zeros(2, 3, 8), SEQUENCES, "scaled_dot_product_attention's dropout_p"),
+        (InstanceNormed, torch.zeros(2, 8), SIGNATURE, "instance_norm"),
+    ],
+)
+def test_a_trace_in_training_mode_of_attention_or_instance_norm_is_refused(
+    tmp_path: Path,
+    module: type[torch.nn.Module],
+    example: torch.Tensor,
+    signature: Signature,
+    op: str,
+) -> None:
+    """nn.MultiheadAttention passes its dropout to scaled_dot_product_attention only in
+    training, and an instance norm with running statistics uses them only in eval mode: a trace
+    in train() fixes both, where no dropout or batch norm op shows it."""
+    path = tmp_path / "model.pt"
+    torch.jit.trace(module().train(), example, check_trace=False).save(str(path))
+    with pytest.raises(ModelLoadError) as refused:
+        TorchScriptRuntime(RuntimeOptions("cpu", 1)).load(path, signature, max_batch_size=8)
+    assert f"fixes 1 dropout or normalisation ops to training ({op} at " in str(refused.value)
+    assert "tests/models.py(" in str(refused.value)
+
+
+def test_an_instance_norm_without_running_statistics_traced_in_training_mode_loads(
+    tmp_path: Path,
+) -> None:
+    """It normalises each item by its own statistics in eval mode too: the trace is right."""
+    path = tmp_path / "model.pt"
+    module = InstanceNormed(running=False)
+    torch.jit.trace(module.train(), torch.zeros(2, 8)).save(str(path))
+    runtime = TorchScriptRuntime(RuntimeOptions("cpu", 1))
+    runtime.load(path, SIGNATURE, max_batch_size=8)
+    x = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
+    eager = module.eval()
+    with torch.no_grad():
+        expected = eager(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(runtime.run({"x": x})["y"], expected, atol=1e-5)
 
 
 @pytest.mark.parametrize(
