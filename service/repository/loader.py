@@ -682,20 +682,22 @@ def _check_repeatable(
 
 def _apart(first: np.ndarray, second: np.ndarray) -> str | None:
     """How two runs' values of one output differ, or None when they agree (floating point:
-    within 1e-4 + 1e-3 × the largest magnitude, what two runs of one graph on other threads
-    may differ by; anything else: exactly)."""
+    within 1e-4 + 1e-3 × the largest finite magnitude, what two runs of one graph on other
+    threads may differ by, NaN and infinities where both have them; anything else: exactly)."""
     if first.shape != second.shape:
         return f"shape {list(first.shape)}, then {list(second.shape)}"
-    if first.dtype.kind not in "fc":
+    if first.dtype.kind != "f":
         return None if np.array_equal(first, second) else "values differ"
     a, b = first.astype(np.float64), second.astype(np.float64)
-    if not np.array_equal(np.isnan(a), np.isnan(b)):
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    if not np.array_equal(nan_a, nan_b):
         return "NaN in one run only"
-    finite = ~np.isnan(a)
-    if not finite.any():
+    differ = (a != b) & ~nan_a  # an infinity equals itself; one against a number is apart
+    if not differ.any():
         return None
-    gap = float(np.max(np.abs(a[finite] - b[finite])))
-    scale = float(np.max(np.abs(a[finite])))
+    gap = float(np.max(np.abs(a[differ] - b[differ])))
+    finite = np.isfinite(a)
+    scale = float(np.max(np.abs(a[finite]))) if finite.any() else 0.0
     if gap <= 1e-4 + 1e-3 * scale:
         return None
     return f"up to {gap:.3g} apart, values up to {scale:.3g}"

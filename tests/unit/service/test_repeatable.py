@@ -97,6 +97,9 @@ def test_two_runs_agree_within_what_other_threads_may_change() -> None:
     assert _apart(logits, logits * 2) == "up to 3 apart, values up to 3"
     assert _apart(np.array([np.nan, 1.0]), np.array([np.nan, 1.0])) is None
     assert _apart(np.array([np.nan, 1.0]), np.array([0.0, 1.0])) == "NaN in one run only"
+    inf = np.array([-np.inf, 2.0, np.inf])
+    assert _apart(inf, inf.copy()) is None  # a mask's -inf in both runs
+    assert _apart(inf, np.array([-np.inf, 2.0, 5.0])) == "up to inf apart, values up to 2"
     assert _apart(np.array([1, 2]), np.array([1, 2])) is None
     assert _apart(np.array([1, 2]), np.array([1, 3])) == "values differ"
     assert _apart(np.zeros((1, 2)), np.zeros((2, 2))) == "shape [1, 2], then [2, 2]"
