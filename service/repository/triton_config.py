@@ -20,9 +20,9 @@ from service.model_config import ModelConfig, TensorConfig, VersionPolicy
 from service.repository.loader import LoadedVersion
 from service.runtimes import PLATFORMS
 
-BACKENDS = {"onnx": "onnxruntime", "torchscript": "pytorch"}
-"""Each backend's name as Triton's backends are named."""
-FILENAMES = {"onnx": "model.onnx", "torchscript": "model.pt"}
+BACKENDS = {"onnx": "onnxruntime", "torchscript": "pytorch", "pt2": "pytorch"}
+"""Each backend's name as Triton's backends are named (an AOTInductor package is PyTorch's)."""
+FILENAMES = {"onnx": "model.onnx", "torchscript": "model.pt", "pt2": "model.pt2"}
 OWN_SETTINGS = (
     "preprocessing",
     "postprocessing",

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.integration
 
 BACKENDS = ("onnx", "pt2", "torchscript")
 PLATFORMS = {"onnx": "onnxruntime_onnx", "pt2": "pytorch_aoti", "torchscript": "pytorch_libtorch"}
+FILES = {"onnx": "model.onnx", "pt2": "model.pt2", "torchscript": "model.pt"}
 
 
 def _model(root: Path, name: str, spec: Exported, backend: str, **config: Any) -> Path:
@@ -138,6 +139,10 @@ def test_each_format_serves_verified_answers_equal_to_eager(served: Server, back
         metadata = served.client.get(f"/v2/models/{model}").json()
         assert metadata["verified"] is True
         assert metadata["platform"] == PLATFORMS[backend]
+        config = served.client.get(f"/v2/models/{model}/config")  # Triton's view of each format
+        assert config.status_code == 200, config.text
+        assert config.json()["platform"] == PLATFORMS[backend]
+        assert config.json()["default_model_filename"] == FILES[backend]
         stats = served.client.get(f"/v2/models/{model}/stats").json()["model_stats"][0]
         assert stats["unwarmed_shape_count"] == 0
 
