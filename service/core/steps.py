@@ -14,7 +14,8 @@ request's crops and another client's requests share a batch. What carries throug
   'rnet': ...``), with the step's own status where the request may be at fault or the step
   may recover (503 for a model not ready, 400 for a shape or value it does not take, 504 past
   the deadline), and 500 where the code is (a model or version that is not there, an input
-  name or dtype the model does not take: the code's own mistakes, whatever the client sent,
+  name or dtype the model does not take, inputs that are not a mapping, more rows than the
+  model takes in one request: the code's own mistakes, whatever the client sent,
   counted as errors where a 4xx would have counted them as the client's).
 
 A step sends tensors to the step model itself (its own pipeline, if any, is not run), so a
@@ -43,6 +44,7 @@ from service.errors import (
     ModelExecutionError,
     ModelNotFound,
     ModelNotReady,
+    PayloadTooLarge,
     StepCancelled,
     TensorgateError,
 )
@@ -116,6 +118,11 @@ class Steps:
                 f"pipeline step '{model}': not run, its request was cancelled or answered"
             )
         try:
+            if not isinstance(inputs, Mapping) or not all(isinstance(k, str) for k in inputs):
+                raise ModelExecutionError(
+                    "models.infer() takes a mapping of input name to array, e.g. "
+                    f"{{'image': batch}}; the code sent a {type(inputs).__name__}"
+                )
             for _ in range(3):  # a version retired meanwhile (a reload): its successor runs it
                 try:
                     found, served = self.repository.ready_model(model, version, whole=False)
@@ -124,7 +131,15 @@ class Steps:
                 loaded = served.loaded
                 _check_names_and_dtypes(inputs, loaded)
                 tensors = [_tensor(name, array) for name, array in inputs.items()]
-                batch = check_inputs(tensors, loaded.signature, loaded.config, model, empty=True)
+                try:
+                    batch = check_inputs(
+                        tensors, loaded.signature, loaded.config, model, empty=True
+                    )
+                except PayloadTooLarge as exc:  # the code's request, however small the client's
+                    raise ModelExecutionError(
+                        f"{exc.message}: the code sent more than the model takes in one "
+                        "request; send it in parts, or raise the limit in its config.yaml"
+                    ) from None
                 if loaded.batched and not rows_of(batch, True):
                     return _no_rows(loaded)
                 batch, crop = _warmed(loaded, batch)

@@ -142,15 +142,19 @@ class Chain(Pipeline):
         context["wait"] = record.get("wait", 0)  # slow code, as a model's own may be
         time.sleep(record.get("pre", 0))  # slow preprocessing too
         context["done"] = record.get("done")  # a file to touch once the step was tried
+        context["rows"] = record.get("rows", 1)  # a step of many rows (crops of one image)
+        context["as_list"] = record.get("as_list", False)  # the inputs as pairs, not a dict
         return {"x": np.asarray(record["x"], dtype=np.float32)}
 
     def postprocess(self, outputs, context):
         time.sleep(context["wait"])
         first = outputs["y"]
         again = np.concatenate([first, first]).astype(np.float32)[None]
+        again = np.repeat(again, context["rows"], axis=0)
+        inputs = [("x", again)] if context["as_list"] else {"x": again}
         try:
             second = self.models.infer(
-                context["step"], {"x": again}, version=context["version"]
+                context["step"], inputs, version=context["version"]
             )["y"][0]
         finally:
             if context["done"]:
@@ -744,6 +748,33 @@ def test_a_step_that_fails_fails_the_request_naming_the_step(
 ) -> None:
     response = predict(server, "chain", [{"x": [1, 2, 3, 4], "step": step}])
     assert response.status_code == status
+    assert says in response.json()["error"]
+    assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        # 2,000 rows of a small request: the code's, not the client's 413
+        (
+            {"rows": 2000},
+            "pipeline step 'scorer': model 'scorer': 2000 rows is above the 1024 one request "
+            "may carry (max_request_rows): the code sent more than the model takes in one "
+            "request; send it in parts, or raise the limit in its config.yaml",
+        ),
+        # the inputs as (name, array) pairs: said so, without the arrays' contents
+        (
+            {"as_list": True},
+            "pipeline step 'scorer': models.infer() takes a mapping of input name to array, "
+            "e.g. {'image': batch}; the code sent a list",
+        ),
+    ],
+)
+def test_a_step_the_code_asks_wrongly_for_is_its_500(
+    server: Server, record: dict[str, object], says: str
+) -> None:
+    response = predict(server, "chain", [{"x": [1, 2, 3, 4], **record}])
+    assert response.status_code == 500, response.text
     assert says in response.json()["error"]
     assert predict(server, "chain", [{"x": [1, 2, 3, 4]}]).status_code == 200
 
