@@ -33,6 +33,7 @@ import numpy as np
 
 from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, Rows, overrides, which_item
 from service.artifacts.shapes import apply_crop
+from service.batching.codepool import CodePool
 from service.batching.scheduler import rows_of
 from service.batching.stats import RequestTiming
 from service.core.steps import CALLER, DEADLINE, GONE
@@ -45,7 +46,6 @@ from service.core.validation import (
 )
 from service.datatypes import TO_NUMPY, as_values, json_answer
 from service.errors import (
-    DeadlineExceeded,
     InvalidInput,
     ModelExecutionError,
     ModelNotReady,
@@ -112,9 +112,9 @@ class DataPlane:
         """The server's budget for what clients make it hold (set by the app: the one its
         bodies and messages are held in); raw items hold what they decode into in it."""
 
-    def code_pool(self, model: LoadedVersion) -> ThreadPoolExecutor:
+    def code_pool(self, model: LoadedVersion) -> CodePool:
         """Where ``model``'s own code runs: a pool of its own, as many threads as the shared
-        one (``TG_PREPROCESS_THREADS``)."""
+        one (``TG_PREPROCESS_THREADS``), and spares for those left running past their answer."""
         return model.code_pool(self.settings.preprocess_threads)
 
     async def offload(
@@ -262,12 +262,8 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         if not isinstance(pipeline, BUILT_IN):
             runner, gone = _code_context(deadline, timing)
-            batch = await _within(
-                loop.run_in_executor(self.code_pool(model), runner, make),
-                deadline,
-                model.name,
-                "preprocessing",
-                gone,
+            batch = await self.code_pool(model).run(
+                partial(runner, make), deadline, model.name, "preprocessing", gone
             )
             check_made(batch, model.signature, model.config.max_batch_size > 0, model.name)
             return _fitted(model, batch, contexts)
@@ -633,14 +629,8 @@ class Call:
                 done = partial(_answer, pipeline, outputs, prepared.contexts, loaded)
                 runner, gone = _code_context(deadline, timing)
                 try:
-                    said, answers = await _within(
-                        asyncio.get_running_loop().run_in_executor(
-                            self.dataplane.code_pool(loaded), runner, done
-                        ),
-                        deadline,
-                        loaded.name,
-                        "postprocessing",
-                        gone,
+                    said, answers = await self.dataplane.code_pool(loaded).run(
+                        partial(runner, done), deadline, loaded.name, "postprocessing", gone
                     )
                 finally:  # a failed (or timed out) postprocessing: its time still shows
                     timing.compute_output_ns += time.perf_counter_ns() - started
@@ -798,24 +788,6 @@ def _code_context(
     context.run(GONE.set, gone)
     context.run(CALLER.set, timing)
     return context.run, gone
-
-
-async def _within(
-    work: Awaitable[T], deadline: float, model: str, step: str, gone: threading.Event
-) -> T:
-    """``work`` (a model's own code, in the pool), answered 504 past ``deadline``. The thread
-    itself cannot be stopped: it finishes (or hangs) on its own, holding one pool thread, but
-    once its request is answered or cancelled, any step it calls next is refused (``gone``)."""
-    try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        gone.set()
-        raise DeadlineExceeded(
-            f"model '{model}': its {step} code did not finish within the request's deadline"
-        ) from None
-    except asyncio.CancelledError:
-        gone.set()
-        raise
 
 
 def _guarded(fn: Callable[..., T], model: str, *args: Any) -> T:

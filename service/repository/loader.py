@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -49,6 +49,7 @@ from service.artifacts.manifest import (
     read_manifest,
 )
 from service.artifacts.shapes import ShapePolicy
+from service.batching.codepool import CodePool
 from service.batching.scheduler import BatchShape, batch_shape
 from service.datatypes import TO_NUMPY
 from service.errors import (
@@ -131,16 +132,15 @@ class LoadedVersion:
     serial: int = field(default_factory=lambda: next(_LOADS))
     """This load's number in the process: a step's identity as a pipeline's replay met it (a
     reload of the step, even at the same version number, is another)."""
-    _code_pool: list[ThreadPoolExecutor] = field(default_factory=list, repr=False)
+    _code_pool: list[CodePool] = field(default_factory=list, repr=False)
 
-    def code_pool(self, threads: int) -> ThreadPoolExecutor:
+    def code_pool(self, threads: int) -> CodePool:
         """The threads this version's own code (its pre- and postprocessing) runs on, made at
         its first request: its own, so that code that hangs or crawls holds only its own
         model's requests. In the pool every model shares, three requests to code sleeping 15 s
         (each answered 504 at its deadline) held a plain model's preprocessing for 13 s."""
         if not self._code_pool:
-            name = f"{self.name}-code"
-            self._code_pool.append(ThreadPoolExecutor(threads, thread_name_prefix=name))
+            self._code_pool.append(CodePool(threads, f"{self.name}-code"))
         return self._code_pool[0]
 
     def replay_golden(self, runtime_run: Runner) -> str | None:
@@ -201,8 +201,8 @@ class LoadedVersion:
     def close(self) -> None:
         for runtime in self.runtimes:
             runtime.close()
-        for pool in self._code_pool:  # its threads end with their work (a hung one: never)
-            pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._code_pool:
+            pool.shutdown()
 
 
 class LoadBound:

@@ -517,7 +517,9 @@ def test_a_hanging_step_is_a_504_at_the_deadline_and_the_server_serves_on(
     server: Server, tmp_path: Path
 ) -> None:
     """Two steps that hang hold both of the scorer's code threads (TG_PREPROCESS_THREADS=2):
-    another model's code runs on threads of its own (in one shared pool, it waited)."""
+    another model's code runs on threads of its own (in one shared pool, it waited), and once
+    they are answered 504 spare threads take their places, so the scorer's next request runs
+    while they still hang (it waited behind them, and was a 504 too)."""
     woke = [tmp_path / "woke-1", tmp_path / "woke-2"]
     hung = [{"hang": 6, "x": [0, 0, 0, 0], "done": str(path)} for path in woke]
     with ThreadPoolExecutor(2) as clients:
@@ -531,6 +533,7 @@ def test_a_hanging_step_is_a_504_at_the_deadline_and_the_server_serves_on(
         assert "model 'scorer': its preprocessing code did not finish" in response.json()["error"]
     assert not any(path.exists() for path in woke)  # answered at the deadline; still hung
     assert predict(server, "wine", [{"hue": 1.0}]).status_code == 200
+    assert predict(server, "scorer", [{"x": [0, 1, 0, 0]}]).status_code == 200
     assert not any(path.exists() for path in woke)  # served while the scorer's threads hung
     for path in woke:
         server.wait_for(path.exists, timeout=30)  # its code threads are free again
