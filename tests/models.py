@@ -199,3 +199,20 @@ class Noisy(_LinearHead):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(x + torch.randn_like(x))
+
+
+class ConvTagger(nn.Module):
+    """Tags over token ids: an embedding of 500, two 1-D convolutions. With torch 2.13, its
+    AOTInductor package, exported with a dynamic batch, aborts its process at a batch smaller
+    than the one it was traced at (``index out of bounds`` in a fused kernel, on valid ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.embedding = nn.Embedding(500, 16)
+        self.conv = nn.Conv1d(16, 32, 3, padding=1)
+        self.out = nn.Conv1d(32, 5, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids).transpose(1, 2)
+        return self.out(torch.relu(self.conv(x))).transpose(1, 2)

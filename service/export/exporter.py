@@ -47,8 +47,9 @@ from service.export import shapes as export_shapes
 from service.model_config import TensorConfig
 from service.pipelines.code import last_frame, load_pipeline
 from service.pipelines.inputs import check_names
-from service.runtimes.base import RuntimeOptions, Signature, shape_fits
-from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, Pt2Runtime, package_needs
+from service.runtimes.base import Signature, shape_fits
+from service.runtimes.pt2 import CPU_FLAGS_KEY, CPU_KEY, TORCH_KEY, package_needs
+from service.runtimes.pt2_probe import outputs_in_child
 from service.runtimes.torchscript import training_refusal
 
 log = logging.getLogger("tensorgate.export")
@@ -554,7 +555,12 @@ def _pt2_step(job: _Job) -> Artifact:
     path = job.out_dir / PT2_ARTIFACT
     versions = _export_pt2(program, path, job.pt2_cpu)
     signature = Signature(tuple(job.inputs), tuple(job.outputs))
-    return PT2_ARTIFACT, job.check("AOTInductor", _pt2_runner(path, device, signature)), versions
+    try:  # in a child: a package's kernel can abort the process that runs it
+        answers = iter(outputs_in_child(path, job.probes, signature, device))
+    except ModelLoadError as exc:
+        path.unlink(missing_ok=True)  # not left beside a manifest that does not name it
+        raise ExportError(f"the AOTInductor package: {exc}") from None
+    return PT2_ARTIFACT, job.check("AOTInductor", lambda _: next(answers)), versions
 
 
 def _onnx_step(job: _Job) -> Artifact:
@@ -789,16 +795,6 @@ def _export_pt2(program: ExportedProgram, path: Path, cpu: str) -> dict[str, str
         "pt2_cpu_isa": needs.get("AOTI_CPU_ISA") or None,
         "pt2_compute_capability": needs.get("AOTI_COMPUTE_CAPABILITY") or None,
     }
-
-
-def _pt2_runner(path: Path, device: str, signature: Signature) -> Runner:
-    """The package loaded as the server loads it (its refusals included)."""
-    runtime = Pt2Runtime(RuntimeOptions(device, torch.get_num_threads()))
-    try:
-        runtime.load(path, signature, max_batch_size=0)
-    except ModelLoadError as exc:
-        raise ExportError(f"the AOTInductor package does not load: {exc}") from None
-    return runtime.run
 
 
 def _export_torchscript(

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -71,6 +71,7 @@ from service.runtimes import (
     runtime_versions,
 )
 from service.runtimes.base import Runtime, RuntimeOptions, Signature
+from service.runtimes.pt2_probe import outputs_in_child
 from service.settings import Settings
 
 log = logging.getLogger("tensorgate.loader")
@@ -342,6 +343,8 @@ def _gate_and_warm(
     gated_at = time.perf_counter()
     if bound is not None:
         bound.check()
+    if config.backend == "pt2" and manifest is None:
+        _probe_unchecked_pt2(path, signature, config, shapes, devices[0])
     warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes, bound)
     if not config.stochastic:
         _check_repeatable(runtimes[0], signature, config, shapes)
@@ -618,31 +621,48 @@ def _warm_up(
     and the shapes now warm. Once ``bound`` says stop (the server stopping, the model
     unloaded, the load's time up), the load ends at the next batch, refused, instead of
     holding the process for the rest of its warmup."""
-    batched = config.max_batch_size > 0
-    sizes = config.warmup_batch_sizes() if batched else (0,)
-    offset = 1 if batched else 0
     timings: dict[str, float] = {}
     warmed: set[BatchShape] = set()
-    for size in sizes:
+    for size, lengths, batch in _warm_batches(signature, config, shapes):
+        if bound is not None:
+            bound.check()
+        started = time.perf_counter()
+        try:
+            with CPU_USE:  # as a batch: two workers warming at once keep to their shares
+                runtime.warmup(batch)
+        except Exception as exc:
+            where = f"batch size {size}" + (f", dims {lengths}" if lengths else "")
+            raise ModelLoadError(f"warmup at {where} failed: {exc}") from exc
+        label = f"batch_{size}" + "".join(f"_len_{n}" for n in lengths)
+        timings[label] = time.perf_counter() - started
+        warmed.add(batch_shape(batch))
+        log.debug("warmed %s in %.1f ms", label, timings[label] * 1000)
+    return timings, warmed
+
+
+def _warm_batches(
+    signature: Signature, config: ModelConfig, shapes: ShapePolicy
+) -> Iterator[tuple[int, list[int], dict[str, np.ndarray]]]:
+    """Each warmup batch (of zeros): its batch size, its dynamic dims' sizes, its inputs."""
+    batched = config.max_batch_size > 0
+    offset = 1 if batched else 0
+    for size in config.warmup_batch_sizes() if batched else (0,):
         for dims in shapes.warm_sizes():
-            if bound is not None:
-                bound.check()
             batch = {
                 t.name: _zeros(_warm_shape(t, size, dims, offset), t) for t in signature.inputs
             }
-            lengths = [dims[a.dims[0]] for a in shapes.axes if a.dims[0] in dims]
-            started = time.perf_counter()
-            try:
-                with CPU_USE:  # as a batch: two workers warming at once keep to their shares
-                    runtime.warmup(batch)
-            except Exception as exc:
-                where = f"batch size {size}" + (f", dims {lengths}" if lengths else "")
-                raise ModelLoadError(f"warmup at {where} failed: {exc}") from exc
-            label = f"batch_{size}" + "".join(f"_len_{n}" for n in lengths)
-            timings[label] = time.perf_counter() - started
-            warmed.add(batch_shape(batch))
-            log.debug("warmed %s in %.1f ms", label, timings[label] * 1000)
-    return timings, warmed
+            yield size, [dims[a.dims[0]] for a in shapes.axes if a.dims[0] in dims], batch
+
+
+def _probe_unchecked_pt2(
+    path: Path, signature: Signature, config: ModelConfig, shapes: ShapePolicy, device: str
+) -> None:
+    """Run a ``model.pt2`` no export checked (no manifest) at each warmup batch and at the
+    repeatability check's, in a child process first: a compiled package can abort the process
+    that runs it (:mod:`service.runtimes.pt2_probe`), which here would be every model's."""
+    batches = [batch for _, _, batch in _warm_batches(signature, config, shapes)]
+    batches.append(_repeatable_batch(signature, config, shapes, _ones))
+    outputs_in_child(path / "model.pt2", batches, signature, device)
 
 
 def _check_repeatable(
@@ -655,16 +675,12 @@ def _check_repeatable(
     golden replay catches that too, but only with a manifest: a bring-your-own artifact has
     none. The batch is the first warmed shape, of ones (each ranged input at its range's middle,
     so that no dropout meets only zeros); a model that samples on purpose sets ``stochastic``."""
-    batched = config.max_batch_size > 0
-    size = config.warmup_batch_sizes()[0] if batched else 0
-    dims = shapes.warm_sizes()[0]
-    shaped = [(t, _warm_shape(t, size, dims, 1 if batched else 0)) for t in signature.inputs]
     with CPU_USE:
         try:
-            batch = {t.name: _ones(shape, t) for t, shape in shaped}
+            batch = _repeatable_batch(signature, config, shapes, _ones)
             first = runtime.run(batch)
         except Exception:  # ones are no input of it (an index into one row): warmup's zeros
-            batch = {t.name: _zeros(shape, t) for t, shape in shaped}
+            batch = _repeatable_batch(signature, config, shapes, _zeros)
             first = runtime.run(batch)
         second = runtime.run(batch)
     for name, answer in first.items():
@@ -678,6 +694,21 @@ def _check_repeatable(
             "model.eval() was called first, as `tensorgate export` does). Export it again after "
             "model.eval(); a model that samples on purpose: set stochastic: true in config.yaml"
         )
+
+
+def _repeatable_batch(
+    signature: Signature,
+    config: ModelConfig,
+    shapes: ShapePolicy,
+    fill: Callable[[tuple[int, ...], TensorConfig], np.ndarray],
+) -> dict[str, np.ndarray]:
+    """The repeatability check's batch: the first warmed shape, each input made by ``fill``."""
+    batched = config.max_batch_size > 0
+    size = config.warmup_batch_sizes()[0] if batched else 0
+    dims = shapes.warm_sizes()[0]
+    return {
+        t.name: fill(_warm_shape(t, size, dims, 1 if batched else 0), t) for t in signature.inputs
+    }
 
 
 def _apart(first: np.ndarray, second: np.ndarray) -> str | None:
