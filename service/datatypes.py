@@ -104,6 +104,14 @@ LARGEST: dict[str, float] = {
     "BF16": 3.3895313892515355e38,  # (2 − 2⁻⁷) × 2¹²⁷
 }
 """The largest finite value of each float datatype."""
+FINITE_BELOW: dict[str, float] = {
+    "FP16": 65520.0,  # 65504 and half its last step, 32
+    "FP32": 2.0**128 - 2.0**103,
+    "BF16": 2.0**128 - 2.0**119,
+}
+"""Below this magnitude a number rounds to a finite value of the datatype, its largest at
+most: 3.4028235e+38, the shortest decimal of FP32's largest (numpy's and orjson's way of
+writing it), lies past the largest itself and was refused as past FP32's range."""
 
 
 def json_strings(values: Any) -> np.ndarray:
@@ -172,14 +180,13 @@ def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.
             given = np.asarray(list(_non_finite(values)), dtype=np.float64).reshape(given.shape)
         except OverflowError:
             raise ValueError(f"an integer is past {datatype}'s range") from None
-    largest = LARGEST[datatype]
     # narrowed, a value past the type's range would become ±inf (the test is also false when
     # any is NaN or ±inf: they are looked at then)
-    if datatype != "FP64" and not np.abs(given).max() <= largest:
-        past = np.isfinite(given) & ((given > largest) | (given < -largest))
+    if datatype != "FP64" and not np.abs(given).max() < (limit := FINITE_BELOW[datatype]):
+        past = np.isfinite(given) & (np.abs(given) >= limit)
         if past.any():
             value = given[past][0].item()
-            raise ValueError(f"{value!r} is past {datatype}'s range (±{largest:g})")
+            raise ValueError(f"{value!r} is past {datatype}'s range (±{LARGEST[datatype]:g})")
     if datatype == "BF16":
         return bf16_bits(given.astype(np.float64))
     return given.astype(target, copy=False)
@@ -375,7 +382,25 @@ def _finite(value: Any) -> Any:
 
 
 def cast(array: np.ndarray, given: str, wanted: str) -> np.ndarray:
-    """``array`` of datatype ``given`` converted to ``wanted`` (numpy's casting rules)."""
+    """``array`` of datatype ``given`` converted to ``wanted``, where each value is one of
+    ``wanted``'s: ValueError saying which is not (a fraction, NaN or an infinity for an integer
+    type, an integer past its range, a finite number past a float type's). numpy alone made the
+    FP64 5.7 the id 5 and -0.5 the id 0, the UINT64 2⁶⁴−1 the INT64 −1, and the FP64 1e300 the
+    FP32 inf, each silently (a new user's walk, with ``cast_inputs`` on)."""
+    values = as_values(array, given)
+    target = TO_NUMPY[wanted]
+    if values.size and target.kind in "iu" and wanted != "BF16":
+        if values.dtype.kind == "f":
+            fractions = values[~np.isfinite(values) | (np.floor(values) != values)]
+            if fractions.size:
+                raise ValueError(f"{fractions[0].item()!r} is not an integer ({wanted})")
+        _check_range(wanted, int(values.min()), int(values.max()))
+    elif values.size and (limit := FINITE_BELOW.get(wanted)) is not None:
+        floats = values.astype(np.float64)
+        past = np.isfinite(floats) & (np.abs(floats) >= limit)
+        if past.any():
+            value = floats[past][0].item()
+            raise ValueError(f"{value!r} is past {wanted}'s range (±{LARGEST[wanted]:g})")
     if "BF16" not in (given, wanted):
-        return array.astype(TO_NUMPY[wanted])
-    return from_values(as_values(array, given).astype(np.float64), wanted)
+        return values.astype(target)
+    return from_values(values.astype(np.float64), wanted)

@@ -45,7 +45,13 @@ def check_inputs(
         want = ((-1,) if batched else ()) + spec.shape
         data = tensor.data
         if tensor.datatype != spec.datatype and castable(config, tensor.datatype, spec.datatype):
-            data = cast(data, tensor.datatype, spec.datatype)
+            try:
+                data = cast(data, tensor.datatype, spec.datatype)
+            except ValueError as exc:
+                raise InvalidInput(
+                    f"input '{spec.name}': {exc}, so it is not cast from {tensor.datatype} to "
+                    f"{spec.datatype} (cast_inputs casts only values the model's type holds)"
+                ) from None
         elif tensor.datatype != spec.datatype or not shape_fits(want, tensor.shape):
             raise InvalidInput(
                 f"input '{spec.name}': expected {spec.datatype} {list(want)}, "
@@ -88,16 +94,18 @@ def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where:
         outside = ~((data >= bounds[0]) & (data <= bounds[1]))  # NaN too
         first = tuple(int(i) for i in np.argwhere(outside)[0])
         count = int(outside.sum())
+        value = data[first].item()
+        shown = repr(value) if isinstance(value, int) else f"{value:g}"  # 2⁶³−1 is no 9.22e+18
         raise InvalidInput(
             f"{where}input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; "
-            f"got {data[first]:g} at {list(first)} ({count} value{'s' * (count > 1)} outside it)"
+            f"got {shown} at {list(first)} ({count} value{'s' * (count > 1)} outside it)"
         )
 
 
 def castable(config: ModelConfig, given: str, wanted: str) -> bool:
     """Whether a tensor of datatype ``given`` is cast to the ``wanted`` one the model takes:
-    with its ``cast_inputs`` on, numbers only (never to or from BYTES)."""
-    return config.cast_inputs and "BYTES" not in (given, wanted)
+    with its ``cast_inputs`` on, numbers only (never to or from BYTES or BOOL: true is no id)."""
+    return config.cast_inputs and not {"BYTES", "BOOL"} & {given, wanted}
 
 
 def check_rows(rows: int, config: ModelConfig, name: str) -> None:

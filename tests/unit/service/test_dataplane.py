@@ -931,7 +931,7 @@ def test_a_step_that_met_an_unwarmed_shape_marks_its_callers_request() -> None:
         closing=False,
         execute=execute,
         stats=SimpleNamespace(record_success=lambda *_: None, record_failure=lambda *_: None),
-        loaded=SimpleNamespace(batched=True),
+        loaded=SimpleNamespace(name="step", batched=True),
     )
     caller = RequestTiming()
     batch = {"x": np.zeros((1, 2), np.float32)}

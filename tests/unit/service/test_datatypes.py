@@ -204,3 +204,56 @@ def test_json_floats_convert_as_numpy_converts_them(values: list[float]) -> None
     np.testing.assert_array_equal(
         json_numbers(values, "FP32"), np.asarray(values, dtype=np.float32)
     )
+
+
+@pytest.mark.parametrize(
+    ("values", "datatype", "want"),
+    [
+        ([3.4028235e38], "FP32", [np.finfo(np.float32).max]),  # its shortest decimal: numpy's
+        ([-3.4028235e38], "FP32", [-np.finfo(np.float32).max]),
+        ([65519.0], "FP16", [65504.0]),  # rounds to its largest
+    ],
+)
+def test_a_number_that_rounds_to_the_largest_finite_value_is_taken(
+    values: list[float], datatype: str, want: list[float]
+) -> None:
+    """numpy and orjson write FP32's largest as 3.4028235e+38, just past it: it was refused."""
+    np.testing.assert_array_equal(
+        json_numbers(values, datatype), np.array(want, TO_NUMPY[datatype])
+    )
+    with pytest.raises(ValueError, match="past"):
+        json_numbers([3.4028236e38 if datatype == "FP32" else 65520.0], datatype)
+
+
+@pytest.mark.parametrize(
+    ("array", "given", "wanted", "words"),
+    [  # what numpy's astype did silently: 5, 0, 999, -1, inf
+        (np.array([5.7]), "FP64", "INT64", "5.7 is not an integer (INT64)"),
+        (np.array([-0.5]), "FP64", "INT64", "-0.5 is not an integer (INT64)"),
+        (np.array([1.0, np.nan]), "FP64", "INT64", "nan is not an integer (INT64)"),
+        (np.array([np.inf]), "FP32", "INT32", "inf is not an integer (INT32)"),
+        (np.array([1e20]), "FP64", "INT64", "values must lie within INT64's"),
+        (
+            np.array([2**64 - 1], np.uint64),
+            "UINT64",
+            "INT64",
+            "got values from 18446744073709551615",
+        ),
+        (np.array([300], np.int32), "INT32", "UINT8", "values must lie within UINT8's [0, 255]"),
+        (np.array([1e300]), "FP64", "FP32", "1e+300 is past FP32's range (±3.40282e+38)"),
+        (np.array([1e5]), "FP32", "FP16", "100000.0 is past FP16's range (±65504)"),
+    ],
+)
+def test_a_cast_refuses_a_value_the_wanted_type_does_not_hold(
+    array: np.ndarray, given: str, wanted: str, words: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        cast(array, given, wanted)
+
+
+def test_a_cast_keeps_each_value_the_wanted_type_holds() -> None:
+    np.testing.assert_array_equal(cast(np.array([5.0, -2.0]), "FP64", "INT64"), [5, -2])
+    floats = cast(np.array([np.inf, -np.inf, np.nan, 3.4028235e38]), "FP64", "FP32")
+    assert floats.dtype == np.float32
+    np.testing.assert_array_equal(floats, [np.inf, -np.inf, np.nan, np.finfo(np.float32).max])
+    np.testing.assert_array_equal(cast(np.array([7], np.int64), "INT64", "FP32"), [7.0])

@@ -83,9 +83,30 @@ def test_a_pipelines_raw_input_is_named_beside_the_models_inputs() -> None:
         ([[1, 20], [3, 30]], "got 20 at [0, 1] (2 values outside it)"),
         ([[1.0, float("nan")]], "got nan at [0, 1] (1 value outside it)"),
         ([[-1, 2]], "got -1 at [0, 0] (1 value outside it)"),
+        ([[2**63 - 1]], "got 9223372036854775807 at [0, 0] (1 value outside it)"),  # not 9.22e+18
     ],
 )
 def test_a_value_out_of_range_is_named_with_where_it_is(values: list[object], said: str) -> None:
     with pytest.raises(InvalidInput) as refused:
         check_range("category", np.array(values), (0, 9))
     assert refused.value.message == (f"input 'category': values must lie within [0, 9]; {said}")
+
+
+def test_cast_inputs_casts_only_values_the_models_type_holds_and_never_bools() -> None:
+    dense = tensor("dense", "FP32", np.zeros((1, 8), np.float32))
+    ids = tensor("item_id", "FP64", np.array([[5.7]]))
+    assert refusal([ids, dense], config(cast_inputs=True)) == (
+        "input 'item_id': 5.7 is not an integer (INT64), so it is not cast from FP64 to INT64 "
+        "(cast_inputs casts only values the model's type holds)"
+    )
+    wide = tensor("dense", "FP64", np.full((1, 8), 1e300))
+    assert "1e+300 is past FP32's range" in refusal(
+        [tensor("item_id", "INT64", np.array([[5]])), wide], config(cast_inputs=True)
+    )
+    flag = tensor("item_id", "BOOL", np.array([[True]]))  # true is no id
+    assert refusal([flag, dense], config(cast_inputs=True)) == (
+        "input 'item_id': expected INT64 [-1, 1], got BOOL [1, 1]"
+    )
+    fine = tensor("item_id", "FP64", np.array([[5.0]]))
+    batch = check_inputs([fine, dense], SIGNATURE, config(cast_inputs=True), "ctr")
+    assert batch["item_id"].dtype == np.int64 and batch["item_id"].tolist() == [[5]]
