@@ -216,3 +216,17 @@ class ConvTagger(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embedding(ids).transpose(1, 2)
         return self.out(torch.relu(self.conv(x))).transpose(1, 2)
+
+
+class Scores(nn.Module):
+    """8 features → a score in (0, 1) through a ReLU: eager PyTorch answers a NaN feature with
+    a NaN score; torch 2.13's AOTInductor compiles the ReLU into one that drops the NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.out(torch.relu(self.hidden(x))))

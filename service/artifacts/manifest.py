@@ -94,15 +94,19 @@ class Manifest(BaseModel):
     tolerance: Tolerance = Tolerance()
     parity: dict[str, dict[str, float]] = {}
     """Max abs/rel error of each artifact vs eager PyTorch, measured at export."""
+    non_finite: dict[str, str] = {}
+    """Each artifact (by format) that answers a NaN or an infinity in a float input unlike eager
+    PyTorch, with how (measured at export): served from it, those inputs take finite values
+    only."""
     metrics: dict[str, float] = {}
     """Anything measured at build time, e.g. held-out accuracy."""
     created: str | None = None
 
     @model_serializer(mode="wrap")
     def _without_empty_additions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # ``skipped``, ``shapes``, ``code`` and ``answers`` are written only when they say
-        # something, so that a manifest of a model without them stays readable by servers that
-        # predate them.
+        # ``skipped``, ``shapes``, ``code``, ``answers`` and ``non_finite`` are written only when
+        # they say something, so that a manifest of a model without them stays readable by
+        # servers that predate them.
         data: dict[str, Any] = handler(self)
         if not self.skipped:
             data.pop("skipped", None)
@@ -111,6 +115,8 @@ class Manifest(BaseModel):
                 data.pop(key, None)
         if not self.answers:
             data.pop("answers", None)
+        if not self.non_finite:
+            data.pop("non_finite", None)
         return data
 
 

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, ParamSpec
@@ -93,12 +93,86 @@ class _Job:
     not_exported: str
     device: str | None
     pt2_cpu: str
+    odd: list[Probe] = field(default_factory=list)
+    """Probes with a NaN or an infinity in a float input (:func:`_non_finite_probes`)."""
+    odd_eager: list[dict[str, np.ndarray]] = field(default_factory=list)
+    non_finite: dict[str, str] = field(default_factory=dict)
+    """Each runtime (as :meth:`check` names it) that answers :attr:`odd` unlike eager PyTorch,
+    with how."""
 
     def check(self, what: str, run: Runner) -> dict[str, float]:
-        """The worst abs/rel error of ``run`` against eager PyTorch over every probe."""
+        """The worst abs/rel error of ``run`` against eager PyTorch over every probe; then
+        :attr:`odd`, each run after the probes, whose disagreement is noted in
+        :attr:`non_finite`, not refused."""
         pairs = zip(self.probes, self.eager, strict=True)
         results = [_compare(what, want, run(probe), self.tolerance) for probe, want in pairs]
+        for probe, want in zip(self.odd, self.odd_eager, strict=True):
+            try:
+                why = _non_finite_difference(probe, want, run(probe), what)
+            except Exception as exc:  # eager answered it: a request would fail here
+                why = f"{what} fails where eager PyTorch answers: {_first_line(exc)}"
+            if why and what not in self.non_finite:
+                self.non_finite[what] = why
         return {k: max(r[k] for r in results) for k in ("max_abs", "max_rel")}
+
+
+RUNS_AS = {"onnx": "onnxruntime", "pt2": "AOTInductor", "torchscript": "TorchScript"}
+"""Each format's runtime, as :meth:`_Job.check` is told it."""
+
+
+def _non_finite_probes(
+    probe: Probe, inputs: Sequence[TensorConfig], outputs: Sequence[TensorConfig], module: Any
+) -> tuple[list[Probe], list[dict[str, np.ndarray]]]:
+    """For each float input without a range (a request may send it NaN or an infinity, and
+    is answered): ``probe`` with that input's first value NaN, and with it +inf; and eager
+    PyTorch's answers, from a copy of ``module`` (one may change itself on such a value; a probe
+    eager fails on is left out)."""
+    odd: list[Probe] = []
+    answers: list[dict[str, np.ndarray]] = []
+    floats = [t for t in inputs if t.range is None and probe[t.name].dtype.kind == "f"]
+    if not floats:
+        return odd, answers
+    try:
+        eager_run = partial(_run_module, copy.deepcopy(module), inputs, outputs)
+    except Exception:  # a module that cannot be copied: not probed
+        log.debug("non-finite inputs not probed: the module cannot be copied")
+        return odd, answers
+    for tensor in floats:
+        for value in (np.nan, np.inf):
+            changed = {name: array.copy() for name, array in probe.items()}
+            changed[tensor.name].flat[0] = value
+            try:
+                answers.append(eager_run(changed))
+            except Exception:  # eager refuses it: nothing to compare
+                continue
+            odd.append(changed)
+    return odd, answers
+
+
+def _non_finite_difference(
+    probe: Probe, eager: Mapping[str, np.ndarray], served: Mapping[str, np.ndarray], what: str
+) -> str:
+    """How ``served`` answers ``probe`` (a NaN or an infinity in one input) unlike ``eager``:
+    another set of non-finite values in a float output; "" when alike."""
+    for name, want in eager.items():
+        got = np.asarray(served[name])
+        if want.dtype.kind != "f" or got.shape != want.shape:
+            continue
+        alike = all(
+            np.array_equal(test(want), test(got)) for test in (np.isnan, np.isposinf, np.isneginf)
+        )
+        if not alike:
+            given, value = next(
+                (n, a.flat[0])
+                for n, a in probe.items()
+                if a.dtype.kind == "f" and not np.isfinite(a.flat[0])
+            )
+            return (
+                f"{value} in input '{given}' makes {int((~np.isfinite(want)).sum())} of output "
+                f"'{name}''s values NaN or infinite in eager PyTorch, "
+                f"{int((~np.isfinite(got)).sum())} in {what}"
+            )
+    return ""
 
 
 Artifact = tuple[str, dict[str, float], dict[str, str | None]]
@@ -315,6 +389,7 @@ def export_model(
         device,
         pt2_cpu,
     )
+    job.odd, job.odd_eager = _non_finite_probes(probes[0], inputs, outputs, module)
     versions = _versions()
     artifacts: dict[str, str] = {}
     parity: dict[str, dict[str, float]] = {}
@@ -346,6 +421,14 @@ def export_model(
             + hint
         )
 
+    non_finite = {f: job.non_finite[RUNS_AS[f]] for f in artifacts if RUNS_AS[f] in job.non_finite}
+    for fmt, why in non_finite.items():
+        log.warning(
+            "%s answers non-finite inputs unlike eager PyTorch (%s): served from it, its float "
+            "inputs take finite values only (a NaN or an infinity is a 400)",
+            fmt,
+            why,
+        )
     answers = code.answers(eager_run, out_dir, max_batch_size > 0) if code else []
     arrays = {f"input.{k}": v for k, v in golden.items()}
     arrays.update({f"output.{k}": v for k, v in eager[0].items()})
@@ -367,6 +450,7 @@ def export_model(
         answers=answers,
         tolerance=tolerance,
         parity=parity,
+        non_finite=non_finite,
         metrics=dict(metrics or {}),
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
@@ -556,7 +640,7 @@ def _pt2_step(job: _Job) -> Artifact:
     versions = _export_pt2(program, path, job.pt2_cpu)
     signature = Signature(tuple(job.inputs), tuple(job.outputs))
     try:  # in a child: a package's kernel can abort the process that runs it
-        answers = iter(outputs_in_child(path, job.probes, signature, device))
+        answers = iter(outputs_in_child(path, [*job.probes, *job.odd], signature, device))
     except ModelLoadError as exc:
         path.unlink(missing_ok=True)  # not left beside a manifest that does not name it
         raise ExportError(f"the AOTInductor package: {exc}") from None

@@ -51,7 +51,7 @@ from service.artifacts.manifest import (
 from service.artifacts.shapes import ShapePolicy
 from service.batching.codepool import CodePool
 from service.batching.scheduler import BatchShape, batch_shape
-from service.datatypes import TO_NUMPY
+from service.datatypes import LARGEST, TO_NUMPY
 from service.errors import (
     LoadStopped,
     ModelLoadError,
@@ -543,14 +543,39 @@ def _replay_answers(
 def _declared(
     config: ModelConfig, manifest: Manifest | None, warnings: list[str]
 ) -> Signature | None:
+    declared: Signature | None = None
     if config.inputs is not None and config.outputs is not None:
         inputs = config.inputs
         if manifest is not None:
             inputs = _within_exported_ranges(inputs, manifest.inputs, warnings)
-        return Signature(inputs, config.outputs)
-    if manifest is not None:
-        return Signature(manifest.inputs, manifest.outputs)
-    return None
+        declared = Signature(inputs, config.outputs)
+    elif manifest is not None:
+        declared = Signature(manifest.inputs, manifest.outputs)
+    why = manifest.non_finite.get(config.backend) if manifest is not None else None
+    if declared is not None and why:
+        declared = Signature(_finite_only(declared.inputs, why, warnings), declared.outputs)
+    return declared
+
+
+def _finite_only(
+    inputs: tuple[TensorConfig, ...], why: str, warnings: list[str]
+) -> tuple[TensorConfig, ...]:
+    """Each float input without a range given its type's finite range: the artifact served
+    answers a NaN or an infinity unlike eager PyTorch (``why``, measured at export: a compiled
+    ReLU of a model.pt2 turned NaN into a plausible score), so a request with one is a 400
+    rather than an answer eager PyTorch would not give."""
+    kept, limited = [], []
+    for t in inputs:
+        if t.range is None and t.datatype in LARGEST:
+            t = t.model_copy(update={"range": (-LARGEST[t.datatype], LARGEST[t.datatype])})
+            limited.append(t.name)
+        kept.append(t)
+    if limited:
+        warnings.append(
+            f"the artifact answers non-finite inputs unlike eager PyTorch ({why}): inputs "
+            f"{limited} take finite values only (a NaN or an infinity is a 400)"
+        )
+    return tuple(kept)
 
 
 def _within_exported_ranges(
