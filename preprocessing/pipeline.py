@@ -225,6 +225,11 @@ def which_item(
         raise named from exc
 
 
+class ItemsDiffer(ValueError):
+    """The rows a pipeline made for a request's items name different inputs: its own mistake
+    (the server answers it 500, not the client's 400)."""
+
+
 class Rows:
     """A batch of ``count`` items filled a row at a time: each item's row is copied into its
     place as soon as it is made (from any thread), so that it can be let go at once. What
@@ -238,8 +243,9 @@ class Rows:
         self._batch: Arrays | None = None
         self._filled: list[int] = []
         self._odd: dict[str, set[str]] = {}
-        """Input name → the shapes of the rows that did not fit the first row's, or
-        ``missing`` where some rows make the name and others do not."""
+        """Input name → the shapes of the rows that did not fit the first row's."""
+        self._names: list[tuple[int, list[str]]] = []
+        """The first row's index and input names, then the first row's that made others."""
 
     def put(self, index: int, row: Arrays) -> None:
         """Item ``index``'s row (a dict of arrays by input name, no batch dim) into its place.
@@ -254,8 +260,9 @@ class Rows:
                     for name, array in row.items()
                 }
             batch = self._batch
-            for name in row.keys() ^ batch.keys():  # whichever side the first row was on
-                self._odd.setdefault(name, set()).add("missing")
+            names = sorted(row)
+            if not self._names or (len(self._names) == 1 and names != self._names[0][1]):
+                self._names.append((index, names))
             for name in row.keys() & batch.keys():
                 array, target = row[name], batch[name]
                 if array.shape != target.shape[1:]:
@@ -271,11 +278,16 @@ class Rows:
             self._filled.append(index)
 
     def batch(self) -> Arrays:
-        """The batch, once every row is in; items whose rows differ are a :class:`BadInput`."""
+        """The batch, once every row is in: items whose rows differ in shape are a
+        :class:`BadInput` (an image of another size: the client's), in input names an
+        :class:`ItemsDiffer` (the code's own mistake, whatever the items)."""
         assert self._batch is not None, "no row was put"
+        if len(self._names) > 1:
+            (first, made), (other, differ) = sorted(self._names)
+            raise ItemsDiffer(
+                f"items make different inputs: item {first} makes {made}, item {other} {differ}"
+            )
         for name, odd in sorted(self._odd.items()):
-            if "missing" in odd:
-                raise BadInput(f"some items make '{name}' and others do not")
             shapes = sorted(odd | {str(list(self._batch[name].shape[1:]))})
             raise BadInput(f"items make '{name}' of different shapes ({', '.join(shapes)})")
         return self._batch

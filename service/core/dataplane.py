@@ -31,7 +31,16 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from preprocessing.pipeline import Arrays, BadInput, Item, Pipeline, Rows, overrides, which_item
+from preprocessing.pipeline import (
+    Arrays,
+    BadInput,
+    Item,
+    ItemsDiffer,
+    Pipeline,
+    Rows,
+    overrides,
+    which_item,
+)
 from service.artifacts.shapes import apply_crop
 from service.batching.codepool import CodePool
 from service.batching.scheduler import rows_of
@@ -799,6 +808,8 @@ def _guarded(fn: Callable[..., T], model: str, *args: Any) -> T:
         return fn(*args)
     except BadInput as exc:
         raise InvalidInput(f"model '{model}': {exc}") from None
+    except ItemsDiffer as exc:
+        raise ModelExecutionError(f"model '{model}': its pipeline's {exc}") from None
     except (SystemExit, KeyboardInterrupt) as exc:
         raise RuntimeError(f"model '{model}': its code raised {type(exc).__name__}") from exc
 

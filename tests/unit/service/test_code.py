@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocessing.pipeline import BadInput, Item, Pipeline, Rows, answer_one, stack
+from preprocessing.pipeline import BadInput, Item, ItemsDiffer, Pipeline, Rows, answer_one, stack
 from preprocessing.spec import PythonSpec, spec_hash
 from service.artifacts.code import AnswerPair, check_answers, check_code, code_facts
 from service.errors import ModelLoadError
@@ -161,24 +161,40 @@ def test_rows_make_what_stack_makes_each_row_into_its_place_from_any_thread() ->
         assert array.dtype == stacked.dtype and np.array_equal(array, stacked)
 
 
+def test_rows_refuse_items_whose_rows_differ_in_shape_as_bad_input() -> None:
+    into = Rows(2)
+    into.put(0, {"x": np.zeros(2)})
+    into.put(1, {"x": np.zeros(3)})
+    with pytest.raises(BadInput, match=r"'x' of different shapes \(\[2\], \[3\]\)"):
+        into.batch()
+
+
 @pytest.mark.parametrize(
     ("first", "second", "message"),
     [
-        ({"x": np.zeros(2)}, {"x": np.zeros(3)}, r"'x' of different shapes \(\[2\], \[3\]\)"),
-        ({"x": np.zeros(2)}, {"y": np.zeros(2)}, r"some items make '(x|y)' and others do not"),
-        ({"x": np.zeros(2)}, {"x": np.zeros(2), "y": np.zeros(2)}, r"make 'y' and others do not"),
-        ({"x": np.zeros(2), "y": np.zeros(2)}, {"x": np.zeros(2)}, r"make 'y' and others do not"),
+        ({"x": np.zeros(2)}, {"y": np.zeros(2)}, "item 0 makes ['x'], item 1 ['y']"),
+        ({"x": np.zeros(2)}, {"x": np.zeros(2), "y": np.zeros(2)}, "item 1 ['x', 'y']"),
+        ({"x": np.zeros(2), "y": np.zeros(2)}, {"x": np.zeros(2)}, "item 0 makes ['x', 'y']"),
     ],
 )
-def test_rows_refuse_items_whose_rows_differ_as_bad_input(
-    first: dict[str, np.ndarray], second: dict[str, np.ndarray], message: str
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_rows_whose_input_names_differ_are_the_codes_mistake(
+    first: dict[str, np.ndarray],
+    second: dict[str, np.ndarray],
+    message: str,
+    order: tuple[int, int],
 ) -> None:
-    """Whichever row comes first (the pool's first to finish): the same refusal."""
+    """Whichever row comes first (the pool's first to finish): the same error, naming both
+    items; not the client's BadInput (a 400), as it was."""
     into = Rows(2)
-    into.put(0, first)
-    into.put(1, second)
-    with pytest.raises(BadInput, match=message):
+    rows = (first, second)
+    for index in order:
+        into.put(index, rows[index])
+    with pytest.raises(ItemsDiffer) as differ:
         into.batch()
+    assert str(differ.value).startswith("items make different inputs: item 0 makes ")
+    assert message in str(differ.value)
+    assert not isinstance(differ.value, BadInput)
 
 
 @pytest.mark.parametrize(
