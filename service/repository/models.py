@@ -585,17 +585,36 @@ class ModelRepository:
         return bool(self.served_versions())
 
     def problems(self) -> dict[str, str]:
-        """Each model meant to load that is not READY, with why."""
-        return {
-            name: entry.why_not(ready_too=False)
-            for name, entry in list(self.models.items())
-            if not (entry.unloaded or entry.refused or entry.shown_loading)
-            and (
+        """Each model meant to load that is not READY, with why: also a READY pipeline that
+        cannot serve for a step its code calls (:meth:`missing_step`), unless that step was
+        unloaded on request (asked for, not a fault)."""
+        found: dict[str, str] = {}
+        for name, entry in list(self.models.items()):
+            if entry.unloaded or entry.refused or entry.shown_loading:
+                continue
+            if (
                 entry.error
                 or not entry.versions
                 or any(v.state is not ModelState.READY for v in entry.versions.values())
-            )
-        }
+            ):
+                found[name] = entry.why_not(ready_too=False)
+                continue
+            for version in list(entry.versions.values()):
+                if (why := self._step_problem(version)) is not None:
+                    found[name] = f"version {version.version} cannot serve: {why}"
+                    break
+        return found
+
+    def _step_problem(self, version: ModelVersion) -> str | None:
+        """Why ``version`` cannot serve for want of a step, unless a step of it was unloaded
+        on request; None when it can (or has no steps)."""
+        steps = version.served.loaded.steps if version.served is not None else ()
+        if not steps or any(
+            (step_entry := self.models.get(step.model)) is not None and step_entry.unloaded
+            for step in steps
+        ):
+            return None
+        return self.missing_step(version) or None
 
     def relative(self, text: str) -> str:
         """``text`` with the repository's own path left out: what a caller reads (the

@@ -202,3 +202,11 @@ def test_the_repository_tells_a_pipeline_replayed_through_another_load_of_its_st
     assert "replaying its answers through it failed: failed to load 'P'" in (
         repository.missing_step(pipeline)
     )
+    # a strict readiness says so: a READY pipeline that cannot serve is not ready (it said so)
+    repository.loading_done.set()
+    assert repository.problems()["P"].startswith(
+        "version 1 cannot serve: its pipeline step 'A' version 1 was loaded after"
+    )
+    assert not repository.all_ready()
+    repository.models["A"].unloaded = True  # unloaded on request: asked for, not a fault
+    assert "P" not in repository.problems()
