@@ -285,11 +285,13 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) ->
             f"input '{name}': {datatype} has no typed 'contents' in the protocol; send it in "
             "raw_input_contents (2-byte little-endian words)"
         )
-    unused = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+    given = [f.name for f, _ in tensor.contents.ListFields()]
+    unused = [f for f in given if f != field]
     if unused:  # values the model would never see: the client's mistake, not noise to skip
+        others = "contents." + ", contents.".join(unused)
+        said = f"{others} is set too" if field in given else f"not in {others}"
         raise InvalidInput(
-            f"input '{name}': a {datatype} tensor's values go in contents.{field}; "
-            f"contents.{', contents.'.join(unused)} is set too"
+            f"input '{name}': a {datatype} tensor's values go in contents.{field}; {said}"
         )
     values = getattr(tensor.contents, field)
     if len(values) != count:
