@@ -42,6 +42,7 @@ from service.repository.models import check_load_parameters, check_unload_parame
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED, REQUEST_HELD
 from service.telemetry.logs import REQUEST_ID, request_id_for
+from service.telemetry.observation import GRACE_OVER
 
 log = logging.getLogger("tensorgate.grpc")
 
@@ -210,6 +211,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             answer = await work()
         except Exception as exc:
             code, message = grpc_status(exc)
+            if trace is not None:
+                _end(trace, code)
+        except asyncio.CancelledError as exc:
+            if not self.dataplane.drain.ended(exc):
+                raise
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # the grace period is over: answered, not dropped
+            code, message = grpc_status(ServerBusy(GRACE_OVER))
             if trace is not None:
                 _end(trace, code)
         else:

@@ -21,7 +21,13 @@ from starlette.types import Receive
 
 from service.cluster.view import Cluster
 from service.core.dataplane import DataPlane
-from service.errors import InvalidInput, PayloadTooLarge, TensorgateError, UnsupportedMediaType
+from service.errors import (
+    InvalidInput,
+    PayloadTooLarge,
+    ServerBusy,
+    TensorgateError,
+    UnsupportedMediaType,
+)
 from service.limits import compression
 from service.limits.admission import error_body
 from service.limits.auth import Peer, check_authorization
@@ -29,7 +35,7 @@ from service.protocol import v1, v2
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID
-from service.telemetry.observation import After
+from service.telemetry.observation import GRACE_OVER, After
 
 log = logging.getLogger("tensorgate.app")
 
@@ -125,6 +131,13 @@ async def answer_inference(
         answer = await until_disconnect(receive, work)
     except ClientGone:
         answer = None
+    except asyncio.CancelledError as exc:
+        if not dataplane.drain.ended(exc):
+            raise
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # the grace period is over: answered, not dropped
+        answer = error_answer(ServerBusy(GRACE_OVER), f"POST {route.kind} {route.model}")
     except Exception as exc:
         if not looked_up and isinstance(exc, (InvalidInput, UnsupportedMediaType)):
             REFUSED["bad_request"] += 1  # a header or an encoding: no model's metrics see it

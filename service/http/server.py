@@ -11,6 +11,7 @@ A second SIGTERM, or the end of the grace period, ends it at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -27,6 +28,9 @@ from service.settings import Settings
 
 log = logging.getLogger("tensorgate.server")
 QUIET_S = 0.5
+ANSWER_S = 1.0
+"""How long the requests still in flight when the grace period ends have to be answered 503
+before the exit closes their connections."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -43,10 +47,12 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
         self._now = threading.Event()
         self._turns: list[TakeTurns] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         """As uvicorn's; a worker's listening socket (shared with the others) it accepts from
         one connection a wake-up (:class:`TakeTurns`), not uvicorn's way."""
+        self._loop = asyncio.get_running_loop()  # the drain's thread hands work back to it
         if not self._shared or sockets is None:
             await super().startup(sockets)
             return
@@ -116,7 +122,17 @@ class DrainingServer(uvicorn.Server):
                 return
         left = dataplane.drain.in_flight
         if left:
-            log.warning("grace period over with %d requests in flight: stopping anyway", left)
+            log.warning(
+                "grace period over with %d requests in flight: answering them 503 and stopping",
+                left,
+            )
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    self._loop.call_soon_threadsafe(dataplane.drain.expire)
+            answered_by = time.monotonic() + ANSWER_S
+            while dataplane.drain.in_flight and time.monotonic() < answered_by:
+                if self._now.wait(0.01):
+                    return
             self.force_exit = True
         else:
             log.info("drained: every accepted request was answered; stopping")

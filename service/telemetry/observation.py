@@ -37,12 +37,35 @@ class Drain:
     in_flight: int = 0
     """Inference requests accepted and not yet answered (``:preprocess`` ones too: the exit
     waits for them)."""
+    over: bool = False
+    """The grace period ended with requests in flight (:meth:`expire`)."""
+    tasks: set[asyncio.Task[object]] = field(default_factory=set)
+    """The tasks answering inference requests now, to end at :meth:`expire`."""
 
     def admit(self) -> None:
         """503 once new work is refused (past pre-stop)."""
         if self.refusing:
             REFUSED["draining"] += 1  # before a model is looked up: no request metric sees it
             raise ServerBusy("the server is shutting down; send this request elsewhere")
+
+    def expire(self) -> None:
+        """On the loop, once the grace period is over: each request still in flight is cancelled,
+        and answered :data:`GRACE_OVER` (503) by its route, instead of its connection closing
+        with no answer at the exit (a hung model's code, a client that asked for a timeout
+        longer than the grace period)."""
+        self.over = True
+        for task in list(self.tasks):
+            task.cancel(GRACE_OVER)
+
+    def ended(self, exc: BaseException | None) -> bool:
+        """Whether ``exc`` is :meth:`expire`'s cancellation (the request is answered 503)."""
+        return self.over and isinstance(exc, asyncio.CancelledError)
+
+
+GRACE_OVER = (
+    "the server stopped before this request was answered: its drain grace period "
+    "(TG_DRAIN_GRACE_S) ended; send the request again"
+)
 
 
 @dataclass(slots=True)
@@ -174,13 +197,19 @@ class _Observing:
         self.observation, self.after = observation, after
 
     def __enter__(self) -> Observation:
-        self.observer.drain.in_flight += 1
+        drain = self.observer.drain
+        drain.in_flight += 1
+        if (task := asyncio.current_task()) is not None:
+            drain.tasks.add(task)
         return self.observation
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        status = 200 if kind is None else status_of(exc)
+        drain = self.observer.drain
+        if (task := asyncio.current_task()) is not None:
+            drain.tasks.discard(task)
+        status = 200 if kind is None else 503 if drain.ended(exc) else status_of(exc)
         self.observer.finish(self.protocol, self.name, self.observation, status, self.after)
 
 

@@ -428,3 +428,59 @@ def test_a_new_version_swaps_in_under_load_without_a_failed_request(
     finally:
         done.set()
         server.stop()
+
+
+def test_a_request_still_in_flight_when_the_grace_period_ends_is_answered_503(
+    tmp_path: Path,
+) -> None:
+    """It was dropped: the exit closed its connection with no answer (a hung model's request,
+    a timeout longer than the grace period). Now it is answered 503, saying why, over REST."""
+    from tests.models import Dawdle
+
+    root = tmp_path / "models"
+    copy_model("digits", root / "digits")
+    (root / "dawdle" / "1").mkdir(parents=True)
+    torch.jit.script(Dawdle(2000)).save(str(root / "dawdle" / "1" / "model.pt"))
+    config = {
+        "backend": "torchscript",
+        "max_batch_size": 1,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [16]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [16]}],
+    }
+    (root / "dawdle" / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {"TG_DRAIN_PRE_STOP_S": "0.2", "TG_DRAIN_GRACE_S": "1", "TG_STUCK_INSTANCE_S": "600"}
+    server = Server(root, env=env, log_path=tmp_path / "server.log")
+    answers: list[httpx.Response] = []
+    try:
+        server.wait_until()
+        hung = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 16], "data": [1e9] * 16}]}
+
+        def send() -> None:
+            answers.append(
+                httpx.post(
+                    f"{server.url}/v2/models/dawdle/infer",
+                    json=hung,
+                    headers={"X-Request-Timeout": "120"},
+                    timeout=60,
+                )
+            )
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        server.wait_for(lambda: _in_flight(server) >= 1)
+        server.process.send_signal(signal.SIGTERM)
+        sender.join(timeout=30)
+        assert answers, "no answer within 30 s"
+        assert answers[0].status_code == 503
+        assert "its drain grace period (TG_DRAIN_GRACE_S) ended" in answers[0].json()["error"]
+        assert "grace period over with 1 requests in flight: answering them 503" in server.log()
+    finally:
+        server.stop()
+
+
+def _in_flight(server: Server) -> float:
+    """Inference requests in flight, from /metrics."""
+    for line in server.client.get("/metrics").text.splitlines():
+        if line.startswith("tensorgate_requests_in_flight "):
+            return float(line.split()[1])
+    return 0.0
