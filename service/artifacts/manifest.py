@@ -120,6 +120,23 @@ class Manifest(BaseModel):
         return data
 
 
+def aside_prefix(version_dir: Path) -> str:
+    """The name prefix of the folder beside ``version_dir`` where an export under way keeps the
+    files it replaces (``.1.before-export-…``): one left there means the export never finished
+    (its process killed: out of memory, a signal), and the version folder is half written."""
+    return f".{version_dir.name}.before-export-"
+
+
+def unfinished_export(version_dir: Path) -> Path | None:
+    """The folder an export of ``version_dir`` under way (or one that never finished) keeps
+    what it replaces in, if there is one."""
+    prefix = aside_prefix(version_dir)
+    parent = version_dir.parent
+    if not parent.is_dir():
+        return None
+    return next((p for p in sorted(parent.iterdir()) if p.name.startswith(prefix)), None)
+
+
 def read_manifest(version_dir: Path) -> Manifest | None:
     """The manifest of a version folder, or None for a bring-your-own artifact."""
     path = version_dir / MANIFEST

@@ -38,7 +38,14 @@ from preprocessing.pipeline import BadInput, Item, Models, Pipeline, answer_one
 from preprocessing.spec import PreprocessingSpec, PythonSpec, TextSpec, spec_hash
 from service.artifacts import cpu_targets
 from service.artifacts.code import CodeFacts, code_facts, plain
-from service.artifacts.manifest import GOLDEN, MANIFEST, Manifest, Tolerance, read_manifest
+from service.artifacts.manifest import (
+    GOLDEN,
+    MANIFEST,
+    Manifest,
+    Tolerance,
+    aside_prefix,
+    read_manifest,
+)
 from service.artifacts.shapes import ShapeFacts, guess_axes
 from service.core.validation import check_made
 from service.datatypes import TO_NUMPY
@@ -193,7 +200,7 @@ def _undone_on_failure(export: Callable[P, Manifest]) -> Callable[P, Manifest]:
         out_dir = Path(signature.bind(*args, **kwargs).arguments["out_dir"])
         made = [folder for folder in (out_dir.parent, out_dir) if not folder.exists()]
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.before-export-", dir=out_dir.parent))
+        aside = Path(tempfile.mkdtemp(prefix=aside_prefix(out_dir), dir=out_dir.parent))
         failed = True
         try:
             for name in WRITTEN:

@@ -47,6 +47,7 @@ from service.artifacts.manifest import (
     check_versions,
     read_golden,
     read_manifest,
+    unfinished_export,
 )
 from service.artifacts.shapes import ShapePolicy
 from service.batching.codepool import CodePool
@@ -267,6 +268,12 @@ def load_version(
     """Load ``path`` (a version folder) under ``config``; ModelLoadError names any refusal.
     ``bound`` ends it early (the server stopping, the model unloaded, its time up)."""
     started = time.perf_counter()
+    if (aside := unfinished_export(path)) is not None:
+        raise ModelLoadError(
+            f"version {path.name} is being exported, or its export never finished (it keeps the "
+            f"files it replaces in {aside.name} beside it until it ends): its folder may be half "
+            f"written; export it again (or move {aside.name}'s files back, and remove it)"
+        )
     manifest = read_manifest(path)
     warnings = _check_pins(name, config, manifest)
     runtimes, signature, devices = _open_runtimes(name, path, config, manifest, settings, warnings)

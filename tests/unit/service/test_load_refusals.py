@@ -1,5 +1,6 @@
-"""A model that answers one batch twice differently is refused at load (a dropout exported in
-train() mode, noise left in forward), whatever its format, with a manifest or without."""
+"""Versions refused at load whatever their format, with a manifest or without: a model that
+answers one batch twice differently (a dropout exported in train() mode, noise left in
+forward), and a version folder an export is writing, or left half written."""
 
 import warnings
 from pathlib import Path
@@ -103,3 +104,23 @@ def test_two_runs_agree_within_what_other_threads_may_change() -> None:
     assert _apart(np.array([1, 2]), np.array([1, 2])) is None
     assert _apart(np.array([1, 2]), np.array([1, 3])) == "values differ"
     assert _apart(np.zeros((1, 2)), np.zeros((2, 2))) == "shape [1, 2], then [2, 2]"
+
+
+def test_a_version_whose_export_never_finished_is_refused(tmp_path: Path) -> None:
+    """An export killed midway (out of memory, a signal) leaves its version folder half written
+    and what it replaced set aside beside it; the server served what it found, unverified (a
+    new user's walk: a crashed export's leftover padded what its export had measured it must
+    not). The same holds while an export is under way."""
+    _onnx(DropsLast().eval(), tmp_path / "net" / "1" / "model.onnx")
+    aside = tmp_path / "net" / ".1.before-export-x1y2"
+    aside.mkdir()
+    settings = Settings(model_repository=tmp_path)
+    with pytest.raises(ModelLoadError) as refused:
+        load_version("net", tmp_path / "net" / "1", _config("onnx"), settings)
+    assert str(refused.value) == (
+        "version 1 is being exported, or its export never finished (it keeps the files it "
+        "replaces in .1.before-export-x1y2 beside it until it ends): its folder may be half "
+        "written; export it again (or move .1.before-export-x1y2's files back, and remove it)"
+    )
+    aside.rmdir()
+    load_version("net", tmp_path / "net" / "1", _config("onnx"), settings).close()
