@@ -81,6 +81,7 @@ def code_facts(spec: PythonSpec, folder: Path) -> CodeFacts:
             raise ModelLoadError(f"preprocessing: cannot read {path}: {exc}") from None
         files[name] = hashlib.sha256(source).hexdigest()
         local, imported = _imports(source, path, root)
+        _check_absolute_locals(imported, path, root)
         pending.extend(local)
         top_level |= imported
     packages = _distributions(top_level)
@@ -209,6 +210,33 @@ def _imports(source: bytes, path: Path, root: Path) -> tuple[list[Path], set[str
                         local.append(found)
                         break
     return local, top_level - {""}
+
+
+def _check_absolute_locals(names: set[str], path: Path, root: Path) -> None:
+    """ModelLoadError for ``import helpers`` of a module beside the code that nothing installed
+    provides: the model's folder is a package of its own, never on ``sys.path``, so it only
+    imports relatively. Export copied the code without it, and loading it then failed with a
+    bare ModuleNotFoundError (a new user's walk)."""
+    root = root.resolve()
+    for name in sorted(names):
+        beside = root / name
+        if not (beside.with_suffix(".py").is_file() or (beside / "__init__.py").is_file()):
+            continue
+        if name in sys.stdlib_module_names:
+            continue
+        try:
+            found = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            found = None
+        origin = found.origin if found is not None else None
+        if found is not None and not (origin and Path(origin).resolve().is_relative_to(root)):
+            continue  # an installed module of that name is what the import means
+        raise ModelLoadError(
+            f"preprocessing: {path.name} imports {name}, a module beside "
+            f"it, absolutely: import it relatively (from . import {name}, or from .{name} "
+            "import ...): the model's folder is imported as a package of its own, never from "
+            "sys.path"
+        )
 
 
 def _distributions(names: set[str]) -> dict[str, str]:

@@ -44,6 +44,24 @@ def test_code_facts_hash_the_module_and_the_local_modules_it_imports_only(tmp_pa
     assert facts.packages == {"numpy": importlib.metadata.version("numpy")}
 
 
+@pytest.mark.parametrize("statement", ["import util", "from util import twice"])
+def test_an_absolute_import_of_a_module_beside_the_code_is_refused_saying_how(
+    tmp_path: Path, statement: str
+) -> None:
+    """Export copied the code without it, and its load failed with a bare ModuleNotFoundError:
+    the model's folder is a package of its own, never on sys.path."""
+    write_code(tmp_path)
+    main = tmp_path / "main.py"
+    main.write_text(main.read_text().replace("from .util import twice", statement))
+    with pytest.raises(ModelLoadError) as refused:
+        code_facts(SPEC, tmp_path)
+    assert str(refused.value) == (
+        "preprocessing: main.py imports util, a module beside it, absolutely: import it "
+        "relatively (from . import util, or from .util import ...): the model's folder is "
+        "imported as a package of its own, never from sys.path"
+    )
+
+
 def test_the_code_gate_names_the_file_that_changed_or_the_distribution(tmp_path: Path) -> None:
     write_code(tmp_path)
     recorded = code_facts(SPEC, tmp_path)
