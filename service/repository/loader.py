@@ -706,7 +706,8 @@ def _check_repeatable(
     ``torch.jit.trace`` fixes ``scaled_dot_product_attention``'s dropout in its graph). The
     golden replay catches that too, but only with a manifest: a bring-your-own artifact has
     none. The batch is the first warmed shape, of ones (each ranged input at its range's middle,
-    so that no dropout meets only zeros); a model that samples on purpose sets ``stochastic``."""
+    so that no dropout meets only zeros), run :data:`AGAIN` more times; a model that samples on
+    purpose sets ``stochastic``."""
     with CPU_USE:
         try:
             batch = _repeatable_batch(signature, config, shapes, _ones)
@@ -714,9 +715,9 @@ def _check_repeatable(
         except Exception:  # ones are no input of it (an index into one row): warmup's zeros
             batch = _repeatable_batch(signature, config, shapes, _zeros)
             first = runtime.run(batch)
-        second = runtime.run(batch)
+        again = [runtime.run(batch) for _ in range(AGAIN)]
     for name, answer in first.items():
-        apart = _apart(answer, second[name])
+        apart = next(filter(None, (_apart(answer, other[name]) for other in again)), None)
         if apart is None:
             continue
         raise ModelLoadError(
@@ -726,6 +727,11 @@ def _check_repeatable(
             "model.eval() was called first, as `tensorgate export` does). Export it again after "
             "model.eval(); a model that samples on purpose: set stochastic: true in config.yaml"
         )
+
+
+AGAIN = 3
+"""Runs compared with the first: a dropout over a small output can draw the same mask twice
+(1 in 16 for 4 values at p = 0.5), not four times (1 in 4,096)."""
 
 
 def _repeatable_batch(

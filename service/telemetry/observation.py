@@ -62,6 +62,14 @@ class Drain:
         return self.over and isinstance(exc, asyncio.CancelledError)
 
 
+def _current_task() -> asyncio.Task[object] | None:
+    """The task running this, if any (a call made outside the event loop has none)."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
 GRACE_OVER = (
     "the server stopped before this request was answered: its drain grace period "
     "(TG_DRAIN_GRACE_S) ended; send the request again"
@@ -199,7 +207,7 @@ class _Observing:
     def __enter__(self) -> Observation:
         drain = self.observer.drain
         drain.in_flight += 1
-        if (task := asyncio.current_task()) is not None:
+        if (task := _current_task()) is not None:
             drain.tasks.add(task)
         return self.observation
 
@@ -207,7 +215,7 @@ class _Observing:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         drain = self.observer.drain
-        if (task := asyncio.current_task()) is not None:
+        if (task := _current_task()) is not None:
             drain.tasks.discard(task)
         status = 200 if kind is None else 503 if drain.ended(exc) else status_of(exc)
         self.observer.finish(self.protocol, self.name, self.observation, status, self.after)
