@@ -180,9 +180,10 @@ def answer_one(
 
 def stack(rows: Iterable[Arrays], count: int | None = None) -> Arrays:
     """Rows (one dict per item) → a batch: each name's arrays stacked on a new first dim, their
-    datatypes widened alike (as ``np.stack``); items whose rows differ in shape or names are a
-    :class:`BadInput`. Given ``count``, ``rows`` may be a generator: each row is copied into its
-    place as it comes (:class:`Rows`), never all held at once."""
+    datatypes widened alike (as ``np.stack``); items whose rows differ in shape are a
+    :class:`BadInput`, in input names an :class:`ItemsDiffer`. Given ``count``, ``rows`` may
+    be a generator: each row is copied into its place as it comes (:class:`Rows`), never all
+    held at once."""
     if count is None:
         rows = list(rows)
         count = len(rows)

@@ -81,7 +81,8 @@ def code_facts(spec: PythonSpec, folder: Path) -> CodeFacts:
             raise ModelLoadError(f"preprocessing: cannot read {path}: {exc}") from None
         files[name] = hashlib.sha256(source).hexdigest()
         local, imported = _imports(source, path, root)
-        _check_absolute_locals(imported, path, root)
+        if spec.package is None:  # a model's folder; an installed package imports as it may
+            _check_absolute_locals(imported, path, root)
         pending.extend(local)
         top_level |= imported
     packages = _distributions(top_level)

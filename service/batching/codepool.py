@@ -68,9 +68,9 @@ class CodePool:
             await self._turn(loop, deadline)
         except TimeoutError:
             gone.set()
-            busy = f"its {self.threads} code threads were all busy"
+            busy = f"its {self.running} code threads were all busy"
             if self.left:
-                busy += f", and {self.left} more with code of requests already answered"
+                busy += f", {self.left} of them with code of requests already answered"
             raise DeadlineExceeded(
                 f"model '{model}': its {step} code did not start within the request's "
                 f"deadline: {busy} (TG_PREPROCESS_THREADS sets how many)"
@@ -79,8 +79,8 @@ class CodePool:
             gone.set()
             raise
         run = _Run()
+        started = self.executor.submit(fn)  # RuntimeError once shut down: nothing counted
         self.running += 1
-        started = self.executor.submit(fn)
 
         def finished(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody counts

@@ -214,12 +214,21 @@ class DataPlane:
         answer: drained as inference is, refused past pre-stop and waited for before the exit
         (counted from inside the model's work alone, a large body's decoding or its answer's
         encoding could run past the exit)."""
-        self.drain.admit()
-        self.drain.in_flight += 1
+        drain = self.drain
+        drain.admit()
+        drain.in_flight += 1
+        try:
+            task: asyncio.Task[object] | None = asyncio.current_task()
+        except RuntimeError:  # called outside the event loop: nothing to end
+            task = None
+        if task is not None:  # ended, and answered 503, when the grace period is over
+            drain.tasks.add(task)
         try:
             yield
         finally:
-            self.drain.in_flight -= 1
+            drain.in_flight -= 1
+            if task is not None:
+                drain.tasks.discard(task)
 
     async def _preprocess(
         self, served: ServedVersion, request: InferenceRequest, held: list[int]

@@ -94,12 +94,20 @@ def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where:
         outside = ~((data >= bounds[0]) & (data <= bounds[1]))  # NaN too
         first = tuple(int(i) for i in np.argwhere(outside)[0])
         count = int(outside.sum())
-        value = data[first].item()
-        shown = repr(value) if isinstance(value, int) else f"{value:g}"  # 2⁶³−1 is no 9.22e+18
+        shown = _exact(data[first].item())
         raise InvalidInput(
-            f"{where}input '{name}': values must lie within [{bounds[0]:g}, {bounds[1]:g}]; "
-            f"got {shown} at {list(first)} ({count} value{'s' * (count > 1)} outside it)"
+            f"{where}input '{name}': values must lie within [{_exact(bounds[0])}, "
+            f"{_exact(bounds[1])}]; got {shown} at {list(first)} ({count} value"
+            f"{'s' * (count > 1)} outside it)"
         )
+
+
+def _exact(value: float) -> str:
+    """An integer (or an integral float below 2⁵³) as its digits, 2⁶³−1 not 9.22337e+18; any
+    other number as ``:g`` writes it."""
+    if isinstance(value, int) or (float(value).is_integer() and abs(value) < 2.0**53):
+        return str(int(value))
+    return f"{value:g}"
 
 
 def castable(config: ModelConfig, given: str, wanted: str) -> bool:

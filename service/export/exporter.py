@@ -45,6 +45,7 @@ from service.artifacts.manifest import (
     Tolerance,
     aside_prefix,
     read_manifest,
+    unfinished_export,
 )
 from service.artifacts.shapes import ShapeFacts, guess_axes
 from service.core.validation import check_made
@@ -107,15 +108,16 @@ class _Job:
     """Each runtime (as :meth:`check` names it) that answers :attr:`odd` unlike eager PyTorch,
     with how."""
 
-    def check(self, what: str, run: Runner) -> dict[str, float]:
+    def check(self, what: str, run: Runner, odd_run: Runner | None = None) -> dict[str, float]:
         """The worst abs/rel error of ``run`` against eager PyTorch over every probe; then
-        :attr:`odd`, each run after the probes, whose disagreement is noted in
-        :attr:`non_finite`, not refused."""
+        :attr:`odd` (through ``odd_run``, else ``run``), each run after the probes, whose
+        disagreement is noted in :attr:`non_finite`, not refused."""
         pairs = zip(self.probes, self.eager, strict=True)
         results = [_compare(what, want, run(probe), self.tolerance) for probe, want in pairs]
+        odd_run = odd_run or run
         for probe, want in zip(self.odd, self.odd_eager, strict=True):
             try:
-                why = _non_finite_difference(probe, want, run(probe), what)
+                why = _non_finite_difference(probe, want, odd_run(probe), what)
             except Exception as exc:  # eager answered it: a request would fail here
                 why = f"{what} fails where eager PyTorch answers: {_first_line(exc)}"
             if why and what not in self.non_finite:
@@ -218,6 +220,9 @@ def _undone_on_failure(export: Callable[P, Manifest]) -> Callable[P, Manifest]:
             return manifest
         finally:
             shutil.rmtree(aside, ignore_errors=True)
+            if not failed:  # what exports of it that never finished set aside is obsolete now
+                while (stale := unfinished_export(out_dir)) is not None:
+                    shutil.rmtree(stale, ignore_errors=True)
             if failed and out_dir.parent in made:  # empty unless another export writes there
                 with contextlib.suppress(OSError):
                     out_dir.parent.rmdir()
@@ -647,11 +652,19 @@ def _pt2_step(job: _Job) -> Artifact:
     versions = _export_pt2(program, path, job.pt2_cpu)
     signature = Signature(tuple(job.inputs), tuple(job.outputs))
     try:  # in a child: a package's kernel can abort the process that runs it
-        answers = iter(outputs_in_child(path, [*job.probes, *job.odd], signature, device))
-    except ModelLoadError as exc:
+        answers = iter(outputs_in_child(path, job.probes, signature, device))
+    except BaseException as exc:
         path.unlink(missing_ok=True)  # not left beside a manifest that does not name it
-        raise ExportError(f"the AOTInductor package: {exc}") from None
-    return PT2_ARTIFACT, job.check("AOTInductor", lambda _: next(answers)), versions
+        if isinstance(exc, ModelLoadError):
+            raise ExportError(f"the AOTInductor package: {exc}") from None
+        raise
+    try:  # a child of their own: one that dies on a NaN leaves the package served on numbers
+        odd = iter(outputs_in_child(path, job.odd, signature, device) if job.odd else [])
+    except ModelLoadError as exc:
+        job.non_finite["AOTInductor"] = f"it fails on a NaN or an infinity: {exc}"
+        odd = iter([])
+    parity = job.check("AOTInductor", lambda _: next(answers), lambda _: next(odd))
+    return PT2_ARTIFACT, parity, versions
 
 
 def _onnx_step(job: _Job) -> Artifact:

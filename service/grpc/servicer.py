@@ -492,7 +492,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 )
                 if trace is not None:
                     _end(trace, grpc.StatusCode.OK)
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    if not self.dataplane.drain.ended(exc):
+                        raise
+                    current = asyncio.current_task()
+                    if current is not None:
+                        current.uncancel()  # the grace period is over: answered, not dropped
+                    exc = ServerBusy(GRACE_OVER)
                 code, message = grpc_status(exc)
                 if trace is not None:
                     _end(trace, code)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,7 +53,7 @@ from service.artifacts.manifest import (
 from service.artifacts.shapes import ShapePolicy
 from service.batching.codepool import CodePool
 from service.batching.scheduler import BatchShape, batch_shape
-from service.datatypes import LARGEST, TO_NUMPY
+from service.datatypes import LARGEST, TO_NUMPY, as_values
 from service.errors import (
     LoadStopped,
     ModelLoadError,
@@ -272,7 +273,7 @@ def load_version(
         raise ModelLoadError(
             f"version {path.name} is being exported, or its export never finished (it keeps the "
             f"files it replaces in {aside.name} beside it until it ends): its folder may be half "
-            f"written; export it again (or move {aside.name}'s files back, and remove it)"
+            f"written; export it again (an export that finishes removes {aside.name})"
         )
     manifest = read_manifest(path)
     warnings = _check_pins(name, config, manifest)
@@ -351,7 +352,7 @@ def _gate_and_warm(
     if bound is not None:
         bound.check()
     if config.backend == "pt2" and manifest is None:
-        _probe_unchecked_pt2(path, signature, config, shapes, devices[0])
+        _probe_unchecked_pt2(path, signature, config, shapes, devices[0], bound)
     warmup_timings, warmed = _warm_up(runtimes[0], signature, config, shapes, bound)
     if not config.stochastic:
         _check_repeatable(runtimes[0], signature, config, shapes)
@@ -687,14 +688,20 @@ def _warm_batches(
 
 
 def _probe_unchecked_pt2(
-    path: Path, signature: Signature, config: ModelConfig, shapes: ShapePolicy, device: str
+    path: Path,
+    signature: Signature,
+    config: ModelConfig,
+    shapes: ShapePolicy,
+    device: str,
+    bound: LoadBound | None = None,
 ) -> None:
     """Run a ``model.pt2`` no export checked (no manifest) at each warmup batch and at the
     repeatability check's, in a child process first: a compiled package can abort the process
     that runs it (:mod:`service.runtimes.pt2_probe`), which here would be every model's."""
     batches = [batch for _, _, batch in _warm_batches(signature, config, shapes)]
     batches.append(_repeatable_batch(signature, config, shapes, _ones))
-    outputs_in_child(path / "model.pt2", batches, signature, device)
+    check = bound.check if bound is not None else None  # the child ends with the load
+    outputs_in_child(path / "model.pt2", batches, signature, device, check=check)
 
 
 def _check_repeatable(
@@ -705,9 +712,9 @@ def _check_repeatable(
     exporter of torch 2.13 keeps a ``Dropout`` live in a module left in ``train()``, and a
     ``torch.jit.trace`` fixes ``scaled_dot_product_attention``'s dropout in its graph). The
     golden replay catches that too, but only with a manifest: a bring-your-own artifact has
-    none. The batch is the first warmed shape, of ones (each ranged input at its range's middle,
-    so that no dropout meets only zeros), run :data:`AGAIN` more times; a model that samples on
-    purpose sets ``stochastic``."""
+    none. The batch is the first warmed shape, of ones (:func:`_ones`: so that no dropout meets
+    only zeros), run :data:`AGAIN` more times; a model that samples on purpose sets
+    ``stochastic``."""
     with CPU_USE:
         try:
             batch = _repeatable_batch(signature, config, shapes, _ones)
@@ -716,8 +723,12 @@ def _check_repeatable(
             batch = _repeatable_batch(signature, config, shapes, _zeros)
             first = runtime.run(batch)
         again = [runtime.run(batch) for _ in range(AGAIN)]
+    bf16 = {t.name for t in signature.outputs if t.datatype == "BF16"}  # held as uint16 words
     for name, answer in first.items():
-        apart = next(filter(None, (_apart(answer, other[name]) for other in again)), None)
+        values = partial(as_values, datatype="BF16") if name in bf16 else np.asarray
+        apart = next(
+            filter(None, (_apart(values(answer), values(other[name])) for other in again)), None
+        )
         if apart is None:
             continue
         raise ModelLoadError(
@@ -751,7 +762,7 @@ def _repeatable_batch(
 
 def _apart(first: np.ndarray, second: np.ndarray) -> str | None:
     """How two runs' values of one output differ, or None when they agree (floating point:
-    within 1e-4 + 1e-3 × the largest finite magnitude, what two runs of one graph on other
+    each value within 1e-4 + 1e-3 × its own magnitude, what two runs of one graph on other
     threads may differ by, NaN and infinities where both have them; anything else: exactly)."""
     if first.shape != second.shape:
         return f"shape {list(first.shape)}, then {list(second.shape)}"
@@ -764,19 +775,30 @@ def _apart(first: np.ndarray, second: np.ndarray) -> str | None:
     differ = (a != b) & ~nan_a  # an infinity equals itself; one against a number is apart
     if not differ.any():
         return None
-    gap = float(np.max(np.abs(a[differ] - b[differ])))
-    finite = np.isfinite(a)
-    scale = float(np.max(np.abs(a[finite]))) if finite.any() else 0.0
-    if gap <= 1e-4 + 1e-3 * scale:
+    gaps = np.abs(a[differ] - b[differ])
+    # each value by its own magnitude (a mask's -1e9 beside it does not widen what the others
+    # may differ by); an infinity against a number is apart however large
+    past = (gaps > 1e-4 + 1e-3 * np.abs(a[differ])) | np.isinf(gaps)
+    if not past.any():
         return None
-    return f"up to {gap:.3g} apart, values up to {scale:.3g}"
+    worst = int(np.argmax(np.where(past, gaps, -1.0)))
+    return f"{a[differ][worst]:.6g}, then {b[differ][worst]:.6g} ({int(past.sum())} values apart)"
 
 
 def _ones(shape: tuple[int, ...], tensor: TensorConfig) -> np.ndarray:
+    """Ones, or where an input's range has no 1, a value three quarters into it (rounded up for
+    an integer type): never all zeros, which a dropout passes unchanged, where it can help it
+    (the middle of a symmetric range is 0, and of [0, 1] for an integer mask, 0 too)."""
     if tensor.datatype == "BYTES":
         return np.full(shape, b"", dtype=object)
-    value = 1.0 if tensor.range is None else (tensor.range[0] + tensor.range[1]) / 2
-    return np.full(shape, value).astype(TO_NUMPY[tensor.datatype])
+    dtype = TO_NUMPY[tensor.datatype]
+    value = 1.0
+    if tensor.range is not None and not tensor.range[0] <= 1.0 <= tensor.range[1]:
+        low, high = tensor.range
+        value = low + 0.75 * (high - low)
+        if dtype.kind in "iu":
+            value = min(float(math.ceil(value)), high)
+    return np.full(shape, value).astype(dtype)
 
 
 def _warm_shape(

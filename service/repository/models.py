@@ -467,13 +467,15 @@ class ModelRepository:
             )
         return found, found.served
 
-    def missing_step(self, version: ModelVersion) -> str:
+    def missing_step(self, version: ModelVersion, ignore: frozenset[str] = frozenset()) -> str:
         """Why a READY version cannot serve for want of a model its code calls (one its
         load's replay called: unloaded, not ready, gone, or loaded again since that replay
         and not being replayed through now (:attr:`replaying`): its answers through the step
         as it is now are unproven), or ""."""
         steps = version.served.loaded.steps if version.served is not None else ()
         for step in steps:
+            if step.model in ignore:
+                continue
             try:
                 found = self.version(step.model, step.asked)
             except TensorgateError as exc:
@@ -606,15 +608,17 @@ class ModelRepository:
         return found
 
     def _step_problem(self, version: ModelVersion) -> str | None:
-        """Why ``version`` cannot serve for want of a step, unless a step of it was unloaded
-        on request; None when it can (or has no steps)."""
+        """Why ``version`` cannot serve for want of a step, its steps unloaded on request aside
+        (each on its own: another step's fault still counts); None when it can."""
         steps = version.served.loaded.steps if version.served is not None else ()
-        if not steps or any(
-            (step_entry := self.models.get(step.model)) is not None and step_entry.unloaded
-            for step in steps
-        ):
+        if not steps:
             return None
-        return self.missing_step(version) or None
+        unloaded = frozenset(
+            step.model
+            for step in steps
+            if (entry := self.models.get(step.model)) is not None and entry.unloaded
+        )
+        return self.missing_step(version, unloaded) or None
 
     def relative(self, text: str) -> str:
         """``text`` with the repository's own path left out: what a caller reads (the

@@ -24,7 +24,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +50,13 @@ def outputs_in_child(
     signature: Signature,
     device: str = "cpu",
     timeout_s: float = 600,
+    check: Callable[[], object] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Each batch's outputs, as ``package`` answers them in a child process (the server's own
     runtime there, on ``device``); :class:`Pt2Aborted` when the child dies, naming the batch
-    (its rows) and how, and ModelLoadError for the runtime's own refusal."""
+    (its rows) and how, and ModelLoadError for the runtime's own refusal. ``check`` is called
+    while the child runs (a load's bound: the server stopping, an unload): what it raises ends
+    the child, and is raised."""
     with tempfile.TemporaryDirectory(prefix="pt2-probe-") as tmp:
         inputs, outputs, described = Path(tmp, "in.npz"), Path(tmp, "out.npz"), Path(tmp, "sig")
         np.savez(
@@ -76,29 +80,49 @@ def outputs_in_child(
             )
         )
         command = [sys.executable, "-m", __name__, str(package), str(described), str(inputs)]
-        try:
-            done = subprocess.run(
-                [*command, str(outputs), device],
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise Pt2Aborted(
-                f"{package.name} did not answer its {len(batches)} batches within "
-                f"{timeout_s:g} s in a child process"
-            ) from None
-        if done.returncode == REFUSED:
-            raise ModelLoadError(done.stderr.strip().splitlines()[-1])
-        if done.returncode != 0:
-            raise Pt2Aborted(_died(package, batches, done.returncode, done.stderr))
+        status, stderr = _run(
+            [*command, str(outputs), device], timeout_s, check, package, len(batches)
+        )
+        if status == REFUSED:
+            raise ModelLoadError((stderr.strip().splitlines() or ["(it said nothing)"])[-1])
+        if status != 0:
+            raise Pt2Aborted(_died(package, batches, status, stderr))
         with np.load(outputs, allow_pickle=False) as saved:
             answers: list[dict[str, np.ndarray]] = [{} for _ in batches]
             for key in saved.files:
                 index, _, name = key.partition(".")
                 answers[int(index)][name] = saved[key]
     return answers
+
+
+def _run(
+    command: list[str],
+    timeout_s: float,
+    check: Callable[[], object] | None,
+    package: Path,
+    batches: int,
+) -> tuple[int, str]:
+    """The child's exit status and stderr; it is killed past ``timeout_s`` (Pt2Aborted) or
+    when ``check`` raises (raised)."""
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                _, stderr = child.communicate(timeout=0.1)
+                return child.returncode, stderr
+            except subprocess.TimeoutExpired:
+                if check is not None:
+                    check()
+                if time.monotonic() > deadline:
+                    raise Pt2Aborted(
+                        f"{package.name} did not answer its {batches} batches within "
+                        f"{timeout_s:g} s in a child process"
+                    ) from None
+    finally:
+        if child.poll() is None:  # ended early: nothing outlives the load that started it
+            child.kill()
+            child.communicate()
 
 
 def _died(

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -434,7 +435,12 @@ def test_a_request_still_in_flight_when_the_grace_period_ends_is_answered_503(
     tmp_path: Path,
 ) -> None:
     """It was dropped: the exit closed its connection with no answer (a hung model's request,
-    a timeout longer than the grace period). Now it is answered 503, saying why, over REST."""
+    a timeout longer than the grace period). Now it is answered 503 saying why, over REST and
+    in a gRPC stream (its request queued behind the hung one)."""
+    import grpc
+
+    from service.protocol.pb import grpc_service_pb2 as pb
+    from service.protocol.pb import grpc_service_pb2_grpc as pb_grpc
     from tests.models import Dawdle
 
     root = tmp_path / "models"
@@ -465,15 +471,29 @@ def test_a_request_still_in_flight_when_the_grace_period_ends_is_answered_503(
                 )
             )
 
-        sender = threading.Thread(target=send)
-        sender.start()
-        server.wait_for(lambda: _in_flight(server) >= 1)
+        streamed: list[Any] = []
+
+        def stream() -> None:
+            tensor = pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 16])
+            tensor.contents.fp32_contents.extend([1e9] * 16)
+            request = pb.ModelInferRequest(model_name="dawdle", id="streamed", inputs=[tensor])
+            with grpc.insecure_channel(server.grpc_url) as channel:
+                calls = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer
+                streamed.extend(calls(iter([request]), timeout=60))
+
+        senders = [threading.Thread(target=send), threading.Thread(target=stream)]
+        for sender in senders:
+            sender.start()
+        server.wait_for(lambda: _in_flight(server) >= 2)
         server.process.send_signal(signal.SIGTERM)
-        sender.join(timeout=30)
+        for sender in senders:
+            sender.join(timeout=30)
         assert answers, "no answer within 30 s"
         assert answers[0].status_code == 503
         assert "its drain grace period (TG_DRAIN_GRACE_S) ended" in answers[0].json()["error"]
-        assert "grace period over with 1 requests in flight: answering them 503" in server.log()
+        assert [a.infer_response.id for a in streamed] == ["streamed"]
+        assert "its drain grace period (TG_DRAIN_GRACE_S) ended" in streamed[0].error_message
+        assert "grace period over with 2 requests in flight: answering them 503" in server.log()
     finally:
         server.stop()
 

@@ -42,7 +42,7 @@ async def test_a_run_past_its_deadline_hands_its_place_to_a_spare_until_the_spar
             await pool.run(lambda: "fourth", time.monotonic() + 0.2, "m", "postprocessing", gone)
         assert str(waited.value) == (
             "model 'm': its postprocessing code did not start within the request's deadline: "
-            "its 1 code threads were all busy, and 2 more with code of requests already "
+            "its 2 code threads were all busy, 2 of them with code of requests already "
             "answered (TG_PREPROCESS_THREADS sets how many)"
         )
         assert ran == ["first", "third"]

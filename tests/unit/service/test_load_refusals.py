@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from service.errors import ModelLoadError
-from service.model_config import ModelConfig
-from service.repository.loader import _apart, load_version
+from service.export.exporter import export_model
+from service.model_config import ModelConfig, TensorConfig
+from service.repository.loader import _apart, _ones, load_version
 from service.settings import Settings
 from tests.models import Noisy
 
@@ -59,7 +60,8 @@ def test_an_onnx_model_exported_in_train_mode_is_refused_unless_it_samples_on_pu
     with pytest.raises(ModelLoadError) as refused:
         load_version("net", tmp_path / "net" / "1", _config("onnx"), settings)
     said = str(refused.value)
-    assert "two runs of the same batch answered differently (output 'y': up to " in said
+    assert "two runs of the same batch answered differently (output 'y': " in said
+    assert " values apart)): " in said
     assert "most likely a dropout exported in train() mode" in said
     assert "set stochastic: true in config.yaml" in said
 
@@ -94,16 +96,37 @@ def test_a_torchscript_model_that_adds_noise_in_eval_mode_is_refused(tmp_path: P
 
 def test_two_runs_agree_within_what_other_threads_may_change() -> None:
     logits = np.array([[3.0, -1.0, 0.5]], dtype=np.float32)
-    assert _apart(logits, logits + np.float32(1e-4)) is None  # within 1e-4 + 1e-3 × 3
-    assert _apart(logits, logits * 2) == "up to 3 apart, values up to 3"
+    assert _apart(logits, logits + np.float32(1e-4)) is None  # within 1e-4 + 1e-3 × each
+    assert _apart(logits, logits * 2) == "3, then 6 (3 values apart)"
+    # each value by its own magnitude: a mask's -1e9 does not hide a dropped activation
+    masked = np.array([-1e9, 0.8, 0.3])
+    assert _apart(masked, np.array([-1e9, 0.0, 0.3])) == "0.8, then 0 (1 values apart)"
     assert _apart(np.array([np.nan, 1.0]), np.array([np.nan, 1.0])) is None
     assert _apart(np.array([np.nan, 1.0]), np.array([0.0, 1.0])) == "NaN in one run only"
     inf = np.array([-np.inf, 2.0, np.inf])
     assert _apart(inf, inf.copy()) is None  # a mask's -inf in both runs
-    assert _apart(inf, np.array([-np.inf, 2.0, 5.0])) == "up to inf apart, values up to 2"
+    assert _apart(inf, np.array([-np.inf, 2.0, 5.0])) == "inf, then 5 (1 values apart)"
     assert _apart(np.array([1, 2]), np.array([1, 2])) is None
     assert _apart(np.array([1, 2]), np.array([1, 3])) == "values differ"
     assert _apart(np.zeros((1, 2)), np.zeros((2, 2))) == "shape [1, 2], then [2, 2]"
+
+
+@pytest.mark.parametrize(
+    ("datatype", "bounds", "value"),
+    [
+        ("FP32", None, 1.0),
+        ("FP32", (-1.0, 1.0), 1.0),  # the middle, 0, would pass a dropout unchanged
+        ("INT64", (0, 1), 1),  # an attention mask: 0.5 truncated to 0 masked everything
+        ("INT64", (2, 5), 5),  # 4.25, rounded up
+        ("FP32", (-3.4e38, 3.4e38), 1.0),  # a finite-only input: not 1.7e38
+        ("FP32", (10.0, 20.0), 17.5),
+    ],
+)
+def test_the_repeatability_batch_is_never_all_zeros(
+    datatype: str, bounds: tuple[float, float] | None, value: float
+) -> None:
+    tensor = TensorConfig(name="x", datatype=datatype, shape=(2,), range=bounds)
+    np.testing.assert_array_equal(_ones((1, 2), tensor), np.full((1, 2), value))
 
 
 def test_a_version_whose_export_never_finished_is_refused(tmp_path: Path) -> None:
@@ -120,7 +143,21 @@ def test_a_version_whose_export_never_finished_is_refused(tmp_path: Path) -> Non
     assert str(refused.value) == (
         "version 1 is being exported, or its export never finished (it keeps the files it "
         "replaces in .1.before-export-x1y2 beside it until it ends): its folder may be half "
-        "written; export it again (or move .1.before-export-x1y2's files back, and remove it)"
+        "written; export it again (an export that finishes removes .1.before-export-x1y2)"
     )
-    aside.rmdir()
+    # as it says: an export of the version that finishes removes what one that did not left
+    (aside / "model.onnx").write_text("the graph before the export that never finished")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_model(
+            DropsLast().eval(),
+            tmp_path / "net" / "1",
+            name="net",
+            inputs=[TensorConfig(name="x", datatype="FP32", shape=(8,))],
+            outputs=[TensorConfig(name="y", datatype="FP32", shape=(32,))],
+            golden_inputs={"x": np.ones((2, 8), np.float32)},
+            max_batch_size=8,
+            formats=("onnx",),
+        )
+    assert sorted(p.name for p in (tmp_path / "net").iterdir()) == ["1"]
     load_version("net", tmp_path / "net" / "1", _config("onnx"), settings).close()

@@ -210,3 +210,10 @@ def test_the_repository_tells_a_pipeline_replayed_through_another_load_of_its_st
     assert not repository.all_ready()
     repository.models["A"].unloaded = True  # unloaded on request: asked for, not a fault
     assert "P" not in repository.problems()
+    # another step's fault counts, whichever step was unloaded
+    serve("B", 3)
+    serve("P", 8, (Step("A", None, 7), Step("B", None, 2)))
+    repository.models["A"].unloaded = True
+    assert repository.problems()["P"].startswith(
+        "version 1 cannot serve: its pipeline step 'B' version 1 was loaded after"
+    )
