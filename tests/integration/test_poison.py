@@ -132,7 +132,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_batching(
         np.testing.assert_allclose(answer.json()["outputs"][0]["data"], reference, atol=1e-5)
     assert answers[10].status_code == 400
     assert (
-        "input 'input_ids': values must lie within [0, 30521]; got 1e+06 at [0, 1] (1 value "
+        "input 'input_ids': values must lie within [0, 30521]; got 1000000 at [0, 1] (1 value "
         "outside it)" in answers[10].json()["error"]
     )
     assert answers[11].status_code == 400
