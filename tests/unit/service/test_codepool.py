@@ -5,6 +5,7 @@ never started."""
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -12,7 +13,7 @@ from service.batching.codepool import CodePool
 from service.errors import DeadlineExceeded
 
 
-def _hang(release: threading.Event, ran: list[str], label: str):  # type: ignore[no-untyped-def]
+def _hang(release: threading.Event, ran: list[str], label: str) -> Callable[[], str]:
     def run() -> str:
         ran.append(label)
         release.wait(10)
