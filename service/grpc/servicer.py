@@ -42,7 +42,6 @@ from service.repository.models import check_load_parameters, check_unload_parame
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED, REQUEST_HELD
 from service.telemetry.logs import REQUEST_ID, request_id_for
-from service.telemetry.observation import GRACE_OVER
 
 log = logging.getLogger("tensorgate.grpc")
 
@@ -214,12 +213,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if trace is not None:
                 _end(trace, code)
         except asyncio.CancelledError as exc:
-            if not self.dataplane.drain.ended(exc):
-                raise
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()  # the grace period is over: answered, not dropped
-            code, message = grpc_status(ServerBusy(GRACE_OVER))
+            code, message = grpc_status(self.dataplane.drain.answer_for(exc))
             if trace is not None:
                 _end(trace, code)
         else:
@@ -494,12 +488,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     _end(trace, grpc.StatusCode.OK)
             except (Exception, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError):
-                    if not self.dataplane.drain.ended(exc):
-                        raise
-                    current = asyncio.current_task()
-                    if current is not None:
-                        current.uncancel()  # the grace period is over: answered, not dropped
-                    exc = ServerBusy(GRACE_OVER)
+                    exc = self.dataplane.drain.answer_for(exc)
                 code, message = grpc_status(exc)
                 if trace is not None:
                     _end(trace, code)

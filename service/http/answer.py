@@ -24,7 +24,6 @@ from service.core.dataplane import DataPlane
 from service.errors import (
     InvalidInput,
     PayloadTooLarge,
-    ServerBusy,
     TensorgateError,
     UnsupportedMediaType,
 )
@@ -35,7 +34,7 @@ from service.protocol import v1, v2
 from service.telemetry import tracing
 from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID
-from service.telemetry.observation import GRACE_OVER, After
+from service.telemetry.observation import After
 
 log = logging.getLogger("tensorgate.app")
 
@@ -132,12 +131,7 @@ async def answer_inference(
     except ClientGone:
         answer = None
     except asyncio.CancelledError as exc:
-        if not dataplane.drain.ended(exc):
-            raise
-        current = asyncio.current_task()
-        if current is not None:
-            current.uncancel()  # the grace period is over: answered, not dropped
-        answer = error_answer(ServerBusy(GRACE_OVER), f"POST {route.kind} {route.model}")
+        answer = error_answer(dataplane.drain.answer_for(exc), f"POST {route.kind} {route.model}")
     except Exception as exc:
         if not looked_up and isinstance(exc, (InvalidInput, UnsupportedMediaType)):
             REFUSED["bad_request"] += 1  # a header or an encoding: no model's metrics see it

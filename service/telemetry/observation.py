@@ -61,6 +61,16 @@ class Drain:
         """Whether ``exc`` is :meth:`expire`'s cancellation (the request is answered 503)."""
         return self.over and isinstance(exc, asyncio.CancelledError)
 
+    def answer_for(self, exc: asyncio.CancelledError) -> ServerBusy:
+        """What a route answers in place of ``exc``, caught in the task :meth:`expire`
+        cancelled: :data:`GRACE_OVER`, the task uncancelled (the request answered, not
+        dropped). Any other cancellation (the client left, the server stops) is re-raised."""
+        if not self.ended(exc):
+            raise exc
+        if (current := _current_task()) is not None:
+            current.uncancel()
+        return ServerBusy(GRACE_OVER)
+
 
 def _current_task() -> asyncio.Task[object] | None:
     """The task running this, if any (a call made outside the event loop has none)."""

@@ -436,7 +436,7 @@ def test_a_request_still_in_flight_when_the_grace_period_ends_is_answered_503(
 ) -> None:
     """It was dropped: the exit closed its connection with no answer (a hung model's request,
     a timeout longer than the grace period). Now it is answered 503 saying why, over REST and
-    in a gRPC stream (its request queued behind the hung one)."""
+    in a gRPC call and a gRPC stream (their requests queued behind the hung one)."""
     import grpc
 
     from service.protocol.pb import grpc_service_pb2 as pb
@@ -471,20 +471,31 @@ def test_a_request_still_in_flight_when_the_grace_period_ends_is_answered_503(
                 )
             )
 
-        streamed: list[Any] = []
-
-        def stream() -> None:
+        def held(id_: str) -> Any:
+            """A gRPC request queued behind the hung one."""
             tensor = pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 16])
             tensor.contents.fp32_contents.extend([1e9] * 16)
-            request = pb.ModelInferRequest(model_name="dawdle", id="streamed", inputs=[tensor])
+            return pb.ModelInferRequest(model_name="dawdle", id=id_, inputs=[tensor])
+
+        streamed: list[Any] = []
+        unary: list[Any] = []
+
+        def stream() -> None:
             with grpc.insecure_channel(server.grpc_url) as channel:
                 calls = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer
-                streamed.extend(calls(iter([request]), timeout=60))
+                streamed.extend(calls(iter([held("streamed")]), timeout=60))
 
-        senders = [threading.Thread(target=send), threading.Thread(target=stream)]
+        def call() -> None:
+            with grpc.insecure_channel(server.grpc_url) as channel:
+                try:
+                    pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(held("unary"), timeout=60)
+                except grpc.RpcError as exc:
+                    unary.append(exc)
+
+        senders = [threading.Thread(target=f) for f in (send, stream, call)]
         for sender in senders:
             sender.start()
-        server.wait_for(lambda: _in_flight(server) >= 2)
+        server.wait_for(lambda: _in_flight(server) >= 3)
         server.process.send_signal(signal.SIGTERM)
         for sender in senders:
             sender.join(timeout=30)
@@ -493,7 +504,9 @@ def test_a_request_still_in_flight_when_the_grace_period_ends_is_answered_503(
         assert "its drain grace period (TG_DRAIN_GRACE_S) ended" in answers[0].json()["error"]
         assert [a.infer_response.id for a in streamed] == ["streamed"]
         assert "its drain grace period (TG_DRAIN_GRACE_S) ended" in streamed[0].error_message
-        assert "grace period over with 2 requests in flight: answering them 503" in server.log()
+        assert [e.code() for e in unary] == [grpc.StatusCode.UNAVAILABLE]
+        assert "its drain grace period (TG_DRAIN_GRACE_S) ended" in unary[0].details()
+        assert "grace period over with 3 requests in flight: answering them 503" in server.log()
     finally:
         server.stop()
 

@@ -170,6 +170,37 @@ def test_a_draining_server_refuses_new_requests(core: InProcess) -> None:
         core.dataplane.drain.refusing = False
 
 
+def test_the_grace_periods_end_is_answered_and_any_other_cancellation_goes_on() -> None:
+    """:meth:`Drain.answer_for`, the one place REST, gRPC calls and gRPC streams turn the
+    grace period's end into a 503: its task is uncancelled (answered, not dropped); a
+    cancellation before the end (a client that left) is raised again, untouched."""
+    from service.telemetry.observation import GRACE_OVER, Drain
+
+    async def waiting(drain: Drain) -> object:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError as exc:
+            busy = drain.answer_for(exc)
+            return busy, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+        raise AssertionError("unreachable")
+
+    async def main() -> None:
+        drain = Drain()
+        left = asyncio.create_task(waiting(drain))
+        await asyncio.sleep(0)
+        left.cancel("the client left")
+        with pytest.raises(asyncio.CancelledError, match="the client left"):
+            await left
+        drain.tasks.add(over := asyncio.create_task(waiting(drain)))
+        await asyncio.sleep(0)
+        drain.expire()
+        busy, cancelling = await over
+        assert isinstance(busy, ServerBusy) and str(busy) == GRACE_OVER
+        assert cancelling == 0 and not over.cancelled()
+
+    asyncio.run(main())
+
+
 class Body:
     """An ASGI ``receive`` that gives a body, then waits (the client stays)."""
 
