@@ -205,6 +205,16 @@ def encoded_items(tensor: InputTensor, name: str) -> list[bytes]:
     return [bytes(item) for item in tensor.data.reshape(-1)]
 
 
+def _cast_hint(datatype: str, made: np.dtype[Any]) -> str:
+    """How a pipeline's code gives ``datatype`` (numpy's types; BF16 and BYTES have none)."""
+    if datatype in ("BF16", "BYTES"):
+        return ""
+    hint = f": return it .astype(np.{TO_NUMPY[datatype].name}) from the pipeline's code"
+    if made == np.float64:
+        hint += " (numpy computes in float64 where a float64 array, a list's too, takes part)"
+    return hint
+
+
 def check_made(
     batch: dict[str, np.ndarray], signature: Signature, batched: bool, name: str
 ) -> None:
@@ -224,7 +234,7 @@ def check_made(
         if data.dtype != TO_NUMPY[spec.datatype]:
             raise ModelExecutionError(
                 f"model '{name}': its pipeline made '{spec.name}' {data.dtype}, the model takes "
-                f"{spec.datatype}"
+                f"{spec.datatype}{_cast_hint(spec.datatype, data.dtype)}"
             )
         want = ((-1,) if batched else ()) + spec.shape
         if not shape_fits(want, data.shape):

@@ -640,7 +640,9 @@ def export_records(
     [
         (  # exported as float64, then every load refused it ("the graph has FP64 [2]")
             '{"features": features.astype(np.float64)}',
-            "its pipeline made 'features' float64, the model takes FP32",
+            "its pipeline made 'features' float64, the model takes FP32: return it "
+            ".astype(np.float32) from the pipeline's code (numpy computes in float64 where a "
+            "float64 array, a list's too, takes part)",
         ),
         (  # a KeyError traceback
             '{"feats": features}',
