@@ -93,3 +93,6 @@ class InferenceResult:
     """The model's pipeline's answer for each raw item, where its code postprocesses."""
     size: int | None = None
     """What its outputs hold, once asked (``service.core.dataplane.answer_bytes``)."""
+    row_crops: list[dict[str, tuple[slice, ...]]] | None = None
+    """Each row's region of each output (its batch dim's slice first), where rows of their
+    own sizes were padded into one batch: v1 answers each row cropped to it."""

@@ -191,6 +191,17 @@ class ShapePolicy:
             return n
         return next(b for b in self.buckets if b >= n)
 
+    def row_crops(
+        self, sizes: Sequence[Mapping[Dim, int]], fitted: Mapping[str, np.ndarray]
+    ) -> list[Crop]:
+        """For rows of their own sizes padded into one batch (v1's ragged instances), each
+        row's crop: the region of each output that answers that row's own input, the batch
+        dim's slice first (applied to the row, it is left off)."""
+        return [
+            self._crop({dim: (n, fitted[dim[0]].shape[dim[1]]) for dim, n in own.items()})
+            for own in sizes
+        ]
+
     def _crop(self, targets: Mapping[Dim, tuple[int, int]]) -> Crop:
         crop: Crop = {}
         for output, dims in self.follows.items():

@@ -52,6 +52,7 @@ from service.core.validation import (
     check_rows,
     encoded_items,
     instance_tensors,
+    ragged_instance_tensors,
 )
 from service.datatypes import TO_NUMPY, as_values, json_answer
 from service.errors import (
@@ -268,7 +269,7 @@ class DataPlane:
         once answered: a request of 1,024 one-pixel PNGs (108 KB) decodes into 616 MB."""
         items, pipeline = _items(model, request), model.pipeline
         if items is None:
-            return self._tensors(model, request)
+            return self._tensors(model, request, held)
         assert pipeline is not None
         check_rows(len(items), model.config, model.name)
         if self.budget is not None and held is not None:
@@ -319,14 +320,42 @@ class DataPlane:
                 exc.args = (exc.message,)
             raise
 
-    def _tensors(self, model: LoadedVersion, request: InferenceRequest) -> Prepared:
-        """Tensors (or v1 rows) sent for the model itself, checked and fitted to its buckets."""
-        inputs = request.inputs
+    def _tensors(
+        self, model: LoadedVersion, request: InferenceRequest, held: list[int] | None = None
+    ) -> Prepared:
+        """Tensors (or v1 rows) sent for the model itself, checked and fitted to its buckets.
+        v1 rows of their own lengths, for a model that export measured pads without changing
+        its answer, are padded to one length and each row's answer cropped back to its own."""
+        inputs, sizes = request.inputs, None
         if request.rows is not None:
-            inputs = instance_tensors(request.rows, model.signature.inputs, model.batched)
+            try:
+                inputs = instance_tensors(request.rows, model.signature.inputs, model.batched)
+            except InvalidInput:
+                if not (model.batched and model.shapes.pads_unchanged):
+                    raise
+                check_rows(len(request.rows), model.config, model.name)
+                inputs, sizes = ragged_instance_tensors(
+                    request.rows,
+                    model.signature.inputs,
+                    model.shapes.axes,
+                    model.name,
+                    partial(self._hold, held),
+                )
         raw = model.pipeline.raw_input if model.pipeline is not None else None
         checked = check_inputs(inputs, model.signature, model.config, model.name, raw_input=raw)
-        return _fitted(model, checked)
+        prepared = _fitted(model, checked)
+        if sizes is not None:
+            assert isinstance(prepared.work, dict)
+            prepared.row_crops = model.shapes.row_crops(sizes, prepared.work)
+            prepared.crop = None
+        return prepared
+
+    def _hold(self, held: list[int] | None, size: int) -> None:
+        """``size`` bytes more from the budget for a request holding ``held[0]`` (released
+        with the rest when it is answered)."""
+        if self.budget is not None and held is not None:
+            self.budget.take(size, request_held() + held[0])
+            held[0] += size
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: the sooner of its own timeout (a header, a gRPC
@@ -666,6 +695,7 @@ class Call:
             loaded.classifier,
             loaded.batched,
             answers,
+            row_crops=prepared.row_crops,
         )
 
     def decode(self, work: int, decode: Callable[..., T], *args: Any) -> Awaitable[T]:

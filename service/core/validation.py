@@ -6,10 +6,12 @@ joined. Every error names the input and says what was expected and what came.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from service.artifacts.shapes import Axis, Dim
 from service.datatypes import TO_NUMPY, as_values, cast, json_numbers, json_strings
 from service.errors import InvalidInput, ModelExecutionError, PayloadTooLarge
 from service.inference import InputTensor
@@ -142,6 +144,80 @@ def instance_tensors(
         if len(specs) == 1 and _depth(only) == len(specs[0].shape):
             return _tensors_of({specs[0].name: only}, specs)
     return _tensors_of(_columns(instances, specs), specs)
+
+
+def ragged_instance_tensors(
+    instances: list[Any],
+    specs: tuple[TensorConfig, ...],
+    axes: Sequence[Axis],
+    model: str,
+    take: Callable[[int], None],
+) -> tuple[list[InputTensor], list[dict[Dim, int]]]:
+    """v1 rows whose dynamic dims differ in size from row to row (texts of their own lengths),
+    each padded to the largest row's sizes as a training collate pads a batch (zeros, empty
+    strings for BYTES), with each row's own sizes to crop its answer back to. Only for a
+    model whose padding export measured to leave the answer unchanged. Each row's size is
+    checked against the model's range, and the dims of one axis (ids and mask) must agree,
+    before anything is padded: InvalidInput naming the instance. ``take`` is given the padded
+    rows' bytes before they are made (the budget's: a row of 512 tokens among a thousand of
+    one pads them all to 512)."""
+    columns = _columns(instances, specs)
+    sizes: list[dict[Dim, int]] = [{} for _ in instances]
+    rows_of: dict[str, list[np.ndarray]] = {}
+    for spec in specs:
+        rows = []
+        for index, value in enumerate(columns[spec.name]):
+            try:
+                row = (
+                    json_strings([value])
+                    if spec.datatype == "BYTES"
+                    else json_numbers([value], spec.datatype)
+                )[0]
+            except (ValueError, TypeError, OverflowError) as exc:
+                raise InvalidInput(
+                    f"instances[{index}] for input '{spec.name}' is not a {spec.datatype} row "
+                    f"of shape {list(spec.shape)}: {exc}"
+                ) from None
+            if not shape_fits(spec.shape, row.shape):
+                raise InvalidInput(
+                    f"instances[{index}] for input '{spec.name}' has shape {list(row.shape)}, "
+                    f"the model takes {list(spec.shape)}"
+                )
+            for dim, n in enumerate(row.shape):
+                if spec.shape[dim] == -1:
+                    sizes[index][spec.name, dim + 1] = n
+            rows.append(row)
+        rows_of[spec.name] = rows
+    for index, own in enumerate(sizes):
+        for axis in axes:
+            got = [own[dim] for dim in axis.dims if dim in own]
+            if len(set(got)) > 1:
+                names = ", ".join(f"'{name}' dim {i}" for name, i in axis.dims)
+                raise InvalidInput(
+                    f"instances[{index}]: inputs {names} must have the same size for model "
+                    f"'{model}'; got {got}"
+                )
+            if got and not axis.min <= got[0] <= axis.max:
+                name, dim = axis.dims[0]
+                raise InvalidInput(
+                    f"instances[{index}]: input '{name}' dim {dim} is {got[0]}; model "
+                    f"'{model}' takes {axis.min} to {axis.max} there"
+                )
+    shapes = {
+        name: (len(rows), *(max(n) for n in zip(*(r.shape for r in rows), strict=True)))
+        for name, rows in rows_of.items()
+    }
+    take(sum(int(np.prod(shape)) * rows_of[name][0].itemsize for name, shape in shapes.items()))
+    tensors = []
+    for spec in specs:
+        rows = rows_of[spec.name]
+        empty = b"" if spec.datatype == "BYTES" else 0
+        array = np.full(shapes[spec.name], empty, rows[0].dtype)
+        for index, row in enumerate(rows):
+            region: tuple[int | slice, ...] = (index, *(slice(0, n) for n in row.shape))
+            array[region] = row
+        tensors.append(InputTensor(spec.name, spec.datatype, array.shape, array))
+    return tensors, sizes
 
 
 def _depth(value: Any) -> int:

@@ -46,6 +46,9 @@ class Prepared:
     """One per raw item, filled by the pipeline (None: the request sent tensors)."""
     crop: Crop | None = None
     """The region of each output that answers the caller's own input (where dims were padded)."""
+    row_crops: list[Crop] | None = None
+    """Each row's own region, in place of ``crop``, where rows of their own sizes were padded
+    to one (v1's ragged instances)."""
 
 
 class ImageInput(Pipeline):

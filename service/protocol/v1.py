@@ -81,6 +81,10 @@ def encode_predictions(result: InferenceResult) -> bytes:
         {name: (array[i] if result.batched else array) for name, array in outputs.items()}
         for i in range(rows)
     ]
+    if result.row_crops is not None:  # rows of their own lengths: each answer its own
+        for row, crop in zip(per_row, result.row_crops, strict=True):
+            for name, region in crop.items():
+                row[name] = row[name][region[1:]]
     predictions: list[Any]
     if result.classifier is not None:
         predictions = [result.classifier(row) for row in per_row]

@@ -466,6 +466,72 @@ def test_a_model_whose_answer_padding_changes_runs_at_exact_buckets(server: Serv
     assert unwarmed(server, "pooled") == 0
 
 
+def test_v1_rows_of_their_own_lengths_are_each_answered_as_eager_answers_them_alone(
+    server: Server,
+) -> None:
+    """v1 refused them ("its nested lists are not all of one length") where training's collate
+    pads them. For a model whose padding export measured to leave its answer unchanged, the
+    rows are padded to one size and each row's answer cropped back to its own: texts' token
+    ids of their own lengths, images of their own sizes. Sizes outside the model's range and
+    ids and masks that disagree name the instance; a model whose answer padding changes
+    still refuses them."""
+    client = server.client
+
+    def predict(model: str, instances: list[object]) -> httpx.Response:
+        return client.post(f"/v1/models/{model}:predict", json={"instances": instances})
+
+    tagger = user_models.Tagger()
+    rows = [[1, 2, 3], list(range(10, 27)), [7], list(range(32))]
+    response = predict("tagger", rows)
+    assert response.status_code == 200, response.text
+    got = response.json()["predictions"]
+    assert [np.shape(g) for g in got] == [(len(r), 5) for r in rows]
+    for row, answer in zip(rows, got, strict=True):
+        want = eager(tagger, np.array([row]))[0]
+        np.testing.assert_allclose(np.asarray(answer, np.float32), want, atol=1e-4, rtol=1e-3)
+
+    texts = [
+        {"input_ids": [101, 2023, 102], "attention_mask": [1, 1, 1]},
+        {"input_ids": [101, 2178, 1010, 2062, 6251, 2000, 102], "attention_mask": [1] * 7},
+    ]
+    response = predict("text", texts)
+    assert response.status_code == 200, response.text
+    for text, answer in zip(texts, response.json()["predictions"], strict=True):
+        ids, mask = (np.array([text[k]]) for k in ("input_ids", "attention_mask"))
+        want = eager(user_models.TextEncoder(), ids, mask)[0]
+        np.testing.assert_allclose(answer, want, atol=1e-5)
+
+    rng = np.random.default_rng(7)
+    images = [rng.standard_normal((3, h, w)).astype(np.float32) for h, w in ((20, 33), (41, 9))]
+    response = predict("heatmap", [i.tolist() for i in images])
+    assert response.status_code == 200, response.text
+    for image, answer in zip(images, response.json()["predictions"], strict=True):
+        want = eager(user_models.Heatmap(), image[None])[0]
+        assert np.shape(answer) == want.shape
+        np.testing.assert_allclose(answer, want, atol=1e-4, rtol=1e-3)
+
+    response = predict("tagger", [[1, 2], [0] * 33])
+    assert response.status_code == 400
+    assert response.json()["error"] == (
+        "instances[1]: input 'ids' dim 1 is 33; model 'tagger' takes 1 to 32 there"
+    )
+    response = predict("text", [texts[0], {"input_ids": [101, 102], "attention_mask": [1]}])
+    assert response.status_code == 400
+    assert (
+        "instances[1]: inputs 'input_ids' dim 1, 'attention_mask' dim 1 must have the same"
+        in (response.json()["error"])
+    )
+    response = predict("tagger", [[1, 2], [3, "x"]])
+    assert response.status_code == 400
+    assert "instances[1] for input 'ids' is not a INT64 row" in response.json()["error"]
+    square = np.zeros((3, 32, 32)).tolist()
+    response = predict("pooled", [square, np.zeros((3, 32, 64)).tolist()])
+    assert response.status_code == 400
+    assert "its nested lists are not all of one length" in response.json()["error"]
+    for model in ("tagger", "text", "heatmap"):
+        assert unwarmed(server, model) == 0, model
+
+
 def test_a_bad_value_no_range_covers_is_400_without_the_runtimes_internals(
     server: Server,
 ) -> None:

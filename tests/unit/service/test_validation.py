@@ -110,3 +110,31 @@ def test_cast_inputs_casts_only_values_the_models_type_holds_and_never_bools() -
     fine = tensor("item_id", "FP64", np.array([[5.0]]))
     batch = check_inputs([fine, dense], SIGNATURE, config(cast_inputs=True), "ctr")
     assert batch["item_id"].dtype == np.int64 and batch["item_id"].tolist() == [[5]]
+
+
+def test_ragged_rows_are_padded_only_after_their_padded_size_is_taken() -> None:
+    """v1 rows of their own lengths: one row of 32 tokens among 1,000 rows of one pads them
+    all to 32. What the padding makes is given to ``take`` (the budget's) before it is made,
+    which may refuse it; each row's own size comes back for its crop."""
+    from service.artifacts.shapes import Axis
+    from service.core.validation import ragged_instance_tensors
+    from service.errors import PayloadTooLarge
+
+    specs = (
+        TensorConfig(name="ids", datatype="INT64", shape=(-1,)),
+        TensorConfig(name="mask", datatype="INT64", shape=(-1,)),
+    )
+    axes = (Axis(dims=(("ids", 1), ("mask", 1)), min=1, max=32),)
+    rows = [{"ids": [5], "mask": [1]}] * 999 + [{"ids": list(range(32)), "mask": [1] * 32}]
+    taken: list[int] = []
+    tensors, sizes = ragged_instance_tensors(rows, specs, axes, "m", taken.append)
+    assert taken == [2 * 1000 * 32 * 8]
+    assert [t.data.shape for t in tensors] == [(1000, 32), (1000, 32)]
+    assert tensors[0].data[0].tolist() == [5] + [0] * 31
+    assert sizes[0] == {("ids", 1): 1, ("mask", 1): 1} and sizes[-1][("ids", 1)] == 32
+
+    def refuse(size: int) -> None:
+        raise PayloadTooLarge(f"{size} bytes")
+
+    with pytest.raises(PayloadTooLarge, match="512000 bytes"):
+        ragged_instance_tensors(rows, specs, axes, "m", refuse)
