@@ -222,11 +222,32 @@ def element_count(
     return count
 
 
+MAX_PARAMETER_DEPTH = 32
+"""How deep a parameter's value may nest arrays and objects. The OIP's are strings, numbers and
+booleans; deeper values are kept for models' own code, but not past this: the request's
+parameters are echoed in the answer, whose JSON writer stops at 254 levels, and a value of 254
+(the reader takes 1,024) was a 500 after the model had run."""
+
+
 def _parameters(raw: Any, what: str) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise InvalidInput(f"{what}: 'parameters' must be an object, got {json_kind(raw)}")
+    for key, value in raw.items():
+        level, depth = [value], 0
+        while level := [
+            inner
+            for held in level
+            if isinstance(held, list | dict)
+            for inner in (held.values() if isinstance(held, dict) else held)
+        ]:
+            depth += 1
+            if depth > MAX_PARAMETER_DEPTH:
+                raise InvalidInput(
+                    f"{what}: parameter '{key}' nests arrays or objects more than "
+                    f"{MAX_PARAMETER_DEPTH} deep"
+                )
     return raw
 
 

@@ -201,6 +201,22 @@ def _request(**tensor: Any) -> bytes:
         (_request(datatype="UINT8", data=[1, 300]), None, "not a \\(nested\\) list of UINT8"),
         (_request(datatype="BYTES", data=[1, 2]), None, "BYTES data must be strings"),
         (_request(parameters=[1]), None, "'parameters' must be an object"),
+        (  # echoed in the answer, whose JSON writer stops at 254 levels: a 500 after the model
+            b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+            b'"parameters": {"note": ' + b"[" * 254 + b"]" * 254 + b"}}",
+            None,
+            "request: parameter 'note' nests arrays or objects more than 32 deep",
+        ),
+        (
+            b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+            b'"outputs": [{"name": "y", "parameters": {"n": '
+            + b"[" * 33
+            + b"0"
+            + b"]" * 33
+            + b"}}]}",
+            None,
+            "output 'y': parameter 'n' nests arrays or objects more than 32 deep",
+        ),
         (
             b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]},'
             b'{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}',
