@@ -96,8 +96,8 @@ class ImagePipeline:
         try:
             image.load()
             return self.normalize_mode(image)
-        except MemoryError:
-            raise  # the server's trouble, not the client's
+        except (MemoryError, PreprocessingError):
+            raise  # the server's trouble, not the client's; or said already
         except Exception as exc:  # every decoder raises its own kinds: all mean a bad file
             raise PreprocessingError(
                 f"cannot decode image ({len(data)} bytes, {image.format}): {_reason(exc)}"
@@ -131,10 +131,23 @@ class ImagePipeline:
             rgba = image.convert("RGBA")
             background = Image.new("RGBA", rgba.size, (*self.spec.background, 255))
             image = Image.alpha_composite(background, rgba)
-        if image.mode == "I;16" or image.mode == "I":
-            # 16-bit greyscale: keep the top 8 bits instead of clipping to white.
-            array = np.asarray(image, dtype=np.uint32) >> 8
-            image = Image.fromarray(array.astype(np.uint8), mode="L")
+        if image.mode.startswith("I;16") or image.mode == "I":
+            # 16-bit greyscale, in either byte order (a TIFF's I;16B): keep the top 8 bits
+            # instead of clipping to white. "I" holds 16-bit values (older Pillow's PNGs) or a
+            # 32-bit TIFF's, which have no one scale to 8 bits: refused, not wrapped.
+            array = np.asarray(image)
+            low, high = int(array.min()), int(array.max())
+            if low < 0 or high > 65535:
+                raise PreprocessingError(
+                    f"image has {array.dtype.itemsize * 8}-bit integer pixels from {low} to "
+                    f"{high}; this model takes images of 8 or 16 bits a channel: convert it"
+                )
+            image = Image.fromarray((array >> 8).astype(np.uint8), mode="L")
+        elif image.mode == "F":
+            raise PreprocessingError(
+                "image has floating-point pixels (mode F), which have no one scale to 8 bits; "
+                "this model takes images of 8 or 16 bits a channel: convert it"
+            )
         target = "L" if self.spec.color == "L" else "RGB"
         return image if image.mode == target else image.convert(target)
 

@@ -114,6 +114,37 @@ def test_palette_with_transparency_and_16_bit_greyscale_decode() -> None:
     assert np.all(out == 255.0)
 
 
+def test_16_bit_greyscale_in_either_byte_order_gives_the_same_tensor() -> None:
+    """A big-endian 16-bit TIFF (Pillow's I;16B) was converted as if it were 8 bits: every
+    pixel clipped to white, a confident wrong answer with a 200."""
+    values = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)
+    little = ImagePipeline(PLAIN)(png(Image.fromarray(values)))
+    big = Image.frombytes("I;16B", (64, 64), values.astype(">u2").tobytes())
+    stored = io.BytesIO()
+    big.save(stored, format="TIFF")
+    assert Image.open(io.BytesIO(stored.getvalue())).mode == "I;16B"
+    np.testing.assert_array_equal(ImagePipeline(PLAIN)(stored.getvalue()), little)
+    assert len(np.unique(little)) > 200  # the gradient kept, not clipped
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "message"),
+    [
+        ("I", np.arange(64 * 64, dtype=np.int32) * 100, "32-bit integer pixels from 0 to 409500"),
+        ("F", np.linspace(0, 1, 64 * 64, dtype=np.float32), "floating-point pixels \(mode F\)"),
+    ],
+)
+def test_pixels_with_no_one_scale_to_8_bits_are_refused(
+    mode: str, values: np.ndarray, message: str
+) -> None:
+    """A 32-bit integer TIFF was shifted by 8 bits and wrapped (a 200 for "manhole cover");
+    a float one clipped to black."""
+    stored = io.BytesIO()
+    Image.frombytes(mode, (64, 64), values.tobytes()).save(stored, format="TIFF")
+    with pytest.raises(PreprocessingError, match=message):
+        ImagePipeline(PLAIN)(stored.getvalue())
+
+
 @pytest.mark.parametrize(
     ("orientation", "stored"),
     [
