@@ -131,7 +131,7 @@ def test_16_bit_greyscale_in_either_byte_order_gives_the_same_tensor() -> None:
     ("mode", "values", "message"),
     [
         ("I", np.arange(64 * 64, dtype=np.int32) * 100, "32-bit integer pixels from 0 to 409500"),
-        ("F", np.linspace(0, 1, 64 * 64, dtype=np.float32), "floating-point pixels \(mode F\)"),
+        ("F", np.linspace(0, 1, 64 * 64, dtype=np.float32), r"floating-point pixels \(mode F\)"),
     ],
 )
 def test_pixels_with_no_one_scale_to_8_bits_are_refused(
