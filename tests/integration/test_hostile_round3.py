@@ -781,6 +781,35 @@ def test_a_grpc_connection_carries_at_most_its_stream_cap(server: Server) -> Non
         crowded.close()
 
 
+def test_a_burst_past_the_stream_cap_waits_at_the_client_and_is_all_answered(
+    server: Server,
+) -> None:
+    """Three times the cap of calls at once on one warmed connection (tritonclient's
+    ``async_infer`` in a loop): up to half failed UNAVAILABLE ("Received RST_STREAM with error
+    code 7"). grpc's overload protection refused a new stream while the server still held a
+    call whose answer the client had read and whose slot it had reused, as the cap allows."""
+    channel = grpc.insecure_channel(
+        server.grpc_url, options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    try:
+        request = digits_call(None)[0]
+        stub.ModelInfer(request, timeout=30)  # the server's settings known
+        calls = [
+            stub.ModelInfer.future(request, timeout=60)
+            for _ in range(3 * MAX_STREAMS_PER_CONNECTION)
+        ]
+        failed = []
+        for call in calls:
+            try:
+                assert call.result().model_name == "digits"
+            except grpc.RpcError as exc:
+                failed.append(f"{exc.code()}: {exc.details()}")  # type: ignore[attr-defined]
+        assert failed == []
+    finally:
+        channel.close()
+
+
 def workers_rss(server: Server) -> int:
     """The RSS of the supervisor's workers together."""
     pid = server.process.pid
