@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from preprocessing.halves import matches_pillow
+from preprocessing.image import hold_decoding_with
 from service import PROCESS_STARTED, __version__
 from service.artifacts.pins import check_pinned
 from service.cluster.control import ControlServer, Siblings, follow_siblings
@@ -75,6 +76,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         observer = Observer(repository, metrics, drain, settings.access_log)
         app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
         app.state.dataplane.budget = budget  # what raw items decode into is held in it too
+        hold_decoding_with(budget.holding)  # and what decoding an image holds meanwhile
         app.state.cluster = Cluster(app.state.dataplane)
         trimmer = Trimmer(budget)  # what the budget lets go goes back to the system
         trimmer.start()
@@ -120,6 +122,7 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
             pool.shutdown(wait=True)
             await asyncio.to_thread(tracing.stop)  # exports what is buffered
             trimmer.stop()
+            hold_decoding_with(None)
             log.info("stopped")
 
     app = FastAPI(

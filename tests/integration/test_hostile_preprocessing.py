@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.server import Server
+from tests.server import Server, copy_model
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +124,42 @@ def test_a_10_mb_text_is_answered_at_a_bounded_cost_with_the_tokens_it_holds(
     np.testing.assert_allclose(embedding, expected, atol=1e-6)
     assert parameters == expected_parameters
     assert grown < BOUND, f"peak RSS grew {grown / 2**20:.0f} MiB"
+
+
+def rgba(side: int) -> bytes:
+    """A ``side``² RGBA PNG of one colour: a few KB that decode into 20 bytes a pixel."""
+    buffer = io.BytesIO()
+    Image.new("RGBA", (side, side), (10, 200, 30, 128)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_what_decoding_an_image_holds_is_held_in_the_budget(tmp_path: Path) -> None:
+    """An 8192² RGBA PNG of 261 KB held 1.28 GiB while it decoded, counted nowhere (the
+    budget held its body and the 8×8 row it makes): eight at once took a server from 1.5 to
+    4.8 GiB. Now the decode's working memory is taken from TG_MAX_INFLIGHT_BYTES first: an
+    image that could never fit is a 413 naming it, at next to no cost, and one that fits is
+    answered."""
+    copy_model("digits", tmp_path / "models" / "digits")
+    env = {"TG_WORKERS": "1", "TG_MAX_INFLIGHT_BYTES": str(96 * 2**20)}
+    server = Server(tmp_path / "models", env=env, log_path=tmp_path / "server.log")
+    try:
+        server.wait_until()
+        answers: list[httpx.Response] = []
+
+        def post(body: bytes) -> httpx.Response:
+            return server.client.post(
+                "/v1/models/digits:predict", content=body, headers={"content-type": "image/png"}
+            )
+
+        grown = peak_growth(server, lambda: answers.append(post(rgba(4096))))
+        (refused,) = answers
+        assert refused.status_code == 413, refused.text
+        assert f"this request needs {4096 * 4096 * 20} bytes" in refused.json()["error"]
+        assert "(TG_MAX_INFLIGHT_BYTES)" in refused.json()["error"]
+        assert grown < 64 * 2**20, f"peak RSS grew {grown / 2**20:.0f} MiB"
+        answered = post(rgba(1024))  # 20 MiB while it decodes: within the budget
+        assert answered.status_code == 200, answered.text
+        metrics = server.client.get("/metrics").text
+        assert 'tensorgate_refused_total{reason="body_budget"} 1.0' in metrics
+    finally:
+        server.stop()

@@ -1,5 +1,6 @@
 import io
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +366,34 @@ def test_a_photo_gets_pillows_resize_of_the_whole_image_then_the_crop(
     expected = np.asarray(resized.crop((left, top, left + 224, top + 224)), np.float32)
     got = ImagePipeline(spec)(png(photo))
     assert got.tobytes() == np.ascontiguousarray(expected.transpose(2, 0, 1)).tobytes()
+
+
+def test_a_decode_holds_its_working_bytes_through_the_hook_while_it_runs() -> None:
+    """The server's budget takes what decoding an image holds at its peak (its pixels as
+    decoded and each conversion, from the header) before the pixels are decoded, and lets it
+    go once the image is a tensor; training code sets no hook and nothing is held."""
+    from contextlib import contextmanager
+
+    from preprocessing.image import hold_decoding_with, working_bytes
+
+    held: list[int] = []
+    during: list[list[int]] = []
+
+    @contextmanager
+    def hold(size: int) -> Iterator[None]:
+        held.append(size)
+        yield
+        during.append(list(held))
+        held.remove(size)
+
+    transparent = png(Image.new("RGBA", (100, 80), (1, 2, 3, 4)))
+    hold_decoding_with(hold)
+    try:
+        ImagePipeline(PLAIN)(transparent)
+        ImagePipeline(PLAIN)(png(Image.new("RGB", (100, 80))))
+    finally:
+        hold_decoding_with(None)
+    assert during == [[100 * 80 * 20], [100 * 80 * 8]] and held == []
+    assert working_bytes(Image.open(io.BytesIO(transparent))) == 100 * 80 * 20
+    ImagePipeline(PLAIN)(transparent)  # no hook: nothing asked
+    assert len(during) == 2
