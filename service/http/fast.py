@@ -28,6 +28,8 @@ log = logging.getLogger("tensorgate.app")
 
 _INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
 _PREDICT = re.compile(r"^/v1/models/([^/]+):predict$")
+_LISTED = ("content-encoding", "inference-header-content-length")
+"""Headers whose repeats are kept, joined as a list: the first alone would not be the meaning."""
 
 
 class InferFastPath:
@@ -47,7 +49,8 @@ class InferFastPath:
         headers: dict[str, str] = {}
         for key, value in scope["headers"]:  # the first of repeated headers wins, as in Starlette
             name = key.decode("latin-1")
-            if name == "content-encoding" and name in headers:  # a list: every coding applies
+            # a list: every coding applies; two lengths of the JSON header: which? (a 400)
+            if name in _LISTED and name in headers:
                 headers[name] += ", " + value.decode("latin-1")
             else:
                 headers.setdefault(name, value.decode("latin-1"))

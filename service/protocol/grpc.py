@@ -232,6 +232,8 @@ def decode_request(
     outputs = None
     if message.outputs:
         outputs = [RequestedOutput(o.name, parameters(o.parameters)) for o in message.outputs]
+        for output in outputs:
+            v2.refuse_shared_memory(output.parameters, f"output '{output.name}'")
         _once([o.name for o in outputs], "output", "is requested more than once")
     return InferenceRequest(
         message.model_name,
@@ -262,6 +264,7 @@ def _decode_input(
     if not name:
         raise InvalidInput("every input needs a name")
     v2.check_datatype(datatype, name)
+    v2.refuse_shared_memory(tensor.parameters, f"input '{name}'")
     shape = tuple(tensor.shape)
     if any(dim < 0 for dim in shape):
         raise InvalidInput(f"input '{name}': shape dims must be integers ≥ 0 (got {list(shape)})")

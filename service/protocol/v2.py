@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import struct
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -55,12 +56,11 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     """Validate ``Inference-Header-Content-Length`` against the body it claims to split."""
     if value is None:
         return None
-    try:
-        length = int(value)
-    except ValueError:
+    if not (value.isascii() and value.isdigit()):  # int() takes " 1", "+1", "1_0" too
         raise InvalidInput(
-            f"Inference-Header-Content-Length must be an integer (got {value!r})"
-        ) from None
+            f"Inference-Header-Content-Length must be one integer, its digits alone (got {value!r})"
+        )
+    length = int(value)
     if not 0 < length <= body_length:
         raise InvalidInput(
             f"Inference-Header-Content-Length is {length} but the body has {body_length} bytes"
@@ -229,11 +229,28 @@ parameters are echoed in the answer, whose JSON writer stops at 254 levels, and 
 (the reader takes 1,024) was a 500 after the model had run."""
 
 
+SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+"""The OIP's shared-memory parameters: a tensor to read from, or write to, a region."""
+
+
+def refuse_shared_memory(parameters: Mapping[str, Any], what: str) -> None:
+    """InvalidInput for a tensor that names a shared-memory region: regions cannot be
+    registered here, and a region ignored answered inline (an output) or said the input had
+    no data."""
+    named = [key for key in SHARED_MEMORY if key in parameters]
+    if named:
+        raise InvalidInput(
+            f"{what}: shared memory ({', '.join(named)}) is not supported by this server; "
+            "send the tensor's data in the request and take outputs from the answer"
+        )
+
+
 def _parameters(raw: Any, what: str) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise InvalidInput(f"{what}: 'parameters' must be an object, got {json_kind(raw)}")
+    refuse_shared_memory(raw, what)
     for key, value in raw.items():
         level, depth = [value], 0
         while level := [

@@ -810,6 +810,30 @@ def test_a_burst_past_the_stream_cap_waits_at_the_client_and_is_all_answered(
         channel.close()
 
 
+def test_a_binary_body_with_two_header_lengths_is_a_400_not_the_first_taken(
+    server: Server,
+) -> None:
+    """Inference-Header-Content-Length twice (the right length, then 5) was answered 200 from
+    the first; which one the client meant is not for the server to pick."""
+    data = np.full((1, 1, 8, 8), 0.5, np.float32).tobytes()
+    tensor = {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8]}
+    header = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": 256}}]})
+    headers = [
+        ("Content-Type", "application/octet-stream"),
+        ("Inference-Header-Content-Length", str(len(header))),
+        ("Inference-Header-Content-Length", "5"),
+    ]
+    url = f"{server.url}/v2/models/digits/infer"
+    answer = httpx.post(url, content=header.encode() + data, headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == (
+        "Inference-Header-Content-Length must be one integer, its digits alone "
+        f"(got '{len(header)}, 5')"
+    )
+    answer = httpx.post(url, content=header.encode() + data, headers=headers[:2])
+    assert answer.status_code == 200, answer.text
+
+
 def workers_rss(server: Server) -> int:
     """The RSS of the supervisor's workers together."""
     pid = server.process.pid

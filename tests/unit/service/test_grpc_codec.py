@@ -67,6 +67,25 @@ def test_typed_contents_take_each_end_of_the_datatypes_range_exactly(datatype: s
     assert decoded.inputs[0].data.reshape(-1).tolist() == values
 
 
+def test_shared_memory_is_refused_naming_the_tensor() -> None:
+    """An input naming a region was told it had no contents; an output naming one was answered
+    inline, the region ignored."""
+    message = request_with("FP32", [1], fp32_contents=[1.0])
+    message.inputs[0].parameters["shared_memory_region"].string_param = "input0"
+    message.inputs[0].parameters["shared_memory_byte_size"].int64_param = 4
+    with pytest.raises(InvalidInput) as refused:
+        codec.decode_request(message, None, max_elements=1 << 24)
+    assert str(refused.value).startswith(
+        "input 'x': shared memory (shared_memory_region, shared_memory_byte_size) is not "
+        "supported by this server; send the tensor's data in the request"
+    )
+    message = request_with("FP32", [1], fp32_contents=[1.0])
+    output = message.outputs.add(name="y")
+    output.parameters["shared_memory_region"].string_param = "output0"
+    with pytest.raises(InvalidInput, match="output 'y': shared memory .shared_memory_region."):
+        codec.decode_request(message, None, max_elements=1 << 24)
+
+
 def test_raw_contents_must_cover_every_input() -> None:
     message = request_with("FP32", [1])
     message.inputs.add(name="y", datatype="FP32", shape=[1])

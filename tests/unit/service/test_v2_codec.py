@@ -201,6 +201,17 @@ def _request(**tensor: Any) -> bytes:
         (_request(datatype="UINT8", data=[1, 300]), None, "not a \\(nested\\) list of UINT8"),
         (_request(datatype="BYTES", data=[1, 2]), None, "BYTES data must be strings"),
         (_request(parameters=[1]), None, "'parameters' must be an object"),
+        (  # it said the input had no 'data' and no binary_data_size
+            _request(data=..., parameters={"shared_memory_region": "r"}),
+            None,
+            r"input 'x': shared memory \(shared_memory_region\) is not supported by this server",
+        ),
+        (  # the region was ignored and the output answered inline
+            b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+            b'"outputs": [{"name": "y", "parameters": {"shared_memory_region": "o"}}]}',
+            None,
+            "output 'y': shared memory",
+        ),
         (  # echoed in the answer, whose JSON writer stops at 254 levels: a 500 after the model
             b'{"inputs": [{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
             b'"parameters": {"note": ' + b"[" * 254 + b"]" * 254 + b"}}",
@@ -315,7 +326,17 @@ def test_an_output_requested_twice_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("abc", "must be an integer"), ("0", "but the body has"), ("999", "but the body has")],
+    [
+        ("abc", "must be one integer"),
+        ("0", "but the body has"),
+        ("999", "but the body has"),
+        # int() read each of these as a length (a 200)
+        (" 14 ", "must be one integer, its digits alone"),
+        ("+14", "must be one integer"),
+        ("1_4", "must be one integer"),
+        ("١٤", "must be one integer"),  # Arabic-Indic digits
+        ("14, 5", "must be one integer"),  # the header twice (InferFastPath joins repeats)
+    ],
 )
 def test_lying_header_length_is_refused(value: str, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
