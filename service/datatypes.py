@@ -132,10 +132,47 @@ def json_strings(values: Any) -> np.ndarray:
             except binascii.Error:
                 raise ValueError("a {'b64': ...} value is not valid base64") from None
         elif isinstance(value, list):  # numpy kept a list where lengths differ
-            raise ValueError("its nested lists are not all of one length")
+            raise ValueError(unlike(values))
         else:
             raise ValueError(f"{json_kind(value)} is not a string (or {{'b64': ...}})")
     return out.reshape(given.shape)
+
+
+MAX_NESTING = 32
+"""How deep JSON data is looked through for where it stops being one tensor."""
+
+
+def unlike(values: Any) -> str:
+    """Where nested JSON lists stop being one tensor's: the first element unlike the first of
+    its siblings (a string among lists, a list of another length), or nesting past
+    :data:`MAX_NESTING` (numpy takes 64 dims at most)."""
+    level: list[tuple[str, Any]] = [("", values)]
+    for _ in range(MAX_NESTING):
+        lists = [(path, value) for path, value in level if isinstance(value, list)]
+        if not lists:
+            break
+        for path, value in lists:
+            first = _shape_word(value[0]) if value else ""
+            for index, element in enumerate(value[1:], 1):
+                if _shape_word(element) != first:
+                    return (
+                        f"its nested lists are not all of one length: {path}[{index}] is "
+                        f"{_shape_word(element)}, {path}[0] {first}"
+                    )
+        level = [
+            (f"{path}[{i}]", element) for path, value in lists for i, element in enumerate(value)
+        ]
+    else:
+        return f"it nests lists more than {MAX_NESTING} deep"
+    return "its nested lists are not all of one length"
+
+
+def _shape_word(value: Any) -> str:
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return json_kind(value)
 
 
 def json_kind(value: Any) -> str:
@@ -160,7 +197,7 @@ def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.
     try:
         given = np.asarray(values)
     except ValueError:  # numpy's words: "inhomogeneous shape after 1 dimensions"
-        raise ValueError("its nested lists are not all of one length") from None
+        raise ValueError(unlike(values)) from None
     kind = given.dtype.kind
     target = TO_NUMPY[datatype]
     if given.size == 0:

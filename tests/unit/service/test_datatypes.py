@@ -3,6 +3,7 @@ arithmetic, and the conversions every protocol goes through."""
 
 from __future__ import annotations
 
+import functools
 import re
 from fractions import Fraction
 
@@ -124,6 +125,20 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
         ([2, "NaN", True], "FP64", "true is not a number"),
         ([1, 0], "BOOL", "1 is not true or false"),
         ([[1, 2], [3]], "FP32", "its nested lists are not all of one length"),
+        # which element, where it only said the lists were not of one length
+        ([[1, 2], [3]], "FP32", "[1] is a list of 1, [0] a list of 2"),
+        ([[1, 2], "text", [3, 4]], "FP32", "[1] is a string, [0] a list of 2"),
+        (
+            [[[1], [2]], [[1], [2, 3]]],
+            "INT64",
+            "[1][1] is a list of 2, [1][0] a list of 1",
+        ),
+        ([[1], 2], "FP32", "[1] is a number, [0] a list of 1"),
+        (
+            functools.reduce(lambda inner, _: [inner], range(70), 1),  # numpy: 64 dims at most
+            "FP32",
+            "nests lists more than 32 deep",
+        ),
     ],
 )
 def test_json_values_of_another_type_are_refused_not_converted(
