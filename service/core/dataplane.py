@@ -342,7 +342,14 @@ class DataPlane:
                     partial(self._hold, held),
                 )
         raw = model.pipeline.raw_input if model.pipeline is not None else None
-        checked = check_inputs(inputs, model.signature, model.config, model.name, raw_input=raw)
+        checked = check_inputs(
+            inputs,
+            model.signature,
+            model.config,
+            model.name,
+            raw_input=raw,
+            ranges_checked=sizes is not None,
+        )
         prepared = _fitted(model, checked)
         if sizes is not None:
             assert isinstance(prepared.work, dict)

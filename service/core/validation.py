@@ -26,10 +26,13 @@ def check_inputs(
     name: str,
     empty: bool = False,
     raw_input: str | None = None,
+    ranges_checked: bool = False,
 ) -> dict[str, np.ndarray]:
     """Inputs that fit the signature → the batch to run (cast only where the config opts in);
     with ``empty``, a batch of 0 rows is one (a pipeline's step with nothing to run).
-    ``raw_input``: the model's pipeline's input, which its errors name too."""
+    ``raw_input``: the model's pipeline's input, which its errors name too.
+    ``ranges_checked``: the values were held to their ranges already (v1 rows of their own
+    lengths, each before it was padded: the padding's zeros are not the client's)."""
     declared = {t.name: t for t in signature.inputs}
     given = {t.name: t for t in inputs}
     raw = f", or its raw input '{raw_input}' (BYTES) alone" if raw_input else ""
@@ -65,7 +68,7 @@ def check_inputs(
                 f"input '{spec.name}': expected shape {list(want)}, "
                 f"got {list(tensor.shape)}{_short(batched, spec, tensor)}"
             )
-        if spec.range is not None:
+        if spec.range is not None and not ranges_checked:
             check_range(spec.name, as_values(data, spec.datatype), spec.range)
         if batched:
             rows.add(tensor.shape[0])
@@ -157,8 +160,9 @@ def ragged_instance_tensors(
     each padded to the largest row's sizes as a training collate pads a batch (zeros, empty
     strings for BYTES), with each row's own sizes to crop its answer back to. Only for a
     model whose padding export measured to leave the answer unchanged. Each row's size is
-    checked against the model's range, and the dims of one axis (ids and mask) must agree,
-    before anything is padded: InvalidInput naming the instance. ``take`` is given the padded
+    checked against the model's range, its values against their inputs' ranges, and the dims of
+    one axis (ids and mask) must agree, before anything is padded: InvalidInput naming the
+    instance. ``take`` is given the padded
     rows' bytes before they are made (the budget's: a row of 512 tokens among a thousand of
     one pads them all to 512)."""
     columns = _columns(instances, specs)
@@ -183,6 +187,9 @@ def ragged_instance_tensors(
                     f"instances[{index}] for input '{spec.name}' has shape {list(row.shape)}, "
                     f"the model takes {list(spec.shape)}"
                 )
+            if spec.range is not None:
+                values = as_values(row, spec.datatype)
+                check_range(spec.name, values, spec.range, f"instances[{index}]: ")
             for dim, n in enumerate(row.shape):
                 if spec.shape[dim] == -1:
                     sizes[index][spec.name, dim + 1] = n

@@ -138,3 +138,21 @@ def test_ragged_rows_are_padded_only_after_their_padded_size_is_taken() -> None:
 
     with pytest.raises(PayloadTooLarge, match="512000 bytes"):
         ragged_instance_tensors(rows, specs, axes, "m", refuse)
+
+
+def test_ragged_rows_are_held_to_their_ranges_row_by_row_not_with_their_padding() -> None:
+    """Ids from 1: the padding's zeros are the server's, not a value the client sent out of
+    range (a 400 for a valid request); an id the client sent out of range names its row."""
+    from service.artifacts.shapes import Axis
+    from service.core.validation import ragged_instance_tensors
+
+    specs = (TensorConfig(name="ids", datatype="INT64", shape=(-1,), range=(1, 99)),)
+    axes = (Axis(dims=(("ids", 1),), min=1, max=8),)
+    tensors, _ = ragged_instance_tensors([[1, 2, 3], [4]], specs, axes, "m", lambda _: None)
+    assert tensors[0].data.tolist() == [[1, 2, 3], [4, 0, 0]]
+    signature = Signature(inputs=specs, outputs=())
+    check_inputs(tensors, signature, config(), "m", ranges_checked=True)
+    with pytest.raises(InvalidInput, match=r"input 'ids': values must lie within \[1, 99\]"):
+        check_inputs(tensors, signature, config(), "m")  # the zeros, had they been sent
+    with pytest.raises(InvalidInput, match=r"^instances\[1\]: input 'ids': values must lie"):
+        ragged_instance_tensors([[1, 2, 3], [0]], specs, axes, "m", lambda _: None)
