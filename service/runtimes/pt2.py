@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch._inductor.package import load_package  # type: ignore[attr-defined]  # not re-exported in its stubs
 
-from service.artifacts.manifest import check_pt2
+from service.artifacts.manifest import MANIFEST, check_pt2
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.runtimes.base import Signature
@@ -86,18 +86,28 @@ class Pt2Runtime(TorchRuntime):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {device} asked for, but torch sees no CUDA device")
         needs = package_needs(path)
-        if TORCH_KEY not in needs:  # not made by `tensorgate export`, which proves its indexes
+        # `tensorgate export` proves which inputs index a table, and its manifest holds the
+        # ranges it proved: a package of its own copied without its manifest.json has none
+        # (served unranged, one id past its table aborted a worker).
+        exported = TORCH_KEY in needs
+        if not (exported and (path.parent / MANIFEST).is_file()):
             unbounded = [
                 t.name
                 for t in declared.inputs
                 if t.range is None and TO_NUMPY[t.datatype].kind in "iu"
             ]
             if unbounded:
+                how = (
+                    "copy its whole version folder (its manifest.json records the ranges "
+                    "`tensorgate export` proved)"
+                    if exported
+                    else "export the model with `tensorgate export`, which proves which inputs "
+                    "index a table"
+                )
                 raise ModelLoadError(
                     f"integer input '{unbounded[0]}' has no range, and a compiled model.pt2 "
                     "kernel aborts the whole process on an out-of-range index: declare the "
-                    "values it may take in config.yaml (range: [low, high]), or export the "
-                    "model with `tensorgate export`, which proves which inputs index a table"
+                    f"values it may take in config.yaml (range: [low, high]), or {how}"
                 )
         check_pt2(
             {

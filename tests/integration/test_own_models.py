@@ -634,10 +634,21 @@ def test_pt2_needs_a_range_for_an_index_export_cannot_prove(tmp_path: Path) -> N
         assert server.stop() == 0
 
 
-def test_a_bare_pt2_with_an_unranged_integer_input_is_refused(tmp_path: Path) -> None:
+def test_a_bare_pt2_with_an_unranged_integer_input_is_refused(
+    exported: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
     """A package not made by ``tensorgate export`` carries no proof of which inputs index a
-    table: an integer input without a declared range is refused at load, naming the fix."""
+    table: an integer input without a declared range is refused at load, naming the fix. So is
+    one that was, copied without the manifest.json that records the ranges export proved: it
+    was served unranged, and one id past its table aborted a worker."""
     models = tmp_path / "models"
+    (models / "copied" / "1").mkdir(parents=True)
+    shutil.copyfile(exported[0] / "ctr" / "1" / "model.pt2", models / "copied" / "1" / "model.pt2")
+    copied = yaml.safe_load((exported[0] / "ctr" / "config.yaml").read_text())
+    copied["backend"] = "pt2"
+    for tensor in copied["inputs"]:
+        tensor.pop("range", None)
+    (models / "copied" / "config.yaml").write_text(yaml.safe_dump(copied))
     package = tmp_path / "model.pt2"
     program = torch.export.export(
         user_models.ShiftedLookup().eval(), (torch.zeros((2, 1), dtype=torch.int64),)
@@ -663,6 +674,11 @@ def test_a_bare_pt2_with_an_unranged_integer_input_is_refused(tmp_path: Path) ->
         metadata = server.client.get("/v2/models/bare").json()
         assert metadata["state"] == "UNAVAILABLE"
         assert "integer input 'item_id' has no range" in metadata["reason"], metadata
+        assert "export the model with `tensorgate export`" in metadata["reason"]
+        metadata = server.client.get("/v2/models/copied").json()
+        assert metadata["state"] == "UNAVAILABLE"
+        assert "integer input 'item_id' has no range" in metadata["reason"], metadata
+        assert "copy its whole version folder (its manifest.json records" in metadata["reason"]
         response = infer(server.client, "bare_ranged", item_id=np.array([[3], [999]]))
         assert response.status_code == 400, response.text
     finally:
