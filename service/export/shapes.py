@@ -9,8 +9,9 @@
   convolution's ``(h - 5) // 2 + 1`` as well as a tagger's ``n``). Without a program
   (:func:`probed_follows`), only an output dim equal to its input dim at two sizes is known.
 - **Whether padding changes the answer** (:func:`padding_verdict`): the golden rows run in
-  eager PyTorch unpadded and padded (with zeros, as the server pads) to each bucket; the
-  outputs over the real region must agree within the manifest's tolerance.
+  eager PyTorch unpadded and padded (with zeros, as the server pads) to each bucket, as they
+  are and with their float inputs made all negative, scaled into [0, 1] and made all
+  positive; the outputs over the real region must agree within the manifest's tolerance.
 - **Value ranges** (:func:`index_ranges`): an integer input that indexes an ``nn.Embedding``
   (or ``F.embedding``, or a parameter by ``[]``), itself or through views of it (a column, a
   reshape), takes ``[0, rows - 1]`` (``[-rows, rows - 1]`` for ``[]``, which counts from the
@@ -164,6 +165,19 @@ def crop_to(
     return cut
 
 
+PADDING_VARIANTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "": lambda x: x,
+    ", made all negative,": lambda x: x - (x.max() + 1),
+    ", scaled into [0, 1],": lambda x: np.abs(x) / max(float(np.abs(x).max()), 1e-12),
+    ", made all positive,": lambda x: x - (x.min() - 1),
+}
+"""The golden rows' float inputs as the padding check also runs them. Zeros padded among
+normal values leave a maximum over the dim where it was (a real value is above 0); among
+negative ones, or under a convolution of pixels in [0, 1] whose channels' maxima fall below
+what the bias alone gives, they are the maximum: served with padding, such a model answered
+unlike eager PyTorch (by 1.07 and 0.061) where the check had passed."""
+
+
 def padding_verdict(
     run: EagerRun,
     golden: Probe,
@@ -173,35 +187,65 @@ def padding_verdict(
     tolerance: Tolerance,
 ) -> str:
     """ "" when padding the golden rows to each bucket above their sizes leaves their outputs
-    over the real region unchanged (in eager PyTorch), else what changed."""
+    over the real region unchanged (in eager PyTorch), also with their float inputs made all
+    negative, scaled into [0, 1] and made all positive (:data:`PADDING_VARIANTS`); else what
+    changed."""
     real = {dim: golden[dim[0]].shape[dim[1]] for axis in axes for dim in axis.dims}
-    reference = run(golden)
-    for bucket in (b for b in buckets if b > max(real.values())):
-        padded = dict(golden)
-        for (name, index), size in real.items():
-            widths = [(0, 0)] * padded[name].ndim
-            widths[index] = (0, bucket - size)
-            padded[name] = np.pad(padded[name], widths)
-        try:
-            got = crop_to(run(padded), follows, real)
-        except Exception as exc:  # the module itself refusing the padded input
-            return f"the module fails on the golden rows padded to {bucket}: {exc}"
-        for name, want in reference.items():
-            have = got[name]
-            if have.shape != want.shape:
-                return (
-                    f"output '{name}' is {list(have.shape)} when padded to {bucket} and cut "
-                    f"back, {list(want.shape)} unpadded"
-                )
-            error = np.abs(have.astype(np.float64) - want.astype(np.float64))
-            limit = tolerance.atol + tolerance.rtol * np.abs(want.astype(np.float64))
-            if not np.all(error <= limit):
-                sizes = sorted(set(real.values()))
-                return (
-                    f"padding the golden rows from {'/'.join(map(str, sizes))} to {bucket} "
-                    f"changes output '{name}' over the real region by up to "
-                    f"{float(error.max()):.3g}"
-                )
+    for said, variant in PADDING_VARIANTS.items():
+        rows = {
+            name: variant(x).astype(x.dtype) if x.dtype.kind == "f" and x.size else x
+            for name, x in golden.items()
+        }
+        if said and all(rows[name] is golden[name] for name in golden):
+            break  # no float input: the variants are the golden rows again
+        reference = run(rows)
+        for bucket in (b for b in buckets if b > max(real.values())):
+            said_rows = f"the golden rows{said}"
+            why = _padded_differs(run, rows, said_rows, reference, real, bucket, follows, tolerance)
+            if why:
+                return why
+    return ""
+
+
+def _padded_differs(
+    run: EagerRun,
+    rows: Probe,
+    said: str,
+    reference: Mapping[str, np.ndarray],
+    real: Mapping[Dim, int],
+    bucket: int,
+    follows: Mapping[str, Mapping[int, Follow]],
+    tolerance: Tolerance,
+) -> str:
+    """What padding ``rows`` (``said``: which) to ``bucket`` changes over the real region; ""
+    for nothing."""
+    padded = dict(rows)
+    for (name, index), size in real.items():
+        widths = [(0, 0)] * padded[name].ndim
+        widths[index] = (0, bucket - size)
+        padded[name] = np.pad(padded[name], widths)
+    try:
+        got = crop_to(run(padded), follows, real)
+    except Exception as exc:  # the module itself refusing the padded input
+        return f"the module fails on {said} padded to {bucket}: {exc}"
+    for name, want in reference.items():
+        have = got[name]
+        if have.shape != want.shape:
+            return (
+                f"output '{name}' is {list(have.shape)} when padded to {bucket} and cut "
+                f"back, {list(want.shape)} unpadded"
+            )
+        want64, have64 = want.astype(np.float64), have.astype(np.float64)
+        error = np.abs(have64 - want64)
+        limit = tolerance.atol + tolerance.rtol * np.abs(want64)
+        agree = (error <= limit) | (np.isnan(want64) & np.isnan(have64))
+        if not np.all(agree):
+            sizes = sorted(set(real.values()))
+            worst = float(np.nanmax(np.where(agree, 0.0, np.nan_to_num(error, nan=np.inf))))
+            return (
+                f"padding {said} from {'/'.join(map(str, sizes))} to {bucket} "
+                f"changes output '{name}' over the real region by up to {worst:.3g}"
+            )
     return ""
 
 

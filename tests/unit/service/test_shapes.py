@@ -167,3 +167,54 @@ def test_runtime_messages_lose_node_names_status_codes_and_paths() -> None:
         "(<omitting python frames>)"
     )
     assert runtime_message(torch_check) == "index 12 is out of bounds for dimension 0 with size 10"
+
+
+def _eager(module: object) -> object:
+    import torch
+
+    def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            return {"y": module(torch.from_numpy(batch["x"])).numpy()}  # type: ignore[operator]
+
+    return run
+
+
+def test_padding_that_changes_a_maximum_is_found_whatever_the_golden_rows_values() -> None:
+    """Zeros padded among normal values leave a maximum over the padded dim where it was, so
+    the check passed and the server padded: an all-negative input of 5 was answered as eager
+    answers it padded to 8 (by 1.07), and a convolution's max-pool over pixels in [0, 1] by
+    0.061. A mean over the dim changes with any values; a per-position map does not."""
+    import torch
+
+    from service.artifacts.manifest import Tolerance
+    from service.export.shapes import padding_verdict
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 4)
+    conv = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten()
+    )
+    golden = np.random.default_rng(0).standard_normal((4, 6, 4)).astype(np.float32)
+    image = np.random.default_rng(1).standard_normal((4, 3, 12, 12)).astype(np.float32)
+    tolerance = Tolerance(atol=1e-4, rtol=1e-3)
+    sequence = (Axis(dims=(("x", 1),), min=1, max=16),)
+    follows = {"y": {1: Follow(input="x", dim=1)}}
+    cases = [
+        (lambda x: linear(x.amax(dim=1)), golden, sequence, {}, "made all negative"),
+        (
+            conv,
+            image,
+            (Axis(dims=(("x", 2),), min=3, max=32), Axis(dims=(("x", 3),), min=3, max=32)),
+            {},
+            "changes output 'y'",
+        ),
+        (lambda x: linear(x.mean(dim=1)), golden, sequence, {}, "padding the golden rows from"),
+        (lambda x: linear(x), golden, sequence, follows, None),
+    ]
+    for module, rows, axes, crops, said in cases:
+        with torch.no_grad():
+            why = padding_verdict(_eager(module), {"x": rows}, axes, (8, 16, 32), crops, tolerance)  # type: ignore[arg-type]
+        if said is None:
+            assert why == ""
+        else:
+            assert said in why, why
