@@ -91,11 +91,13 @@ class ControlServer:
         return self.dataplane.repository.stop_loading(name)
 
     async def _models(self) -> dict[str, list[str]]:
-        """The models this worker was told to stop serving, and the others it holds."""
+        """The models this worker was told to stop serving, and the others it holds, among
+        them those whose load, asked for while it ran, was refused."""
         models = self.dataplane.repository.models
         return {
             "unloaded": sorted(n for n, e in models.items() if e.unloaded),
             "held": sorted(n for n, e in models.items() if not e.unloaded),
+            "refused": sorted(n for n, e in models.items() if e.refused),
         }
 
     async def _metrics(self) -> str:
@@ -140,8 +142,15 @@ async def follow_siblings(dataplane: DataPlane, siblings: Siblings) -> None:
         return
     unloaded = set.intersection(*(set(a["unloaded"]) for a in answers))
     held = set.intersection(*(set(a["held"]) for a in answers))
+    refused = set.intersection(*(set(a.get("refused", ())) for a in answers))
     anywhere = set.union(*(set(a["unloaded"]) | set(a["held"]) for a in answers))
     here = set(dataplane.repository.models)
+    for name in sorted(refused & here):
+        # A load the others were asked for while they ran, refused: theirs leaves them ready.
+        # This worker's own start loaded the folder and met the same refusal, which counted
+        # against its readiness: the server stayed unready for good after a worker's restart.
+        if dataplane.repository.refuse_unserved(name):
+            log.info("model %s was refused in the other workers, and here: shown refused", name)
     for name in sorted(unloaded & here):
         log.info("model %s is unloaded in the other workers: unloading it here too", name)
         await dataplane.unload_model(name)

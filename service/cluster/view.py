@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 
 from service.cluster.control import PROBE_ASK_S, REPOSITORY_TIMEOUT_S, Siblings, WorkerFailed
 from service.cluster.merge import merge_metrics, merge_statistics
-from service.errors import TensorgateError
+from service.errors import ModelLoadRefused, ModelLoadStopped, TensorgateError
 from service.repository import metadata
 
 if TYPE_CHECKING:
@@ -91,7 +91,16 @@ class Cluster:
             await self.dataplane.load_model(name)
             return
         async with _model_lock(self.siblings, name):
-            await self.dataplane.load_model(name)
+            try:
+                await self.dataplane.load_model(name)
+            except ModelLoadStopped:
+                raise  # an unload crossed it: the others are stopped too
+            except ModelLoadRefused:
+                # The others load it too, to the same refusal: asked only after a success, they
+                # did not know of a new folder (404, UNLOADED) where this worker said why it
+                # was UNAVAILABLE, and answers flipped with the worker a request reached.
+                await self.siblings.ask("load", name, timeout=REPOSITORY_TIMEOUT_S)
+                raise
             await self._everywhere("load", name)
 
     async def unload_model(self, name: str) -> None:

@@ -586,6 +586,17 @@ class ModelRepository:
     def any_ready(self) -> bool:
         return bool(self.served_versions())
 
+    def refuse_unserved(self, name: str) -> bool:
+        """Mark ``name`` refused (not counted against readiness, as a load asked for while the
+        server ran and refused) when nothing of it serves here; whether it was."""
+        entry = self.models.get(name)
+        if entry is None or entry.unloaded or entry.refused:
+            return False
+        if any(v.state is ModelState.READY for v in entry.versions.values()):
+            return False
+        entry.refused = True
+        return True
+
     def problems(self) -> dict[str, str]:
         """Each model meant to load that is not READY, with why: also a READY pipeline that
         cannot serve for a step its code calls (:meth:`missing_step`), unless that step was

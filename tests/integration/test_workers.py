@@ -336,6 +336,46 @@ def test_a_replacement_serves_only_what_its_siblings_serve_and_binds_grpc_when_r
     two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
 
 
+def test_a_refused_load_is_alike_in_every_worker_and_a_replacement_stays_ready(
+    two: Server,
+) -> None:
+    """A refused load reached only the worker that took it: the other did not know of the
+    new folder (404, or UNLOADED in the index), and answers flipped with the worker a request
+    reached. And a replacement started later loaded that folder at its start, met the same
+    refusal, and counted it against its readiness: the server stayed unready for good."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    broken = two.repository / "broken"
+    copy_model("digits", broken)
+    for artifact in (broken / "1").glob("model.*"):
+        artifact.write_bytes(b"not a model")
+    try:
+        refused = fresh("POST", f"{two.url}/v2/repository/models/broken/load", headers=admin)
+        assert refused.status_code == 400, refused.text
+        states = {
+            fresh("GET", f"{two.url}/v2/models/broken").json().get("state") for _ in range(40)
+        }
+        assert states == {"UNAVAILABLE"}
+        assert "broken" in two.log()
+        victim = workers(two)[0]
+        victim.kill()
+        victim.wait(10)
+        two.wait_for(
+            lambda: len(workers(two)) == 2 and victim.pid not in {p.pid for p in workers(two)}
+        )
+        two.wait_for(
+            lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200, timeout=120
+        )
+        two.wait_log("model broken was refused in the other workers, and here: shown refused")
+        states = {
+            fresh("GET", f"{two.url}/v2/models/broken").json().get("state") for _ in range(40)
+        }
+        assert states == {"UNAVAILABLE"}
+    finally:
+        fresh("POST", f"{two.url}/v2/repository/models/broken/unload", headers=admin)
+        shutil.rmtree(broken)
+    two.wait_for(lambda: fresh("GET", f"{two.url}/v2/health/ready").status_code == 200)
+
+
 def test_a_load_and_an_unload_sent_together_leave_every_worker_alike(two: Server) -> None:
     """Sent at once on two connections (so to either worker), they crossed: one worker served
     the model and the other said it was unloaded, for good, and both calls answered 200.
