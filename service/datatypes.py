@@ -175,6 +175,11 @@ def _shape_word(value: Any) -> str:
     return json_kind(value)
 
 
+def article(datatype: str) -> str:
+    """The article read before ``datatype``: an INT64, an FP32; a UINT8, a BOOL, a BF16."""
+    return "an" if datatype.startswith(("INT", "FP")) else "a"
+
+
 def json_kind(value: Any) -> str:
     """What a JSON value is, in JSON's words, for an error naming what came."""
     return _JSON_KINDS.get(type(value), type(value).__name__)

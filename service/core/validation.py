@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 
 from service.artifacts.shapes import Axis, Dim
-from service.datatypes import TO_NUMPY, as_values, cast, json_numbers, json_strings
+from service.datatypes import (
+    TO_NUMPY,
+    article,
+    as_values,
+    cast,
+    json_numbers,
+    json_strings,
+)
 from service.errors import InvalidInput, ModelExecutionError, PayloadTooLarge
 from service.inference import InputTensor
 from service.model_config import ModelConfig, TensorConfig
@@ -179,7 +186,8 @@ def ragged_instance_tensors(
                 )[0]
             except (ValueError, TypeError, OverflowError) as exc:
                 raise InvalidInput(
-                    f"instances[{index}] for input '{spec.name}' is not a {spec.datatype} row "
+                    f"instances[{index}] for input '{spec.name}' is not {article(spec.datatype)} "
+                    f"{spec.datatype} row "
                     f"of shape {list(spec.shape)}: {exc}"
                 ) from None
             if not shape_fits(spec.shape, row.shape):

@@ -31,7 +31,7 @@ from service.errors import (
 from service.grpc.arriving import Arriving, Waiting, Watched
 from service.grpc.streaming import completion_order
 from service.inference import InferenceResult
-from service.limits.admission import HELD_MADE_BYTES, BytesBudget
+from service.limits.admission import HELD_MADE_BYTES, BytesBudget, shortened
 from service.limits.auth import check_authorization
 from service.limits.compression import MIN_COMPRESS_BYTES, shrinks
 from service.protocol import grpc as codec
@@ -122,7 +122,7 @@ def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, TensorgateError):
         if exc.status == 500:
             log.error("gRPC call failed: %s", exc.message, exc_info=exc.__cause__)
-        return _CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message
+        return _CODES.get(exc.status, grpc.StatusCode.INTERNAL), shortened(exc.message)
     log.error("gRPC call: internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, (
         f"internal server error (request {REQUEST_ID.get() or ''}); see the server log"

@@ -45,9 +45,22 @@ or an answer (:meth:`BytesBudget.hold_for_request`), is counted from this size; 
 are not worth the bookkeeping."""
 
 
+MAX_ERROR_CHARS = 4096
+"""The most of an error's message a client is answered (the log keeps it whole): messages
+name what was sent, and a 1 MB input name was answered 1 MB of error."""
+
+
+def shortened(message: str) -> str:
+    """``message`` as a client is told it: at most :data:`MAX_ERROR_CHARS` characters."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    left = len(message) - MAX_ERROR_CHARS
+    return f"{message[:MAX_ERROR_CHARS]}… ({left} more characters left out)"
+
+
 def error_body(message: str) -> bytes:
     """``{"error": ...}`` as the protocol says, plus the request id to find it in the logs."""
-    return orjson.dumps({"error": message, "request_id": REQUEST_ID.get()})
+    return orjson.dumps({"error": shortened(message), "request_id": REQUEST_ID.get()})
 
 
 def reserve_of(scope: Scope) -> Callable[[int], None] | None:

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from service.datatypes import TO_NUMPY, json_answer
+from service.datatypes import TO_NUMPY, article, json_answer
 from service.errors import InvalidInput
 from service.inference import InferenceRequest, InferenceResult, InputTensor, RequestedOutput
 from service.protocol import v2
@@ -294,7 +294,8 @@ def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, count: int) ->
         others = "contents." + ", contents.".join(unused)
         said = f"{others} is set too" if field in given else f"not in {others}"
         raise InvalidInput(
-            f"input '{name}': a {datatype} tensor's values go in contents.{field}; {said}"
+            f"input '{name}': {article(datatype)} {datatype} tensor's values go in "
+            f"contents.{field}; {said}"
         )
     values = getattr(tensor.contents, field)
     if len(values) != count:

@@ -228,14 +228,14 @@ def test_typed_contents_the_datatype_does_not_read_are_refused(
         stub.ModelInfer(request, timeout=30)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.value.details() == (
-        "input 'image': a FP32 tensor's values go in contents.fp32_contents; "
+        "input 'image': an FP32 tensor's values go in contents.fp32_contents; "
         "contents.int64_contents is set too"
     )
     request.inputs[0].contents.ClearField("fp32_contents")  # in the wrong field alone
     with pytest.raises(grpc.RpcError) as error:
         stub.ModelInfer(request, timeout=30)
     assert error.value.details() == (
-        "input 'image': a FP32 tensor's values go in contents.fp32_contents; "
+        "input 'image': an FP32 tensor's values go in contents.fp32_contents; "
         "not in contents.int64_contents"
     )
     request.inputs[0].contents.ClearField("int64_contents")

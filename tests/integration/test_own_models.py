@@ -528,7 +528,7 @@ def test_v1_rows_of_their_own_lengths_are_each_answered_as_eager_answers_them_al
     )
     response = predict("tagger", [[1, 2], [3, "x"]])
     assert response.status_code == 400
-    assert "instances[1] for input 'ids' is not a INT64 row" in response.json()["error"]
+    assert "instances[1] for input 'ids' is not an INT64 row" in response.json()["error"]
     square = np.zeros((3, 32, 32)).tolist()
     response = predict("pooled", [square, np.zeros((3, 32, 64)).tolist()])
     assert response.status_code == 400

@@ -113,3 +113,17 @@ def test_a_requests_answer_is_counted_in_place_of_its_estimate_and_let_go_with_i
     budget.release(held[0], held[1])  # as BodyBudget does once the answer is sent
     assert budget.held == 0 and budget.made == 0
     assert budget.hold_for_request(20 << 20) == 0  # outside a REST request: not counted
+
+
+def test_an_error_answer_holds_at_most_4096_characters_of_its_message() -> None:
+    """Messages name what the client sent: a 1 MB input name was answered a 1 MB error (the
+    log keeps the message whole)."""
+    import orjson
+
+    from service.limits.admission import error_body, shortened
+
+    name = "x" * 1_000_000
+    body = orjson.loads(error_body(f"model 'm' has no input ['{name}']"))
+    assert len(body["error"]) < 4200
+    assert body["error"].endswith("… (995931 more characters left out)")
+    assert shortened("short") == "short"
