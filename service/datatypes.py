@@ -312,8 +312,14 @@ def _check_range(datatype: str, low: int, high: int) -> None:
     if low < low_end or high > high_end:
         raise ValueError(
             f"values must lie within {datatype}'s [{low_end}, {high_end}]; got values from "
-            f"{low} to {high}"
+            f"{_said(low)} to {_said(high)}"
         )
+
+
+def _said(value: int) -> str:
+    """An integer as the client sent it: past 64 bits it came as a float (JSON's readers
+    take no larger integer), 1e+23, not the float's exact 99999999999999991611392."""
+    return f"{float(value):g}" if abs(value) > 2**64 else str(value)
 
 
 def _non_finite(values: Any) -> Any:

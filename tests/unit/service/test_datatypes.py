@@ -112,6 +112,8 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
         ([-1, 2**64 - 1], "UINT64", "got values from -1 to 18446744073709551615"),  # not 2**64
         ([2.0**63, 1], "INT64", "got values from 1 to 9223372036854775808"),
         ([2**64, 1.0], "UINT64", "got values from 1 to 18446744073709551616"),  # numpy: objects
+        # JSON's 99999999999999999999999 is the float 1e+23: said so, not as 99999999999999991611392
+        ([1, 1e23], "INT64", "got values from 1 to 1e+23"),
         ([2**63 + 1, 0.5], "UINT64", "0.5 is not an integer (UINT64)"),
         ([1e300], "FP32", "1e+300 is past FP32's range (±3.40282e+38)"),
         ([100000], "FP16", "100000 is past FP16's range (±65504)"),
