@@ -343,6 +343,8 @@ def export_model(
     golden = {t.name: np.ascontiguousarray(golden_inputs[t.name]) for t in inputs}
     probes = [golden, *_shape_probes(golden, inputs, max_batch_size, buckets)]
     eager_run = partial(_run_module, module, inputs, outputs)
+    if code is not None:
+        code.try_items(eager_run, max_batch_size > 0)
     try:
         eager = [eager_run(p) for p in probes]
     except ExportError:
@@ -546,6 +548,20 @@ class _Code:
             ) from None
         return batch if batched else {name: array[0] for name, array in batch.items()}
 
+    def try_items(self, run: Runner, batched: bool) -> None:
+        """Each item through the eager pipeline, before any artifact is compiled: a pipeline
+        that fails on one is said at once, not after ONNX and pt2 were made (25 s)."""
+        for path, kind in self.items:
+            self._answer(path, Item(path.read_bytes(), kind), run, batched)
+
+    def _answer(self, path: Path, item: Item, run: Runner, batched: bool) -> Any:
+        try:
+            return answer_one(self.pipeline, item, run, batched)
+        except Exception as exc:
+            raise ExportError(
+                f"the pipeline failed on {path}: {type(exc).__name__}: {exc}{last_frame(exc)}"
+            ) from exc
+
     def answers(self, run: Runner, out_dir: Path, batched: bool) -> list[dict[str, Any]]:
         """Each item copied into ``out_dir``/answers with the eager pipeline's answer."""
         folder = out_dir / ANSWERS
@@ -555,13 +571,7 @@ class _Code:
         for index, (path, kind) in enumerate(self.items):
             kept = folder / f"{index}-{path.name}"
             shutil.copyfile(path, kept)
-            item = Item(kept.read_bytes(), kind)
-            try:
-                answer = answer_one(self.pipeline, item, run, batched)
-            except Exception as exc:
-                raise ExportError(
-                    f"the pipeline failed on {path}: {type(exc).__name__}: {exc}{last_frame(exc)}"
-                ) from exc
+            answer = self._answer(path, Item(kept.read_bytes(), kind), run, batched)
             pairs.append(
                 {
                     "file": kept.relative_to(out_dir).as_posix(),

@@ -2,6 +2,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from preprocessing.spec import ImageSpec, PythonSpec, spec_hash
 from service.artifacts.manifest import Tolerance
 from service.artifacts.shapes import Follow
+from service.export import exporter
 from service.export.cli import (
     Overwrites,
     check_tensors,
@@ -664,6 +666,31 @@ def test_a_pipeline_that_makes_what_the_model_does_not_take_is_refused_at_export
         "preprocess, and --input)"
     )
     assert not (tmp_path / "records" / "1").exists()  # nothing left that a load would refuse
+
+
+def test_a_pipeline_that_fails_on_an_answer_item_is_said_before_anything_is_compiled(
+    tmp_path: Path,
+) -> None:
+    """Its postprocess failing on an item was found only once ONNX and pt2 had been made
+    (25 s on a small model): now before any artifact."""
+    failing = MAKES.replace("{MADE}", '{"features": features}') + (
+        "\n    def postprocess(self, outputs, context):\n        raise KeyError('label')\n"
+    )
+    compiled: list[object] = []
+    original = exporter._onnx_step
+
+    def step(job: object) -> object:
+        compiled.append(job)
+        return original(job)  # type: ignore[arg-type]
+
+    with (
+        mock.patch.dict(exporter._STEPS, {"onnx": step}),
+        pytest.raises(ExportError) as refused,
+    ):
+        export_records(tmp_path, failing)
+    assert "the pipeline failed on" in str(refused.value)
+    assert "KeyError: 'label'" in str(refused.value)
+    assert compiled == []
 
 
 def test_a_pipeline_calling_a_model_export_was_not_given_says_how_to_give_it(
