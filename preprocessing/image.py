@@ -197,12 +197,17 @@ class ImagePipeline:
 _HOLD: Callable[[int], AbstractContextManager[object]] | None = None
 
 
-def hold_decoding_with(hold: Callable[[int], AbstractContextManager[object]] | None) -> None:
+def hold_decoding_with(
+    hold: Callable[[int], AbstractContextManager[object]] | None,
+    only: Callable[[int], AbstractContextManager[object]] | None = None,
+) -> None:
     """Have every decode in this process hold ``hold(bytes)`` while it runs, the bytes
-    :func:`working_bytes` gives (the server: its memory budget, which refuses a decode it
-    cannot hold). Training code sets none."""
+    :func:`working_bytes` gives (the server: a gate that has decodes take turns). Training
+    code sets none. ``only``: change it only if ``only`` is the one set (a server stopping
+    takes its own away, not another's)."""
     global _HOLD
-    _HOLD = hold
+    if only is None or only == _HOLD:
+        _HOLD = hold
 
 
 def working_bytes(image: Image.Image) -> int:

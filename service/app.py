@@ -36,7 +36,7 @@ from service.grpc.server import start_grpc
 from service.http import routers
 from service.http.answer import CLIENT_GONE, Answer, ClientGone, error_answer
 from service.http.fast import InferFastPath
-from service.limits.admission import BodyBudget, BytesBudget, error_body
+from service.limits.admission import BodyBudget, BytesBudget, DecodeGate, error_body
 from service.limits.memory import Trimmer
 from service.repository.models import ModelRepository
 from service.resources import SECOND_THREAD, SecondThread
@@ -76,7 +76,6 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         observer = Observer(repository, metrics, drain, settings.access_log)
         app.state.dataplane = DataPlane(repository, settings, pool, observer, drain)
         app.state.dataplane.budget = budget  # what raw items decode into is held in it too
-        hold_decoding_with(budget.holding)  # and what decoding an image holds meanwhile
         app.state.cluster = Cluster(app.state.dataplane)
         trimmer = Trimmer(budget)  # what the budget lets go goes back to the system
         trimmer.start()
@@ -105,9 +104,13 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
                 await follow_siblings(app.state.dataplane, siblings)
                 if settings.grpc_port:
                     grpc_server = await start_grpc(app.state.cluster, budget)
+        # Images being decoded hold at most the budget's worth together (or one image).
+        decoding = DecodeGate(settings.max_inflight_bytes).holding
+        hold_decoding_with(decoding)
         try:
             yield
         finally:
+            hold_decoding_with(None, only=decoding)
             if control is not None:
                 await control.close()
             if grpc_server is not None:
@@ -122,7 +125,6 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
             pool.shutdown(wait=True)
             await asyncio.to_thread(tracing.stop)  # exports what is buffered
             trimmer.stop()
-            hold_decoding_with(None)
             log.info("stopped")
 
     app = FastAPI(

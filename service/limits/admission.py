@@ -221,17 +221,6 @@ class BytesBudget:
             held[1] = size
         return size
 
-    @contextlib.contextmanager
-    def holding(self, size: int) -> Iterator[None]:
-        """:meth:`take` ``size`` bytes (or refuse them) for as long as the block runs: what
-        decoding an image holds at its peak (``preprocessing.image.hold_decoding_with``), which
-        the decoded rows do not show (an 8192² RGBA PNG of 261 KB held 1.28 GiB)."""
-        self.take(size)
-        try:
-            yield
-        finally:
-            self.release(size)
-
     def release(self, size: int, made: int = 0) -> None:
         """Give back ``size`` bytes, and ``made`` bytes made for it, once the request that
         held them has been answered."""
@@ -239,6 +228,41 @@ class BytesBudget:
             self._settle()
             self._held -= size + made
             self._made -= made
+
+
+class DecodeGate:
+    """What images being decoded hold at their peak, together, in this process: a decode
+    waits its turn while the others hold ``capacity`` bytes, and runs at once when it is alone,
+    whatever its size. Never a refusal (an image within the pixel limit is always decoded), and
+    what decoding holds stays within ``capacity`` or one image. Before, it was counted nowhere:
+    an 8192² RGBA PNG of 261 KB held 1.28 GiB while it decoded, and eight at once took a server
+    from 1.5 to 4.8 GiB. Counted in the request budget instead, a large photo was refused 413
+    (its pixels past what the budget holds) or 503 for ever (its body and JSON held beside it),
+    and a small budget refused a model's own warmup image."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self.waited = 0
+        """Decodes that have waited their turn (tests and metrics read it)."""
+        self._turn = threading.Condition()
+
+    @contextlib.contextmanager
+    def holding(self, size: int) -> Iterator[None]:
+        """Hold ``size`` bytes for as long as the block runs, once they fit (or nothing else
+        is held). Blocks the calling thread (a pool thread, never the event loop) meanwhile."""
+        with self._turn:
+            if self.held and self.held + size > self.capacity:
+                self.waited += 1
+                while self.held and self.held + size > self.capacity:
+                    self._turn.wait()
+            self.held += size
+        try:
+            yield
+        finally:
+            with self._turn:
+                self.held -= size
+                self._turn.notify_all()
 
 
 class BodyBudget:

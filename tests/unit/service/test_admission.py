@@ -127,3 +127,44 @@ def test_an_error_answer_holds_at_most_4096_characters_of_its_message() -> None:
     assert len(body["error"]) < 4200
     assert body["error"].endswith("… (995931 more characters left out)")
     assert shortened("short") == "short"
+
+
+def test_decodes_take_turns_within_the_gate_and_one_alone_always_runs() -> None:
+    """What images being decoded hold together stays within the capacity, a decode waiting
+    its turn meanwhile; one larger than the whole capacity runs when it is alone; none is
+    refused."""
+    import threading
+    import time
+
+    from service.limits.admission import DecodeGate
+
+    gate = DecodeGate(100)
+    seen: list[int] = []
+    order: list[str] = []
+
+    def decode(name: str, size: int, hold_s: float) -> None:
+        with gate.holding(size):
+            seen.append(gate.held)
+            order.append(name)
+            time.sleep(hold_s)
+
+    first = threading.Thread(target=decode, args=("first", 60, 0.2))
+    first.start()
+    time.sleep(0.05)
+    waiting = [
+        threading.Thread(target=decode, args=(name, size, 0.01))
+        for name, size in (
+            (
+                "second",
+                60,
+            ),
+            ("huge", 500),
+        )
+    ]
+    for thread in waiting:
+        thread.start()
+    for thread in (first, *waiting):
+        thread.join(10)
+    assert order[0] == "first" and sorted(order[1:]) == ["huge", "second"]
+    assert max(s for s in seen if s != 500) <= 100 and 500 in seen  # alone, the huge one
+    assert gate.held == 0 and gate.waited == 2
