@@ -140,31 +140,55 @@ def json_strings(values: Any) -> np.ndarray:
 
 MAX_NESTING = 32
 """How deep JSON data is looked through for where it stops being one tensor."""
+MAX_LOOKED_AT = 100_000
+"""How many of its elements are looked at for that, at most (then it says only that)."""
 
 
 def unlike(values: Any) -> str:
-    """Where nested JSON lists stop being one tensor's: the first element unlike the first of
-    its siblings (a string among lists, a list of another length), or nesting past
-    :data:`MAX_NESTING` (numpy takes 64 dims at most)."""
-    level: list[tuple[str, Any]] = [("", values)]
-    for _ in range(MAX_NESTING):
-        lists = [(path, value) for path, value in level if isinstance(value, list)]
-        if not lists:
+    """Where nested JSON lists stop being one tensor's: the first element (depth first) unlike
+    what the first elements make the tensor's shape (a string among lists, a list of another
+    length), or nesting past :data:`MAX_NESTING` (numpy takes 64 dims at most). At most
+    :data:`MAX_LOOKED_AT` elements are looked at, each once, and a path is written only for
+    the one named: a bad body costs no more than numpy's own attempt."""
+    generic = "its nested lists are not all of one length"
+    shape: list[int] = []
+    first = values
+    while isinstance(first, list):
+        if len(shape) == MAX_NESTING:
+            return f"it nests lists more than {MAX_NESTING} deep"
+        shape.append(len(first))
+        if not first:
             break
-        for path, value in lists:
-            first = _shape_word(value[0]) if value else ""
-            for index, element in enumerate(value[1:], 1):
-                if _shape_word(element) != first:
-                    return (
-                        f"its nested lists are not all of one length: {path}[{index}] is "
-                        f"{_shape_word(element)}, {path}[0] {first}"
-                    )
-        level = [
-            (f"{path}[{i}]", element) for path, value in lists for i, element in enumerate(value)
-        ]
-    else:
-        return f"it nests lists more than {MAX_NESTING} deep"
-    return "its nested lists are not all of one length"
+        first = first[0]
+    if not isinstance(values, list):
+        return generic
+    stack = [iter(values)]
+    path = [-1]  # the index of each level's element being looked at
+    looked_at = 0
+    while stack:
+        element = next(stack[-1], _END)
+        if element is _END:
+            stack.pop()
+            path.pop()
+            continue
+        path[-1] += 1
+        looked_at += 1
+        if looked_at > MAX_LOOKED_AT:
+            return generic
+        depth = len(stack)
+        wanted = shape[depth] if depth < len(shape) else None
+        if wanted is not None and isinstance(element, list) and len(element) == wanted:
+            stack.append(iter(element))
+            path.append(-1)
+        elif wanted is not None or isinstance(element, list):
+            where = "".join(f"[{i}]" for i in path)
+            like = "".join("[0]" for _ in path)
+            expected = f"a list of {wanted}" if wanted is not None else _shape_word(first)
+            return f"{generic}: {where} is {_shape_word(element)}, {like} {expected}"
+    return generic
+
+
+_END = object()
 
 
 def _shape_word(value: Any) -> str:

@@ -133,7 +133,7 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
         (
             [[[1], [2]], [[1], [2, 3]]],
             "INT64",
-            "[1][1] is a list of 2, [1][0] a list of 1",
+            "[1][1] is a list of 2, [0][0] a list of 1",
         ),
         ([[1], 2], "FP32", "[1] is a number, [0] a list of 1"),
         (
@@ -274,3 +274,22 @@ def test_a_cast_keeps_each_value_the_wanted_type_holds() -> None:
     assert floats.dtype == np.float32
     np.testing.assert_array_equal(floats, [np.inf, -np.inf, np.nan, np.finfo(np.float32).max])
     np.testing.assert_array_equal(cast(np.array([7], np.int64), "INT64", "FP32"), [7.0])
+
+
+def test_saying_where_json_data_is_ragged_costs_no_more_than_numpys_attempt() -> None:
+    """Siblings alike and cousins not ([[[1]], ..., [[1, 1]]]): the first walk looked at every
+    element, writing each one's path, and then said nothing more (a 5.7 MiB body: 4.7 s and
+    301 MiB, against 1.2 s before it). Now each element is looked at once, at most 100,000 of
+    them, and only the path named is written."""
+    import tracemalloc
+
+    from service.datatypes import unlike
+
+    ragged = [[[1]]] * 300_000 + [[[1, 1]]]
+    tracemalloc.start()
+    said = unlike(ragged)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert said == "its nested lists are not all of one length"  # past what is looked at
+    assert peak < 2**20
+    assert unlike([[[1]]] * 3 + [[[1, 1]]]).endswith("[3][0] is a list of 2, [0][0] a list of 1")
