@@ -218,3 +218,40 @@ def test_padding_that_changes_a_maximum_is_found_whatever_the_golden_rows_values
             assert why == ""
         else:
             assert said in why, why
+
+
+def test_the_padding_variants_leave_masks_alone_and_skip_values_a_module_cannot_take() -> None:
+    """Made all negative, a float mask of ones (additive masking) turned the real keys into
+    padding, and a padding-safe model was served at exact buckets only; float ids made
+    negative raised out of export (an embedding's index error)."""
+    import torch
+
+    from service.artifacts.manifest import Tolerance
+    from service.export.shapes import padding_verdict
+
+    torch.manual_seed(0)
+    query, table = torch.nn.Linear(8, 8), torch.nn.Embedding(100, 4)
+
+    def attend(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("bld,bmd->blm", query(x), x) + (1.0 - mask)[:, None, :] * -1e4
+        pooled = (torch.softmax(scores, -1) @ x) * mask[..., None]
+        return pooled.sum(1) / mask.sum(1, keepdim=True)
+
+    def run(module: object) -> object:
+        def answer(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            with torch.no_grad():
+                tensors = [torch.from_numpy(v) for v in batch.values()]
+                return {"out": module(*tensors).numpy()}  # type: ignore[operator]
+
+        return answer
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    golden = {"x": x, "mask": np.ones((2, 5), np.float32)}
+    axes = (Axis(dims=(("x", 1), ("mask", 1)), min=1, max=32),)
+    assert padding_verdict(run(attend), golden, axes, (8, 16), {}, Tolerance()) == ""  # type: ignore[arg-type]
+    ids = {"ids": np.array([[1, 2, 3, 4, 5]] * 2, np.float32)}
+    follows = {"out": {1: Follow(input="ids", dim=1)}}
+    lookup = run(lambda i: table(i.long()))
+    axes = (Axis(dims=(("ids", 1),), min=1, max=32),)
+    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ""  # type: ignore[arg-type]
