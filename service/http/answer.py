@@ -45,6 +45,11 @@ class ClientGone(Exception):
     """The client disconnected while its request was read: nobody is there to answer."""
 
 
+LISTED = ("content-encoding", "inference-header-content-length")
+"""Request headers whose repeats are kept, joined as a list: the first alone would not be the
+meaning (every coding applies; two lengths of a binary body's JSON header are a 400)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """Which inference route a request came to."""

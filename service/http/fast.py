@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from service.core.dataplane import DataPlane
-from service.http.answer import Route, answer_inference
+from service.http.answer import LISTED, Route, answer_inference
 from service.limits.admission import reserve_of
 from service.limits.balance import BALANCE
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -28,8 +28,6 @@ log = logging.getLogger("tensorgate.app")
 
 _INFER = re.compile(r"^/v2/models/([^/]+)/(?:versions/([^/]+)/)?infer$")
 _PREDICT = re.compile(r"^/v1/models/([^/]+):predict$")
-_LISTED = ("content-encoding", "inference-header-content-length")
-"""Headers whose repeats are kept, joined as a list: the first alone would not be the meaning."""
 
 
 class InferFastPath:
@@ -50,7 +48,7 @@ class InferFastPath:
         for key, value in scope["headers"]:  # the first of repeated headers wins, as in Starlette
             name = key.decode("latin-1")
             # a list: every coding applies; two lengths of the JSON header: which? (a 400)
-            if name in _LISTED and name in headers:
+            if name in LISTED and name in headers:
                 headers[name] += ", " + value.decode("latin-1")
             else:
                 headers.setdefault(name, value.decode("latin-1"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from service.http.answer import Route, answer_inference, dataplane_of
+from service.http.answer import LISTED, Route, answer_inference, dataplane_of
 from service.limits.admission import reserve_of
 
 router = APIRouter(tags=["inference"])
@@ -37,8 +37,9 @@ _V1_BODY = {
 
 async def _answer(request: Request, route: Route) -> Response:
     headers = {key: request.headers[key] for key in request.headers}  # first of repeated ones
-    if "content-encoding" in headers:  # a list: every coding applies (RFC 9110, 5.3)
-        headers["content-encoding"] = ", ".join(request.headers.getlist("content-encoding"))
+    for name in LISTED:  # every coding applies (RFC 9110, 5.3); two header lengths: a 400
+        if name in headers:
+            headers[name] = ", ".join(request.headers.getlist(name))
     answer = await answer_inference(
         dataplane_of(request),
         route,
