@@ -95,11 +95,23 @@ class Cluster:
                 await self.dataplane.load_model(name)
             except ModelLoadStopped:
                 raise  # an unload crossed it: the others are stopped too
-            except ModelLoadRefused:
+            except ModelLoadRefused as refused:
                 # The others load it too, to the same refusal: asked only after a success, they
                 # did not know of a new folder (404, UNLOADED) where this worker said why it
                 # was UNAVAILABLE, and answers flipped with the worker a request reached.
-                await self.siblings.ask("load", name, timeout=REPOSITORY_TIMEOUT_S)
+                answers = await self.siblings.ask("load", name, timeout=REPOSITORY_TIMEOUT_S)
+                loaded = [
+                    index
+                    for index, answer in zip(self.siblings.worker.others, answers, strict=True)
+                    if not isinstance(answer, TensorgateError)
+                ]
+                if loaded:  # a refusal of this worker's own (its memory, a warmup): say so
+                    refused.message += (
+                        f"; worker(s) {loaded} loaded it, so the workers differ: load it "
+                        "again, or unload it"
+                    )
+                    refused.args = (refused.message,)
+                    log.error("model %s: %s", name, refused.message)
                 raise
             await self._everywhere("load", name)
 
