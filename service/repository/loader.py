@@ -697,7 +697,12 @@ def _probe_unchecked_pt2(
 ) -> None:
     """Run a ``model.pt2`` no export checked (no manifest) at each warmup batch and at the
     repeatability check's, in a child process first: a compiled package can abort the process
-    that runs it (:mod:`service.runtimes.pt2_probe`), which here would be every model's."""
+    that runs it (:mod:`service.runtimes.pt2_probe`), which here would be every model's. One
+    that `tensorgate export` made needs its integer inputs' ranges declared (its manifest held
+    them)."""
+    from service.runtimes.pt2 import refuse_unranged_copy
+
+    refuse_unranged_copy(path / "model.pt2", signature)
     batches = [batch for _, _, batch in _warm_batches(signature, config, shapes)]
     batches.append(_repeatable_batch(signature, config, shapes, _ones))
     check = bound.check if bound is not None else None  # the child ends with the load

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch._inductor.package import load_package  # type: ignore[attr-defined]  # not re-exported in its stubs
 
-from service.artifacts.manifest import MANIFEST, check_pt2
+from service.artifacts.manifest import check_pt2
 from service.datatypes import TO_NUMPY
 from service.errors import ModelLoadError
 from service.runtimes.base import Signature
@@ -86,29 +86,12 @@ class Pt2Runtime(TorchRuntime):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ModelLoadError(f"device {device} asked for, but torch sees no CUDA device")
         needs = package_needs(path)
-        # `tensorgate export` proves which inputs index a table, and its manifest holds the
-        # ranges it proved: a package of its own copied without its manifest.json has none
-        # (served unranged, one id past its table aborted a worker).
-        exported = TORCH_KEY in needs
-        if not (exported and (path.parent / MANIFEST).is_file()):
-            unbounded = [
-                t.name
-                for t in declared.inputs
-                if t.range is None and TO_NUMPY[t.datatype].kind in "iu"
-            ]
-            if unbounded:
-                how = (
-                    "copy its whole version folder (its manifest.json records the ranges "
-                    "`tensorgate export` proved)"
-                    if exported
-                    else "export the model with `tensorgate export`, which proves which inputs "
-                    "index a table"
-                )
-                raise ModelLoadError(
-                    f"integer input '{unbounded[0]}' has no range, and a compiled model.pt2 "
-                    "kernel aborts the whole process on an out-of-range index: declare the "
-                    f"values it may take in config.yaml (range: [low, high]), or {how}"
-                )
+        if TORCH_KEY not in needs:  # not made by `tensorgate export`, which proves its indexes
+            refuse_unranged(
+                declared,
+                "export the model with `tensorgate export`, which proves "
+                "which inputs index a table",
+            )
         check_pt2(
             {
                 "torch": needs.get(TORCH_KEY),
@@ -135,3 +118,30 @@ class Pt2Runtime(TorchRuntime):
         except RuntimeError as exc:
             raise ModelLoadError(f"cannot load {path.name}: {exc}") from None
         return self._bind(module, device, declared)
+
+
+def refuse_unranged(declared: Signature, how: str) -> None:
+    """ModelLoadError for an integer input without a range: a compiled ``model.pt2`` kernel
+    aborts the whole process on an out-of-range index. ``how``: the other way out."""
+    unbounded = [
+        t.name for t in declared.inputs if t.range is None and TO_NUMPY[t.datatype].kind in "iu"
+    ]
+    if unbounded:
+        raise ModelLoadError(
+            f"integer input '{unbounded[0]}' has no range, and a compiled model.pt2 kernel "
+            "aborts the whole process on an out-of-range index: declare the values it may take "
+            f"in config.yaml (range: [low, high]), or {how}"
+        )
+
+
+def refuse_unranged_copy(path: Path, declared: Signature) -> None:
+    """For a ``model.pt2`` served without a manifest: one `tensorgate export` made (its torch
+    key) was loaded unranged, the ranges export proved being in the manifest.json left behind,
+    and one id past its table aborted a worker. (One export did not make is refused by the
+    runtime's load whatever its folder holds.)"""
+    if TORCH_KEY in package_needs(path):
+        refuse_unranged(
+            declared,
+            "copy its whole version folder (its manifest.json records the ranges "
+            "`tensorgate export` proved)",
+        )
