@@ -521,7 +521,7 @@ def test_v1_rows_of_their_own_lengths_are_each_answered_as_eager_answers_them_al
         "instances[1]: inputs 'input_ids' dim 1, 'attention_mask' dim 1 must have the same"
         in (response.json()["error"])
     )
-    response = predict("tagger", [[1, 2], [3, 60]])
+    response = predict("tagger", [[1, 2], [3, 60, 4]])
     assert response.status_code == 400
     assert response.json()["error"].startswith(
         "instances[1]: input 'ids': values must lie within [0, 49]"
