@@ -272,10 +272,7 @@ class DataPlane:
             return self._tensors(model, request, held)
         assert pipeline is not None
         check_rows(len(items), model.config, model.name)
-        if self.budget is not None and held is not None:
-            size = len(items) * row_bytes(model)
-            self.budget.take(size, request_held() + held[0])
-            held[0] += size
+        self._hold(held, len(items) * row_bytes(model))
         contexts: list[dict[str, Any]] = [{} for _ in items]
         make = partial(_preprocess, pipeline, items, contexts, model)
         loop = asyncio.get_running_loop()

@@ -134,37 +134,38 @@ def test_decodes_take_turns_within_the_gate_and_one_alone_always_runs() -> None:
     its turn meanwhile; one larger than the whole capacity runs when it is alone; none is
     refused."""
     import threading
-    import time
 
     from service.limits.admission import DecodeGate
 
     gate = DecodeGate(100)
     seen: list[int] = []
     order: list[str] = []
+    holding, release = threading.Event(), threading.Event()
 
-    def decode(name: str, size: int, hold_s: float) -> None:
+    def decode(name: str, size: int, hold: threading.Event | None = None) -> None:
         with gate.holding(size):
             seen.append(gate.held)
             order.append(name)
-            time.sleep(hold_s)
+            if hold is not None:
+                holding.set()
+                hold.wait(10)
 
-    first = threading.Thread(target=decode, args=("first", 60, 0.2))
+    first = threading.Thread(target=decode, args=("first", 60, release))
     first.start()
-    time.sleep(0.05)
+    assert holding.wait(10)
     waiting = [
-        threading.Thread(target=decode, args=(name, size, 0.01))
-        for name, size in (
-            (
-                "second",
-                60,
-            ),
-            ("huge", 500),
-        )
+        threading.Thread(target=decode, args=args) for args in (("second", 60), ("huge", 500))
     ]
     for thread in waiting:
         thread.start()
+    for _ in range(1000):  # both have found the gate held (bounded: 10 s at most)
+        if gate.waited == 2:
+            break
+        threading.Event().wait(0.01)
+    assert gate.waited == 2 and order == ["first"]
+    release.set()
     for thread in (first, *waiting):
         thread.join(10)
     assert order[0] == "first" and sorted(order[1:]) == ["huge", "second"]
     assert max(s for s in seen if s != 500) <= 100 and 500 in seen  # alone, the huge one
-    assert gate.held == 0 and gate.waited == 2
+    assert gate.held == 0

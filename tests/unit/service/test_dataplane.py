@@ -181,7 +181,9 @@ def test_the_grace_periods_end_is_answered_and_any_other_cancellation_goes_on() 
             await asyncio.Event().wait()
         except asyncio.CancelledError as exc:
             busy = drain.answer_for(exc)
-            return busy, asyncio.current_task().cancelling()  # type: ignore[union-attr]
+            task = asyncio.current_task()
+            assert task is not None
+            return busy, task.cancelling()
         raise AssertionError("unreachable")
 
     async def main() -> None:

@@ -676,12 +676,12 @@ def test_a_pipeline_that_fails_on_an_answer_item_is_said_before_anything_is_comp
     failing = MAKES.replace("{MADE}", '{"features": features}') + (
         "\n    def postprocess(self, outputs, context):\n        raise KeyError('label')\n"
     )
-    compiled: list[object] = []
+    compiled: list[exporter._Job] = []
     original = exporter._onnx_step
 
-    def step(job: object) -> object:
+    def step(job: exporter._Job) -> exporter.Artifact:
         compiled.append(job)
-        return original(job)  # type: ignore[arg-type]
+        return original(job)
 
     with (
         mock.patch.dict(exporter._STEPS, {"onnx": step}),

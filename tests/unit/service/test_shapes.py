@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from service.artifacts.shapes import Axis, Follow, ShapeFacts, ShapePolicy, apply_crop
 from service.batching.scheduler import runtime_message
 from service.errors import InvalidInput, ModelLoadError
+from service.export.shapes import EagerRun
 from service.model_config import ModelConfig, TensorConfig
 
 pytestmark = pytest.mark.unit
@@ -169,12 +172,14 @@ def test_runtime_messages_lose_node_names_status_codes_and_paths() -> None:
     assert runtime_message(torch_check) == "index 12 is out of bounds for dimension 0 with size 10"
 
 
-def _eager(module: object) -> object:
+def _eager(module: Callable[..., Any], output: str = "y") -> EagerRun:
+    """Runs ``module`` on a batch's inputs, in order, as export's eager run does."""
     import torch
 
     def run(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        with torch.inference_mode():
-            return {"y": module(torch.from_numpy(batch["x"])).numpy()}  # type: ignore[operator]
+        with torch.no_grad():
+            tensors = [torch.from_numpy(v) for v in batch.values()]
+            return {output: module(*tensors).numpy()}
 
     return run
 
@@ -199,7 +204,7 @@ def test_padding_that_changes_a_maximum_is_found_whatever_the_golden_rows_values
     tolerance = Tolerance(atol=1e-4, rtol=1e-3)
     sequence = (Axis(dims=(("x", 1),), min=1, max=16),)
     follows = {"y": {1: Follow(input="x", dim=1)}}
-    cases = [
+    cases: list[tuple[Callable[..., Any], np.ndarray, Any, Any, str | None]] = [
         (lambda x: linear(x.amax(dim=1)), golden, sequence, {}, "made all negative"),
         (
             conv,
@@ -213,7 +218,7 @@ def test_padding_that_changes_a_maximum_is_found_whatever_the_golden_rows_values
     ]
     for module, rows, axes, crops, said in cases:
         with torch.no_grad():
-            why = padding_verdict(_eager(module), {"x": rows}, axes, (8, 16, 32), crops, tolerance)  # type: ignore[arg-type]
+            why = padding_verdict(_eager(module), {"x": rows}, axes, (8, 16, 32), crops, tolerance)
         if said is None:
             assert why == ""
         else:
@@ -237,21 +242,13 @@ def test_the_padding_variants_leave_masks_alone_and_skip_values_a_module_cannot_
         pooled = (torch.softmax(scores, -1) @ x) * mask[..., None]
         return pooled.sum(1) / mask.sum(1, keepdim=True)
 
-    def run(module: object) -> object:
-        def answer(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            with torch.no_grad():
-                tensors = [torch.from_numpy(v) for v in batch.values()]
-                return {"out": module(*tensors).numpy()}  # type: ignore[operator]
-
-        return answer
-
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     golden = {"x": x, "mask": np.ones((2, 5), np.float32)}
     axes = (Axis(dims=(("x", 1), ("mask", 1)), min=1, max=32),)
-    assert padding_verdict(run(attend), golden, axes, (8, 16), {}, Tolerance()) == ""  # type: ignore[arg-type]
+    assert padding_verdict(_eager(attend, "out"), golden, axes, (8, 16), {}, Tolerance()) == ""
     ids = {"ids": np.array([[1, 2, 3, 4, 5]] * 2, np.float32)}
     follows = {"out": {1: Follow(input="ids", dim=1)}}
-    lookup = run(lambda i: table(i.long()))
+    lookup = _eager(lambda i: table(i.long()), "out")
     axes = (Axis(dims=(("ids", 1),), min=1, max=32),)
-    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ""  # type: ignore[arg-type]
+    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ""
