@@ -383,15 +383,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse("header_too_large", f"the request head exceeds {limit}")
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to bytes its parser rejects, after the answers before it."""
+        """uvicorn's answer to bytes its parser rejects, after the answers before it: JSON, as
+        every other error the server answers (``{"error": ...}``), not uvicorn's plain text."""
+        body = orjson.dumps({"error": msg})
         content = [STATUS_LINE[400]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
         content += [
-            b"content-type: text/plain; charset=utf-8\r\n",
-            b"content-length: %d\r\n" % len(msg),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
-            msg.encode("ascii"),
+            body,
         ]
         self._answer_last(b"".join(content))
 

@@ -266,8 +266,9 @@ def _decode_input(
     v2.check_datatype(datatype, name)
     v2.refuse_shared_memory(tensor.parameters, f"input '{name}'")
     shape = tuple(tensor.shape)
-    if any(dim < 0 for dim in shape):
-        raise InvalidInput(f"input '{name}': shape dims must be integers ≥ 0 (got {list(shape)})")
+    for i, dim in enumerate(shape):
+        if dim < 0:
+            raise InvalidInput(f"input '{name}': shape dims must be integers ≥ 0; dim {i} is {dim}")
     count = v2.element_count(shape, datatype, name, max_elements)
     if raw is not None:
         if tensor.HasField("contents"):

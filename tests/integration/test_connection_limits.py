@@ -342,7 +342,10 @@ def test_a_refusal_on_a_pipelined_connection_comes_after_the_earlier_answers(
     assert digits_answered(guarded) == before + 2  # the third reached no application
     assert refused(guarded)[reason] == refusals + 1  # the parser's 400 was counted nowhere
     if bad == "malformed":  # saying what was wrong (uvicorn's said only that it was invalid)
-        assert answer.endswith(b"\r\n\r\nInvalid HTTP request received: Invalid header token")
+        # in JSON, as every other error: {"error": ...}
+        said = b'{"error":"Invalid HTTP request received: Invalid header token"}'
+        assert answer.endswith(b"\r\n\r\n" + said)
+        assert b"content-type: application/json\r\n" in answer.rsplit(b"HTTP/1.1 400", 1)[1]
 
 
 def exact_head(size: int) -> bytes:

@@ -45,6 +45,7 @@ def test_typed_and_raw_contents_decode_to_the_same_tensor() -> None:
         (request_with("BF16", [1], fp32_contents=[1.0]), InvalidInput, "BF16.*raw_input_contents"),
         (request_with("FP64", [1 << 20, 1 << 10]), PayloadTooLarge, "limit"),
         (request_with("NOPE", [1]), InvalidInput, "datatype must be one of"),
+        (request_with("FP32", [2, -1]), InvalidInput, "integers ≥ 0; dim 1 is -1$"),
         (request_with("FP32", [0, 1 << 40, 1 << 40]), InvalidInput, "too large for any tensor"),
     ],
 )
