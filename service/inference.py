@@ -48,6 +48,8 @@ class InferenceRequest:
     inputs: list[InputTensor] = field(default_factory=list)
     raw: list[bytes] | None = None
     rows: list[Any] | None = None
+    rows_bytes: int = 0
+    """The JSON bytes ``rows`` came in: what reading them into arrays goes through."""
     raw_in_json: bool = False
     """``raw`` came inside a JSON body (v1 ``{"b64": ...}`` instances), not as the body itself:
     for a model with no pipeline, JSON that does not fit it (400), not a media type (415).

@@ -50,15 +50,15 @@ def decode_predict(
         raise InvalidInput('expected a JSON object {"instances": [...]} with at least one instance')
     if all(isinstance(item, str) for item in instances):  # texts: raw items, and JSON values
         raw = [i.encode() for i in instances]
-        return _request(model, timeout_s, raw=raw, rows=instances)
+        return _request(model, timeout_s, raw=raw, rows=instances, rows_bytes=len(body))
     encoded = [isinstance(item, dict) and "b64" in item for item in instances]
     if all(encoded):
         raw = [_b64(item, index) for index, item in enumerate(instances)]
         return _request(model, timeout_s, raw=raw, raw_in_json=True)
     if any(encoded):  # JSON values and {"b64": ...} beside them: each as it is, decoded
         rows = [_b64(item, n) if encoded[n] else item for n, item in enumerate(instances)]
-        return _request(model, timeout_s, rows=rows, raw_in_json=True)
-    return _request(model, timeout_s, rows=instances)
+        return _request(model, timeout_s, rows=rows, rows_bytes=len(body), raw_in_json=True)
+    return _request(model, timeout_s, rows=instances, rows_bytes=len(body))
 
 
 def _request(model: str, timeout_s: float | None, **items: Any) -> InferenceRequest:

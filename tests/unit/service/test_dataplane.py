@@ -541,6 +541,36 @@ def test_raw_items_are_stacked_into_their_batch_off_the_event_loop(
     assert len(threads) == 4 and loop not in threads
 
 
+@pytest.mark.parametrize(("rows", "on_the_loop"), [(256, False), (1, True)])
+def test_v1_rows_of_numbers_are_read_into_tensors_off_the_event_loop_when_large(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, on_the_loop: bool
+) -> None:
+    """v1 rows were read into arrays, checked and padded on the event loop: a body of 64 MiB of
+    numbers (one row of 32 M zeros, refused only once read) held it for seconds, every other
+    request and model with it. A large body's rows are read in the pool; one row stays on the
+    loop, where the hop would cost more than the reading."""
+    from service.core import dataplane
+
+    threads: list[int] = []
+    real = dataplane.instance_tensors
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dataplane, "instance_tensors", recorded)
+    running = _serve_digits(tmp_path)
+    try:
+        loop = running.run(_loop_thread())
+        body = orjson.dumps({"instances": [[[[0.0] * 8] * 8]] * rows})  # [1, 8, 8] a row
+        reply = running.request(running.serving, "POST", "/v1/models/digits:predict", body)
+    finally:
+        running.close()
+    assert reply.status == 200, reply.body[:300]
+    assert len(orjson.loads(reply.body)["predictions"]) == rows
+    assert len(threads) == 1 and (threads[0] == loop) is on_the_loop
+
+
 def test_a_v1_predict_classifies_each_row_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
