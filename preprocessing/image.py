@@ -34,6 +34,12 @@ MAX_ASPECT_RATIO = 20
 a sliver too thin to mean anything, and a resize without a crop would produce a tensor that grows
 with the ratio (a 10000x1 strip resized to 256 is 2.56 M pixels long)."""
 
+MAX_JPEG_SCANS = 100
+"""Scans a JPEG may have. A progressive decoder goes over every block of the image once a scan,
+data or not: 20,000 empty scans of 14 bytes each (a 674 KB file) held a decode of an 8192² JPEG
+for 46 s, and a 64 MiB body could hold one for hours. Encoders write 10 or fewer (libjpeg's
+progression: 10 for colour, 6 for grey); this leaves room beyond any."""
+
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """The formats Pillow may open (its format names; JPEG covers MPO). Pillow reads some forty, each
 a decoder a client could reach; these are the ones photos and datasets come in."""
@@ -117,7 +123,8 @@ class ImagePipeline:
         if spec.resize is not None and max(width, height) > MAX_ASPECT_RATIO * min(width, height):
             raise PreprocessingError(
                 f"image is {width}x{height}, an aspect ratio of "
-                f"{max(width, height) / max(1, min(width, height)):.0f}:1; this model resizes "
+                f"{max(width, height) / max(1, min(width, height)):.1f}".removesuffix(".0")
+                + ":1; this model resizes "
                 f"images and takes aspect ratios up to {MAX_ASPECT_RATIO}:1 (long side over "
                 "short side)"
             )
@@ -260,7 +267,35 @@ def _open(data: bytes) -> Image.Image:
             f"image too large: {width}x{height} is {width * height} pixels; this server decodes "
             f"images of at most {MAX_IMAGE_PIXELS} pixels ({MAX_IMAGE_PIXELS // 2**20} Mi)"
         )
+    if image.format in ("JPEG", "MPO") and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+        raise PreprocessingError(
+            f"JPEG has {scans} scans; this server decodes JPEGs of at most {MAX_JPEG_SCANS} "
+            "(each scan is a pass over the whole image; encoders write 10 or fewer)"
+        )
     return image
+
+
+def jpeg_scans(data: bytes) -> int:
+    """How many scans (SOS markers) a JPEG has, at most: its segments are walked to the first
+    scan (APPn payloads, an EXIF thumbnail's scans among them, skipped by their lengths), and
+    every FF DA after it counted. Past the first scan a 0xFF byte is a marker or stuffed (FF 00),
+    so FF DA there is a scan, or a table's bytes in a rare file, which this counts too."""
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return 0  # not a segment: Pillow's decoder says what is wrong with it
+        marker = data[pos + 1]
+        if marker == 0xFF:  # a fill byte before a marker
+            pos += 1
+        elif marker == 0xDA:  # numpy: bytes.count of a two-byte needle takes 5 × as long
+            rest = np.frombuffer(data, np.uint8, offset=pos + 2)
+            after_ff = np.flatnonzero(rest[:-1] == 0xFF) + 1
+            return 1 + int(np.count_nonzero(rest[after_ff] == 0xDA))
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD9:  # markers with no segment
+            pos += 2
+        else:
+            pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    return 0
 
 
 def _reason(exc: Exception) -> str:

@@ -71,20 +71,46 @@ def test_strip_images_get_a_400_naming_the_limit_and_cost_next_to_nothing(server
     assert grown < BOUND, f"peak RSS grew {grown / 2**20:.0f} MiB"
 
 
+def predict(server: Server, body: bytes, media_type: str) -> httpx.Response:
+    """efficientnet_lite0's v1 predict of one image's bytes."""
+    return server.client.post(
+        "/v1/models/efficientnet_lite0:predict", content=body, headers={"content-type": media_type}
+    )
+
+
 def test_a_dds_file_with_an_unknown_pixel_format_gets_a_400(server: Server) -> None:
     header = struct.pack("<4s7I", b"DDS ", 124, 0x1007, 4, 4, 0, 0, 0) + bytes(44)
     pixel_format = struct.pack("<2I4s5I", 32, 0x4, b"ABCD", 0, 0, 0, 0, 0)
     dds = header + pixel_format + struct.pack("<5I", 0x1000, 0, 0, 0, 0) + bytes(64)
-    answer = server.client.post(
-        "/v1/models/efficientnet_lite0:predict",
-        content=dds,
-        headers={"content-type": "application/octet-stream"},
-    )
+    answer = predict(server, dds, "application/octet-stream")
     assert answer.status_code == 400, answer.text
     assert (
         "not in a format this server reads (JPEG, PNG, WEBP, GIF, BMP, TIFF)"
         in answer.json()["error"]
     )
+
+
+def test_a_jpeg_of_20000_empty_scans_gets_a_400_and_the_model_serves_on(server: Server) -> None:
+    """674 KB: an 8192² progressive JPEG with 20,000 scans of no data. The decoder passes over
+    every block once a scan: 46 s on the model instance's own thread (a lone request is
+    preprocessed there), every other request to the model waiting behind it."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (8192, 8192), (120, 30, 200)).save(
+        buffer, "JPEG", progressive=True, quality=50
+    )
+    jpeg = buffer.getvalue()
+    first = jpeg.index(b"\xff\xda")
+    crafted = jpeg[:first] + jpeg[first : first + 14] * 20_000 + jpeg[first:]
+    assert jpeg[first + 2 : first + 4] == b"\x00\x0c" and len(crafted) < 700_000
+    answer = predict(server, crafted, "image/jpeg")
+    assert answer.status_code == 400, answer.text
+    assert (
+        "JPEG has 20010 scans; this server decodes JPEGs of at most 100" in answer.json()["error"]
+    )
+    photo = io.BytesIO()
+    Image.new("RGB", (640, 480), (10, 200, 30)).save(photo, "JPEG", progressive=True)
+    served = predict(server, photo.getvalue(), "image/jpeg")
+    assert served.status_code == 200, served.text
 
 
 def embed(server: Server, text: str) -> tuple[np.ndarray, dict[str, object]]:

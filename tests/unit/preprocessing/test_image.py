@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from preprocessing import ImagePipeline, ImageSpec, PreprocessingError
-from preprocessing.image import FORMATS, MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS
+from preprocessing.image import (
+    FORMATS,
+    MAX_ASPECT_RATIO,
+    MAX_IMAGE_PIXELS,
+    MAX_JPEG_SCANS,
+    jpeg_scans,
+)
 from preprocessing.torch import ImageDataset, ImageTransform
 from tests.conftest import encode
 
@@ -236,6 +242,46 @@ def test_the_aspect_ratio_limit_itself_is_served() -> None:
         ImagePipeline(IMAGENET)(png(Image.new("RGB", (21 * 13, 13))))
     # Without a resize the crop reads what the image has: no aspect ratio to refuse.
     assert ImagePipeline(ImageSpec(crop=8))(png(Image.new("L", (10_000, 8)))).shape == (3, 8, 8)
+
+
+def test_a_ratio_just_past_the_limit_is_told_past_it() -> None:
+    """224×11 is 20.4:1; rounded, it was told as "20:1" beside a limit of "up to 20:1"."""
+    with pytest.raises(PreprocessingError, match=r"an aspect ratio of 20\.4:1; .* up to 20:1"):
+        ImagePipeline(IMAGENET)(png(Image.new("RGB", (224, 11))))
+
+
+def with_empty_scans(jpeg: bytes, count: int) -> bytes:
+    """A progressive JPEG with ``count`` more scans of no data before its first (14 bytes each:
+    a copy of the first scan's header)."""
+    first = jpeg.index(b"\xff\xda")
+    length = int.from_bytes(jpeg[first + 2 : first + 4], "big")
+    return jpeg[:first] + jpeg[first : first + 2 + length] * count + jpeg[first:]
+
+
+def test_a_jpeg_of_more_scans_than_any_encoder_writes_is_refused_before_decoding() -> None:
+    """Each scan is a pass of the decoder over every block, data or not: 20,000 empty scans
+    (674 KB) held one decode of an 8192² JPEG for 46 s, the instance's thread with it. A JPEG
+    of more than MAX_JPEG_SCANS is refused from its bytes; photos and an EXIF thumbnail's
+    own scans are served."""
+    buffer = io.BytesIO()
+    Image.fromarray(skimage.data.chelsea()).save(buffer, "JPEG", progressive=True)
+    photo = buffer.getvalue()
+    assert jpeg_scans(photo) == 10  # libjpeg's progression for colour
+    assert ImagePipeline(IMAGENET)(with_empty_scans(photo, MAX_JPEG_SCANS - 10)).shape
+    crafted = with_empty_scans(photo, 20_000)
+    with pytest.raises(
+        PreprocessingError, match=rf"JPEG has 20010 scans; .* at most {MAX_JPEG_SCANS}"
+    ):
+        ImagePipeline(IMAGENET)(crafted)
+    thumbnail = io.BytesIO()
+    Image.new("RGB", (160, 120), (1, 2, 3)).save(thumbnail, "JPEG", progressive=True)
+    exif = Image.Exif()
+    exif[0x0201] = 0  # the thumbnail's offset and length: the EXIF block holds its bytes
+    with_thumbnail = io.BytesIO()
+    Image.fromarray(skimage.data.chelsea()).save(
+        with_thumbnail, "JPEG", exif=exif.tobytes() + thumbnail.getvalue()
+    )
+    assert jpeg_scans(with_thumbnail.getvalue()) == 1  # the thumbnail's 10 skipped with its APP1
 
 
 def test_pixels_beyond_the_limit_are_refused_naming_the_limit_and_the_image() -> None:
