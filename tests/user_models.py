@@ -81,6 +81,21 @@ class PooledClassifier(nn.Module):
         return self.head(pooled)
 
 
+class Strided(nn.Module):
+    """A heatmap at half the image's size: a padded convolution, then a padded one of stride 2.
+    At an odd size the second one's last window reads the first one's answer on the padding,
+    which is not zero: padding is exact from even sizes only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(16)
+        self.first = nn.Conv2d(3, 8, 3, padding=1)
+        self.second = nn.Conv2d(8, 1, 3, stride=2, padding=1)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.second(torch.relu(self.first(image))))
+
+
 class Breaks(nn.Module):
     """Works until it meets a value above 100, which corrupts its own weights and fails: the
     model is then broken for every later request, which only a golden replay can tell."""
@@ -138,6 +153,10 @@ def make_tagger() -> nn.Module:
 
 def make_pooled() -> nn.Module:
     return PooledClassifier().train()
+
+
+def make_strided() -> nn.Module:
+    return Strided()
 
 
 def make_breaks() -> nn.Module:

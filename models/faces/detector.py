@@ -84,7 +84,9 @@ class FaceDetector(Pipeline):
         side = min(width, height) * scale
         found = []
         while side >= WINDOW:
-            level_w, level_h = int(np.ceil(width * scale)), int(np.ceil(height * scale))
+            # Even sizes: faces_pnet is padded to its buckets from multiples of 2 only (export
+            # measured its pooling window of 2, ceil_mode, reading the padding at odd sizes).
+            level_w, level_h = _even(width * scale), _even(height * scale)
             level = _normalized(image.resize((level_w, level_h), Image.Resampling.BILINEAR))
             out = self.models.infer("faces_pnet", {"image": level[None]})
             prob, offsets = out["prob"][0, 1], out["offsets"][0]
@@ -145,6 +147,11 @@ class FaceDetector(Pipeline):
             for i in range(0, len(crops), STEP_ROWS)
         ]
         return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def _even(size: float) -> int:
+    """``size`` rounded up to an even number of pixels."""
+    return 2 * int(np.ceil(size / 2))
 
 
 def _normalized(image: Image.Image) -> np.ndarray:

@@ -62,8 +62,11 @@ class ShapeFacts(_Frozen):
     """The buckets export checked the artifact at."""
     pad: bool
     """Padding up to a bucket leaves the answer over the real region unchanged (measured)."""
+    multiple: int = Field(default=1, ge=1)
+    """With ``pad``, from sizes that are multiples of this only (a stride-2 net reads the
+    padding at an odd size's last window): other sizes are taken at a bucket exactly."""
     reason: str = ""
-    """Why not, when ``pad`` is false."""
+    """Why not, when ``pad`` is false or ``multiple`` above 1."""
     follows: dict[str, dict[int, Follow]] = {}
     """Output name → its dims (full-shape index) that follow an input dim."""
 
@@ -91,6 +94,8 @@ class ShapePolicy:
     follows: Mapping[str, Mapping[int, Follow]]
     check_agreement: bool
     """Refuse inputs that disagree on an axis (only where export found the axis, not guessed)."""
+    multiple: int = 1
+    """With ``pad``, sizes are padded from multiples of this only (:class:`ShapeFacts`)."""
 
     @classmethod
     def of(
@@ -113,7 +118,15 @@ class ShapePolicy:
                 )
         if buckets:
             axes = tuple(a.model_copy(update={"max": min(a.max, max(buckets))}) for a in axes)
-        return cls(axes, buckets, facts.pad, facts.reason, facts.follows, check_agreement=True)
+        return cls(
+            axes,
+            buckets,
+            facts.pad,
+            facts.reason,
+            facts.follows,
+            check_agreement=True,
+            multiple=facts.multiple,
+        )
 
     @property
     def pads_unchanged(self) -> bool:
@@ -189,6 +202,13 @@ class ShapePolicy:
                     f"{list(self.buckets)} there, since padding changes its answer ({self.reason})"
                 )
             return n
+        if n % self.multiple and n not in self.buckets:
+            raise InvalidInput(
+                f"input '{name}': dim {index} is {n}; model '{model}' takes multiples of "
+                f"{self.multiple} from {axis.min} to {axis.max} there, or exactly "
+                f"{list(self.buckets)}, since padding changes its answer at other sizes "
+                f"({self.reason})"
+            )
         return next(b for b in self.buckets if b >= n)
 
     def row_crops(

@@ -41,7 +41,7 @@ from preprocessing.pipeline import (
     overrides,
     which_item,
 )
-from service.artifacts.shapes import apply_crop
+from service.artifacts.shapes import Dim, apply_crop
 from service.batching.codepool import CodePool
 from service.batching.scheduler import rows_of
 from service.batching.stats import RequestTiming
@@ -348,6 +348,7 @@ class DataPlane:
                     model.name,
                     partial(self._hold, held, already=already),
                 )
+                _check_multiples(model, sizes)
         raw = model.pipeline.raw_input if model.pipeline is not None else None
         checked = check_inputs(
             inputs,
@@ -468,6 +469,21 @@ def _retrieve(done: asyncio.Future[None]) -> None:
         return
     if (exc := done.exception()) is not None and not isinstance(exc, TensorgateError):
         log.error("a model's load failed", exc_info=exc)
+
+
+def _check_multiples(model: LoadedVersion, sizes: list[dict[Dim, int]]) -> None:
+    """Rows of their own sizes are each padded to the longest: for a model padded only from
+    multiples of a stride (:class:`ShapePolicy`), each row's sizes must be multiples of it."""
+    multiple = model.shapes.multiple
+    for index, own in enumerate(sizes):
+        for (name, dim), n in own.items():
+            if n % multiple:
+                raise InvalidInput(
+                    f"instances[{index}]: input '{name}' dim {dim} is {n}; model "
+                    f"'{model.name}' takes rows of their own sizes at multiples of {multiple} "
+                    f"only, since padding changes its answer at other sizes "
+                    f"({model.shapes.reason})"
+                )
 
 
 def _tensor_work(model: LoadedVersion, request: InferenceRequest) -> int:

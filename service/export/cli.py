@@ -293,8 +293,11 @@ def summary(manifest: Manifest, out_dir: Path, config: Path, backend: str, writt
     if manifest.skipped:
         line += f"; left out {', '.join(manifest.skipped)} (see above)"
     if manifest.shapes is not None:
-        how = "padded to" if manifest.shapes.pad else "served at exactly"
-        line += f"; dynamic dims {how} {list(manifest.shapes.buckets)}"
+        shapes = manifest.shapes
+        how = "padded to" if shapes.pad else "served at exactly"
+        line += f"; dynamic dims {how} {list(shapes.buckets)}"
+        if shapes.pad and shapes.multiple > 1:
+            line += f" from multiples of {shapes.multiple} (other sizes: exactly a bucket)"
     return line + (f"; {config} serves {backend}" if written else f"; kept {config}")
 
 

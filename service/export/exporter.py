@@ -372,6 +372,8 @@ def export_model(
         ) from exc
     for answered in eager:
         _check_output_shapes(answered, outputs, max_batch_size > 0)
+    if max_batch_size > 1:
+        _check_rows_alone(eager_run, golden, eager[0], tolerance)
     dynamic = _dynamic_shapes(inputs, max_batch_size, buckets)
     program, not_exported = _exported_program(module, _tensors(probes[-1], inputs), dynamic)
     if program is None and _recurrent(module) and dynamic_inputs:
@@ -754,16 +756,33 @@ def _shape_facts(
                 f"buckets {below} are below the smallest size input '{name}' dim {index} takes "
                 f"({axis.min}, as torch.export found)"
             )
+    multiple = 1
     if not why:
-        why = export_shapes.padding_verdict(eager_run, probes[0], axes, buckets, follows, tolerance)
-    if why:
+        why, multiple = export_shapes.padding_verdict(
+            eager_run, probes[0], axes, buckets, follows, tolerance
+        )
+    if why and multiple > 1:
+        log.warning(
+            "padding changes this model's answer at sizes not a multiple of %d (%s): it will "
+            "be served padded from those, and at exactly the buckets %s",
+            multiple,
+            why,
+            list(buckets),
+        )
+    elif why:
         log.warning(
             "padding changes this model's answer (%s): it will be served at exactly the buckets %s",
             why,
             list(buckets),
         )
+    pad = not why or multiple > 1
     return ShapeFacts(
-        axes=axes, buckets=buckets, pad=not why, reason=why, follows=follows if not why else {}
+        axes=axes,
+        buckets=buckets,
+        pad=pad,
+        multiple=multiple,
+        reason=why,
+        follows=follows if pad else {},
     )
 
 
@@ -1116,6 +1135,50 @@ def _compare(
                 f"rtol={tolerance.rtol:g})"
             )
     return {"max_abs": worst_abs, "max_rel": worst_rel}
+
+
+ROWS_ALONE = 4
+"""Golden rows whose answers alone are compared with their answers among the others."""
+
+
+def _check_rows_alone(
+    run: Runner, golden: Probe, together: Mapping[str, np.ndarray], tolerance: Tolerance
+) -> None:
+    """Each golden row answered alone as it is among the others (in eager PyTorch), or
+    ExportError. The server batches concurrent requests together and pads a batch with copies
+    of its last row: a module whose rows depend on each other (statistics over the batch dim)
+    would answer each client by the others' rows. The checks at one row and at
+    ``max_batch_size`` rows compare the artifact with eager PyTorch at the same rows, and pass."""
+    rows = len(next(iter(golden.values())))
+    if rows < 2:
+        return
+    floor = Tolerance()  # a kernel for 3 rows and one for 1 differ in the last bits: not this
+    atol, rtol = max(tolerance.atol, floor.atol), max(tolerance.rtol, floor.rtol)
+
+    def worst(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> tuple[str, float]:
+        """The output furthest from ``want`` beyond the tolerance, and by how much; ("", 0)."""
+        for name, wanted in want.items():
+            want64 = wanted.astype(np.float64)
+            error = np.abs(got[name].astype(np.float64) - want64)
+            if not np.all(error <= atol + rtol * np.abs(want64)):
+                return name, float(np.nanmax(error))
+        return "", 0.0
+
+    if worst(run(golden), together)[0]:
+        return  # answers one batch twice differently: refused at load, in those words
+    for i in range(min(rows, ROWS_ALONE)):
+        alone = run({name: array[i : i + 1] for name, array in golden.items()})
+        name, error = worst({n: a[i : i + 1] for n, a in together.items()}, alone)
+        if name:
+            raise ExportError(
+                f"each row must be answered as if it were alone, and the module's are not: "
+                f"golden row {i}'s output '{name}' among the {rows} rows differs from its "
+                f"output alone by up to {error:.3g}. The server batches concurrent requests "
+                "together and pads a batch with copies of its last row, so one client's answer "
+                "would depend on another's rows (statistics over the batch dim, such as "
+                "x.mean(0), or a branch on the whole batch's values). Export it with "
+                "--max-batch-size 0 (no batch dim), the rows a dim of its input"
+            )
 
 
 def _dynamic_axes(

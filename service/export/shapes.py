@@ -11,7 +11,9 @@
 - **Whether padding changes the answer** (:func:`padding_verdict`): the golden rows run in
   eager PyTorch unpadded and padded (with zeros, as the server pads) to each bucket, as they
   are and with their float inputs made all negative, scaled into [0, 1] and made all
-  positive; the outputs over the real region must agree within the manifest's tolerance.
+  positive, and cut to each of the 7 sizes below theirs; the outputs over the real region must
+  agree within the manifest's tolerance. A net that agrees at multiples of 2, 4 or 8 only (a
+  stride-2 convolution reads the padding at an odd size's last window) is padded from those.
 - **Value ranges** (:func:`index_ranges`): an integer input that indexes an ``nn.Embedding``
   (or ``F.embedding``, or a parameter by ``[]``), itself or through views of it (a column, a
   reshape), takes ``[0, rows - 1]`` (``[-rows, rows - 1]`` for ``[]``, which counts from the
@@ -179,6 +181,12 @@ what the bias alone gives, they are the maximum: served with padding, such a mod
 unlike eager PyTorch (by 1.07 and 0.061) where the check had passed."""
 
 
+MULTIPLES = (2, 4, 8)
+"""The strides whose multiples padding may be exact at where it is not at every size: a
+convolution of stride 2 (or a pooling window of 2 with ``ceil_mode``) reads the padding at an
+odd size's last window, and a net of three such at sizes not a multiple of 8."""
+
+
 def padding_verdict(
     run: EagerRun,
     golden: Probe,
@@ -186,12 +194,54 @@ def padding_verdict(
     buckets: Sequence[int],
     follows: Mapping[str, Mapping[int, Follow]],
     tolerance: Tolerance,
-) -> str:
-    """ "" when padding the golden rows to each bucket above their sizes leaves their outputs
-    over the real region unchanged (in eager PyTorch), also with their float inputs made all
-    negative, scaled into [0, 1] and made all positive (:data:`PADDING_VARIANTS`); else what
-    changed."""
+) -> tuple[str, int]:
+    """("", 1) when padding the golden rows to each bucket above their sizes leaves their
+    outputs over the real region unchanged (in eager PyTorch), also with their float inputs
+    made all negative, scaled into [0, 1] and made all positive (:data:`PADDING_VARIANTS`), and
+    so does padding the rows cut to each of the 7 sizes below theirs (each dim 1 to 7 shorter)
+    to the next bucket: a padded stride-2 net answers unlike eager PyTorch at odd sizes only.
+    Else what changed, and the least of :data:`MULTIPLES` whose multiples every size that
+    changed is not one of (padding is exact from those sizes only), or 1 (padding is not)."""
     real = {dim: golden[dim[0]].shape[dim[1]] for axis in axes for dim in axis.dims}
+    why = _padding_changes(run, golden, "the golden rows", real, buckets, follows, tolerance)
+    if why:
+        return why, 1
+    changed: list[tuple[dict[Dim, int], str]] = []
+    for shorter in range(1, MULTIPLES[-1]):
+        sizes = {dim: n - shorter for dim, n in real.items()}
+        if any(sizes[dim] < axis.min for axis in axes for dim in axis.dims):
+            break
+        rows = dict(golden)
+        for (name, index), size in sizes.items():
+            rows[name] = np.take(rows[name], np.arange(size), axis=index)
+        above = [b for b in buckets if b > max(sizes.values())][:1]
+        said = "the golden rows cut shorter"
+        try:
+            why = _padding_changes(run, rows, said, sizes, above, follows, tolerance)
+        except Exception:  # the module takes no such size unpadded: not a padding fact
+            continue
+        if why:
+            changed.append((sizes, why))
+    if not changed:
+        return "", 1
+    for multiple in MULTIPLES:
+        if all(any(n % multiple for n in sizes.values()) for sizes, _ in changed):
+            return changed[0][1], multiple
+    return changed[0][1], 1
+
+
+def _padding_changes(
+    run: EagerRun,
+    golden: Probe,
+    said_golden: str,
+    real: Mapping[Dim, int],
+    buckets: Sequence[int],
+    follows: Mapping[str, Mapping[int, Follow]],
+    tolerance: Tolerance,
+) -> str:
+    """What padding ``golden`` (its dynamic dims ``real`` long) to each of ``buckets`` above
+    them changes over the real region, as it is and in each of :data:`PADDING_VARIANTS`; ""
+    for nothing."""
     for said, variant in PADDING_VARIANTS.items():
         rows = {name: variant(x).astype(x.dtype) if _varied(x) else x for name, x in golden.items()}
         if said and all(rows[name] is golden[name] for name in golden):
@@ -203,7 +253,7 @@ def padding_verdict(
                 raise
             continue
         for bucket in (b for b in buckets if b > max(real.values())):
-            said_rows = f"the golden rows{said}"
+            said_rows = f"{said_golden}{said}"
             why = _padded_differs(run, rows, said_rows, reference, real, bucket, follows, tolerance)
             if why:
                 return why

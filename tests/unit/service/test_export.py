@@ -127,6 +127,39 @@ def test_a_failed_export_takes_back_what_it_wrote_and_keeps_what_was_there(
     assert [p.name for p in kept.parent.iterdir()] == ["1"]  # nothing set aside is left
 
 
+class Centred(torch.nn.Module):
+    """Each row less the batch's mean row: a row's answer depends on the others."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0, keepdim=True)
+
+
+def test_a_module_whose_rows_depend_on_each_other_is_refused_unless_unbatched(
+    tmp_path: Path,
+) -> None:
+    """The server batches concurrent requests and pads batches with copies of the last row:
+    such a module answered one request of rows [1]*4, [2]*4, [3]*4 -1.25, -0.25, 0.75 (its batch
+    padded to 4) where eager PyTorch answers -1, 0, 1. The parity checks compare artifact and
+    eager at the same rows, and passed. Unbatched, the rows are the module's own dim."""
+    x, y = (TensorConfig(name=n, datatype="FP32", shape=(4,)) for n in "xy")
+    with pytest.raises(
+        ExportError,
+        match=r"each row must be answered as if it were alone.*golden row 0's output 'y' among "
+        r"the 3 rows differs from its output alone by up to .*--max-batch-size 0",
+    ):
+        export_model(
+            Centred(), tmp_path / "batched", name="centred", inputs=[x], outputs=[y],
+            golden_inputs={"x": np.arange(12, dtype=np.float32).reshape(3, 4)},
+            max_batch_size=4, formats=("onnx",),
+        )  # fmt: skip
+    rows = [TensorConfig(name=n, datatype="FP32", shape=(3, 4)) for n in "xy"]
+    export_model(
+        Centred(), tmp_path / "unbatched", name="centred", inputs=rows[:1], outputs=rows[1:],
+        golden_inputs={"x": np.arange(12, dtype=np.float32).reshape(3, 4)},
+        max_batch_size=0, formats=("onnx",),
+    )  # fmt: skip
+
+
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:
     wrong = TensorConfig(name="y", datatype="FP64", shape=(10,))
     with pytest.raises(ExportError, match="declared FP64, the module returns float32"):
@@ -242,10 +275,15 @@ def test_pt2_of_an_untraceable_module_is_refused_naming_torch_export(tmp_path: P
 
 
 def test_when_a_branch_on_values_fails_every_format_export_says_torchscript_keeps_it(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The helper's user read that no format could be exported, and not which one could."""
+    """The helper's user read that no format could be exported, and not which one could. (A
+    branch on the whole batch's sum makes each row's answer depend on the others', which export
+    says first: that check is set aside here to reach the formats' own.)"""
     golden = np.array([[1.0] * 4, [-3.0] * 4], np.float32)
+    with pytest.raises(ExportError, match="a branch on the whole batch's values"):
+        export_branchy(tmp_path / "coupled", golden, ("onnx", "pt2"))
+    monkeypatch.setattr(exporter, "_check_rows_alone", lambda *args: None)
     with pytest.raises(ExportError) as failed:  # one branch traced, the other met by a probe
         export_branchy(tmp_path, golden, ("onnx", "pt2"))
     message = str(failed.value)

@@ -87,6 +87,25 @@ def test_without_safe_padding_only_the_buckets_are_taken() -> None:
         policy.fit({"image": np.ones((1, 3, 65, 32), np.float32)}, "m")  # not "5 to 64"
 
 
+def test_padding_exact_from_even_sizes_pads_those_and_takes_odd_ones_at_a_bucket_only() -> None:
+    even = facts().model_copy(update={"multiple": 2, "reason": "a stride-2 conv reads it"})
+    policy = ShapePolicy.of(CONFIG, [IMAGE], even)
+    fitted, crop = policy.fit({"image": np.ones((1, 3, 20, 40), np.float32)}, "m")
+    assert fitted["image"].shape == (1, 3, 32, 64) and crop
+    with pytest.raises(
+        InvalidInput,
+        match=re.escape(
+            "input 'image': dim 2 is 21; model 'm' takes multiples of 2 from 5 to 64 there, or "
+            "exactly [32, 64], since padding changes its answer at other sizes (a stride-2 conv"
+        ),
+    ):
+        policy.fit({"image": np.ones((1, 3, 21, 40), np.float32)}, "m")
+    odd = ShapePolicy.of(
+        ModelConfig(backend="onnx", max_batch_size=4, buckets=(33, 64)), [IMAGE], even
+    )
+    assert odd.fit({"image": np.ones((1, 3, 33, 64), np.float32)}, "m")[1] == {}  # a bucket
+
+
 def test_warmup_runs_every_combination_of_the_axes_buckets() -> None:
     sizes = ShapePolicy.of(CONFIG, [IMAGE], facts()).warm_sizes()
     assert sorted((s["image", 2], s["image", 3]) for s in sizes) == [
@@ -218,11 +237,61 @@ def test_padding_that_changes_a_maximum_is_found_whatever_the_golden_rows_values
     ]
     for module, rows, axes, crops, said in cases:
         with torch.no_grad():
-            why = padding_verdict(_eager(module), {"x": rows}, axes, (8, 16, 32), crops, tolerance)
+            why, multiple = padding_verdict(
+                _eager(module), {"x": rows}, axes, (8, 16, 32), crops, tolerance
+            )
+        assert multiple == 1
         if said is None:
             assert why == ""
         else:
             assert said in why, why
+
+
+def test_padding_exact_at_even_sizes_only_is_found_and_kept_to_them() -> None:
+    """The golden rows were checked at one size, 3/4 of the smallest bucket: always even. A
+    stride-2 convolution after a padded one reads the padding at an odd size's last window,
+    and a pooling window of 2 with ceil_mode averages a padding zero there: served padded,
+    every odd size was wrong (by 0.036 at 13×13, 1.09 for the pooling). Export now also cuts
+    the rows 1 to 7 shorter: such a net is padded from multiples of 2 only; one that reads
+    the padding at every size is not padded at all."""
+    import torch
+    import torch.nn.functional as F
+
+    from service.artifacts.manifest import Tolerance
+    from service.export.shapes import padding_verdict
+
+    torch.manual_seed(0)
+    strided = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 1, 3, stride=2, padding=1),
+        torch.nn.Sigmoid(),
+    )
+    twice = torch.nn.Sequential(strided, torch.nn.Conv2d(1, 1, 3, stride=2, padding=1))
+    image = np.random.default_rng(1).uniform(0, 1, (2, 3, 12, 12)).astype(np.float32)
+    spatial = (Axis(dims=(("x", 2),), min=1, max=32), Axis(dims=(("x", 3),), min=1, max=32))
+
+    def follows(stride: int, dims: tuple[int, ...]) -> dict[str, dict[int, Follow]]:
+        """Output dims of size ceil(n / stride) for an input dim of size n."""
+        sizes = tuple(-(-n // stride) for n in range(1, 33))
+        return {"y": {i: Follow(input="x", dim=i, sizes=sizes) for i in dims}}
+
+    pool = _eager(lambda x: F.avg_pool1d(x, 2, 2, ceil_mode=True))
+    series = np.random.default_rng(2).standard_normal((2, 2, 12)).astype(np.float32)
+    sequence = (Axis(dims=(("x", 2),), min=1, max=32),)
+    cases = [
+        (_eager(strided), {"x": image}, spatial, follows(2, (2, 3)), 2),
+        (_eager(twice), {"x": image}, spatial, follows(4, (2, 3)), 4),
+        (pool, {"x": series}, sequence, follows(2, (2,)), 2),
+    ]
+    tolerance = Tolerance(atol=1e-5, rtol=1e-4)
+    for run, rows, axes, crops, wanted in cases:
+        with torch.no_grad():
+            why, multiple = padding_verdict(run, rows, axes, (16, 32), crops, tolerance)
+        assert multiple == wanted and "the golden rows cut shorter from 11 to 16" in why, (
+            multiple,
+            why,
+        )
 
 
 def test_the_padding_variants_leave_masks_alone_and_skip_values_a_module_cannot_take() -> None:
@@ -246,9 +315,9 @@ def test_the_padding_variants_leave_masks_alone_and_skip_values_a_module_cannot_
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     golden = {"x": x, "mask": np.ones((2, 5), np.float32)}
     axes = (Axis(dims=(("x", 1), ("mask", 1)), min=1, max=32),)
-    assert padding_verdict(_eager(attend, "out"), golden, axes, (8, 16), {}, Tolerance()) == ""
+    assert padding_verdict(_eager(attend, "out"), golden, axes, (8, 16), {}, Tolerance()) == ("", 1)
     ids = {"ids": np.array([[1, 2, 3, 4, 5]] * 2, np.float32)}
     follows = {"out": {1: Follow(input="ids", dim=1)}}
     lookup = _eager(lambda i: table(i.long()), "out")
     axes = (Axis(dims=(("ids", 1),), min=1, max=32),)
-    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ""
+    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ("", 1)
