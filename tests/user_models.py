@@ -139,6 +139,19 @@ class TextEncoder(nn.Module):
         return (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
 
+class TextTagger(nn.Module):
+    """Token ids and mask → 3 scores a token (each token's own: padding leaves them as they
+    are), the output whose length follows the text's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(18)
+        self.embed, self.head = nn.Embedding(30522, 8), nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids)) * attention_mask.unsqueeze(-1)
+
+
 def make_ctr() -> nn.Module:
     return ClickThrough().train()
 
@@ -169,6 +182,10 @@ def make_shifted() -> nn.Module:
 
 def make_text() -> nn.Module:
     return TextEncoder().train()
+
+
+def make_text_tagger() -> nn.Module:
+    return TextTagger()
 
 
 def make_linear() -> nn.Module:

@@ -314,12 +314,15 @@ class DataPlane:
         if not dynamic:
             return Prepared(batch, contexts)
         try:
-            return _fitted(model, batch, contexts)
+            prepared = _fitted(model, batch, contexts)
         except InvalidInput as exc:
             if isinstance(pipeline, ImageInput):  # "dim 3 is 100": of the image, which is it?
                 exc.message += pipeline.dims_said(model.batched)
                 exc.args = (exc.message,)
             raise
+        if isinstance(pipeline, TextInput):
+            _crop_to_texts(model, prepared)
+        return prepared
 
     def _tensors(
         self,
@@ -469,6 +472,22 @@ def _retrieve(done: asyncio.Future[None]) -> None:
         return
     if (exc := done.exception()) is not None and not isinstance(exc, TensorgateError):
         log.error("a model's load failed", exc_info=exc)
+
+
+def _crop_to_texts(model: LoadedVersion, prepared: Prepared) -> None:
+    """A text pipeline's tokens come padded to a bucket: the outputs that follow their length
+    (a tagger's tags) are cut back to the request's longest text, and in v1 each text's answer
+    to its own tokens (``row_crops``), as tensors sent of those lengths are. They came at the
+    bucket's length, padding tokens' rows included, and a text's answer took the length of the
+    longest text beside it."""
+    shapes, work = model.shapes, prepared.work
+    if not (shapes.pads_unchanged and shapes.follows and isinstance(work, dict)):
+        return
+    lengths = work["attention_mask"].sum(axis=1).tolist()  # padded on the right
+    axis = next(a for a in shapes.axes if ("attention_mask", 1) in a.dims)
+    crops = shapes.row_crops([dict.fromkeys(axis.dims, n) for n in [max(lengths), *lengths]], work)
+    prepared.crop = crops[0] or None
+    prepared.row_crops = crops[1:]
 
 
 def _check_multiples(model: LoadedVersion, sizes: list[dict[Dim, int]]) -> None:

@@ -47,8 +47,8 @@ class Prepared:
     crop: Crop | None = None
     """The region of each output that answers the caller's own input (where dims were padded)."""
     row_crops: list[Crop] | None = None
-    """Each row's own region, in place of ``crop``, where rows of their own sizes were padded
-    to one (v1's ragged instances)."""
+    """Each row's own region, where rows of their own sizes were padded to one (v1's ragged
+    instances, a text pipeline's texts): v1 answers each row cut to it, after ``crop``."""
 
 
 class ImageInput(Pipeline):

@@ -191,8 +191,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
         "--formats",
         "onnx",
     ]
+    tags = ["tests.user_models:make_text_tagger", *text[1:5], "--output", "tags:FP32:-1,3"]
+    tags += text[7:]
     repository = root / "models"
-    return repository, export(repository, {**EXPORTS, "heatmap": heatmap, "text": text})
+    jobs = {**EXPORTS, "heatmap": heatmap, "text": text, "texttags": tags}
+    return repository, export(repository, jobs)
 
 
 def edited_copy(repository: Path, model: str, copy: str, item_range: list[int] | None) -> None:
@@ -630,6 +633,45 @@ def test_a_text_model_exports_with_its_text_spec_and_takes_raw_text(
     tokens = TextPipeline(spec, repository / "text" / "1")(texts)
     want = eager(user_models.TextEncoder(), tokens.input_ids, tokens.attention_mask)
     np.testing.assert_allclose(response.json()["predictions"], want, atol=1e-5)
+
+
+def test_a_text_models_per_token_outputs_come_back_at_each_texts_own_length(
+    exported: tuple[Path, dict[str, str]], server: Server
+) -> None:
+    """A text pipeline's tokens are padded to a bucket; a tagger's tags came back at the
+    bucket's length, padding tokens' rows included, and a text's answer took the length of the
+    longest text beside it. v1 answers each text at its own length, v2 (and gRPC) at the
+    request's longest, as tensors sent of those lengths are."""
+    repository = exported[0]
+    spec = TextSpec.model_validate(
+        yaml.safe_load((repository / "texttags" / "config.yaml").read_text())["preprocessing"]
+    )
+    texts = ["a short one", "and another, somewhat longer one, to pad"]
+    tokens = TextPipeline(spec, repository / "texttags" / "1")(texts)
+    lengths = tokens.attention_mask.sum(axis=1).tolist()
+    assert lengths[0] < lengths[1] < tokens.input_ids.shape[1]  # padded to the bucket
+    tagger = user_models.TextTagger()
+    alone = [
+        eager(tagger, tokens.input_ids[i : i + 1, :n], tokens.attention_mask[i : i + 1, :n])[0]
+        for i, n in enumerate(lengths)
+    ]
+    v1 = server.client.post("/v1/models/texttags:predict", json={"instances": texts})
+    assert v1.status_code == 200, v1.text
+    for got, want in zip(v1.json()["predictions"], alone, strict=True):
+        assert np.asarray(got).shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    v2 = server.client.post(
+        "/v2/models/texttags/infer",
+        json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": texts}]},
+    )
+    assert v2.status_code == 200, v2.text
+    tags = v2.json()["outputs"][0]
+    assert tags["shape"] == [2, lengths[1], 3]
+    longest = eager(
+        tagger, tokens.input_ids[:, : lengths[1]], tokens.attention_mask[:, : lengths[1]]
+    )
+    np.testing.assert_allclose(np.reshape(tags["data"], tags["shape"]), longest, atol=1e-5)
+    assert unwarmed(server, "texttags") == 0
 
 
 def test_export_replaces_the_config_it_wrote_and_keeps_a_users_own(tmp_path: Path) -> None:
