@@ -132,6 +132,9 @@ def create_app(settings: Settings, span_exporter: SpanExporter | None = None) ->
         version=__version__,
         summary="Open Inference Protocol (KServe v2) server for TorchScript and ONNX models",
         lifespan=lifespan,
+        # /v2/health/ready/ is a 404 naming the route, not a 307 to a Location built from the
+        # request's Host header (another host's, for whoever sets it)
+        redirect_slashes=False,
         # FastAPI's OpenTelemetry hooks look up the global providers on every request (a
         # visible share of the event loop under load, docs/performance.md); tensorgate exports
         # its own Prometheus metrics.

@@ -114,10 +114,11 @@ most: 3.4028235e+38, the shortest decimal of FP32's largest (numpy's and orjson'
 writing it), lies past the largest itself and was refused as past FP32's range."""
 
 
-def json_strings(values: Any) -> np.ndarray:
+def json_strings(values: Any, root: str = "") -> np.ndarray:
     """JSON's values for a BYTES tensor (a nested list, or one value): each a string (encoded
     as UTF-8) or ``{"b64": ...}`` (its bytes, as KServe v1 sends binary values); ValueError
-    naming what is neither, and at most :data:`MAX_BYTES_ELEMENTS` of them."""
+    naming what is neither, and at most :data:`MAX_BYTES_ELEMENTS` of them. ``root``: what
+    ragged lists' paths index (:func:`unlike`)."""
     given = np.array(values, dtype=object)  # nested lists of one length: the tensor's shape
     if given.size > MAX_BYTES_ELEMENTS:
         raise ValueError(f"{given.size} BYTES elements; the limit is {MAX_BYTES_ELEMENTS}")
@@ -132,7 +133,7 @@ def json_strings(values: Any) -> np.ndarray:
             except binascii.Error:
                 raise ValueError("a {'b64': ...} value is not valid base64") from None
         elif isinstance(value, list):  # numpy kept a list where lengths differ
-            raise ValueError(unlike(values))
+            raise ValueError(unlike(values, root))
         else:
             raise ValueError(f"{json_kind(value)} is not a string (or {{'b64': ...}})")
     return out.reshape(given.shape)
@@ -144,12 +145,13 @@ MAX_LOOKED_AT = 100_000
 """How many of its elements are looked at for that, at most (then it says only that)."""
 
 
-def unlike(values: Any) -> str:
+def unlike(values: Any, root: str = "") -> str:
     """Where nested JSON lists stop being one tensor's: the first element (depth first) unlike
     what the first elements make the tensor's shape (a string among lists, a list of another
     length), or nesting past :data:`MAX_NESTING` (numpy takes 64 dims at most). At most
     :data:`MAX_LOOKED_AT` elements are looked at, each once, and a path is written only for
-    the one named: a bad body costs no more than numpy's own attempt."""
+    the one named: a bad body costs no more than numpy's own attempt. ``root``: what the paths
+    index (``instances``: v1's ``instances[1]``)."""
     generic = "its nested lists are not all of one length"
     shape: list[int] = []
     first = values
@@ -181,8 +183,8 @@ def unlike(values: Any) -> str:
             stack.append(iter(element))
             path.append(-1)
         elif wanted is not None or isinstance(element, list):
-            where = "".join(f"[{i}]" for i in path)
-            like = "".join("[0]" for _ in path)
+            where = root + "".join(f"[{i}]" for i in path)
+            like = root + "".join("[0]" for _ in path)
             expected = f"a list of {wanted}" if wanted is not None else _shape_word(first)
             return f"{generic}: {where} is {_shape_word(element)}, {like} {expected}"
     return generic
@@ -213,7 +215,9 @@ _JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a bool
 _JSON_KINDS[type(None)] = "null"
 
 
-def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.ndarray:
+def json_numbers(
+    values: Any, datatype: str, bools_possible: bool = True, root: str = ""
+) -> np.ndarray:
     """JSON's values for a tensor (a nested list, or one value) → an array as tensorgate holds
     ``datatype``, each value of the type it names: ValueError saying which one is not (a
     fraction, a string or true/false for an integer type, or a value past its range; a
@@ -221,12 +225,13 @@ def json_numbers(values: Any, datatype: str, bools_possible: bool = True) -> np.
     past its range; anything but true/false for BOOL). numpy alone would make 1.9 the id 1,
     "7" the id 7, true the value 1 (alone, or beside numbers), 300 the INT8 44 and 1e300 the
     FP32 inf, each silently. ``bools_possible`` False: the JSON text had neither ``true`` nor
-    ``false``, so the values are not looked through for them.
+    ``false``, so the values are not looked through for them. ``root``: what ragged lists'
+    paths index (:func:`unlike`).
     """
     try:
         given = np.asarray(values)
     except ValueError:  # numpy's words: "inhomogeneous shape after 1 dimensions"
-        raise ValueError(unlike(values)) from None
+        raise ValueError(unlike(values, root)) from None
     kind = given.dtype.kind
     target = TO_NUMPY[datatype]
     if given.size == 0:

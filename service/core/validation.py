@@ -269,9 +269,9 @@ def _tensors_of(columns: dict[str, Any], specs: tuple[TensorConfig, ...]) -> lis
         try:
             values = columns[spec.name]
             if spec.datatype == "BYTES":
-                array = json_strings(values)
+                array = json_strings(values, "instances")
             else:
-                array = json_numbers(values, spec.datatype)
+                array = json_numbers(values, spec.datatype, root="instances")
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidInput(
                 f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "

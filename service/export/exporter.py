@@ -301,6 +301,7 @@ def export_model(
             "export with FP32 tensors (and cast inside the module), or serve a BF16 ONNX model "
             "from its own folder"
         )
+    _check_input_order(module, inputs)
     pt2_cpu = pt2_cpu or cpu_targets.default_target()
     try:
         cpu_targets.check_target(pt2_cpu)
@@ -1135,6 +1136,32 @@ def _compare(
                 f"rtol={tolerance.rtol:g})"
             )
     return {"max_abs": worst_abs, "max_rel": worst_rel}
+
+
+def _check_input_order(module: torch.nn.Module, inputs: Sequence[TensorConfig]) -> None:
+    """The inputs feed ``forward`` by position: one named as another of its parameters would
+    feed that one's values to the other, and a client sending it by name get answers off with
+    no error (``--input mask --input ids`` for ``forward(ids, mask)`` exported and served)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C++ forward: no names to read
+        return
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in parameters if p.kind in kinds]
+    for position, tensor in enumerate(inputs):
+        if tensor.name in names and names.index(tensor.name) != position:
+            raise ExportError(
+                f"input '{tensor.name}' is declared {_ordinal(position)}, and is forward()'s "
+                f"{_ordinal(names.index(tensor.name))} parameter: the inputs feed "
+                f"forward({', '.join(names)}) in the order they are declared, so declare them "
+                "in that order (or name them otherwise)"
+            )
+
+
+def _ordinal(index: int) -> str:
+    """0 → "first"."""
+    words = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+    return words[index] if index < len(words) else f"number {index + 1}"
 
 
 ROWS_ALONE = 4

@@ -19,8 +19,9 @@ from starlette.types import Receive, Scope, Send
 
 from service.core.dataplane import DataPlane
 from service.http.answer import LISTED, Route, answer_inference
-from service.limits.admission import reserve_of
+from service.limits.admission import error_body, reserve_of
 from service.limits.balance import BALANCE
+from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID, request_id_for
 from service.telemetry.observation import After
 
@@ -39,6 +40,9 @@ class InferFastPath:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _encoded_slash(scope):
+            await _refuse_encoded_slash(scope, send)
+            return
         route = _route(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
         dataplane: DataPlane | None = getattr(self.app.state, "dataplane", None)
         if route is None or dataplane is None:  # None only before the lifespan has started
@@ -72,6 +76,37 @@ class InferFastPath:
                     run()
                 except Exception:  # the answer is sent: nobody to tell but the log
                     log.exception("counting request %s after its answer failed", request_id)
+
+
+def _encoded_slash(scope: Scope) -> bool:
+    """Whether the path as sent holds an encoded slash (``%2F``): ASGI's ``path`` is decoded,
+    so ``/v2/models/digits%2Fready`` was routed as ``/v2/models/digits/ready``, past any proxy
+    that allows paths by their text."""
+    raw: bytes = scope.get("raw_path") or b""
+    return b"%" in raw and b"%2f" in raw.lower()
+
+
+async def _refuse_encoded_slash(scope: Scope, send: Send) -> None:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    request_id = request_id_for(headers.get("x-request-id", ""))
+    REQUEST_ID.set(request_id)
+    REFUSED["bad_request"] += 1
+    body = error_body(
+        "the path holds an encoded slash (%2F): model names and versions have none, and the "
+        "path is not routed decoded"
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id.encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def _route(scope: Scope) -> Route | None:

@@ -112,7 +112,14 @@ def _dumps(predictions: list[Any], parameters: dict[str, Any]) -> bytes:
 def _b64(item: dict[str, Any], index: int) -> bytes:
     if not isinstance(item.get("b64"), str):
         raise InvalidInput(f'instances[{index}] must be {{"b64": "<base64 image>"}}')
+    encoded: str = item["b64"]
     try:
-        return base64.b64decode(item["b64"], validate=True)
+        return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError) as exc:
+        unwrapped = "".join(encoded.split())  # base64 -w 76, MIME: lines are not the data's
+        if len(unwrapped) < len(encoded):
+            try:
+                return base64.b64decode(unwrapped, validate=True)
+            except (binascii.Error, ValueError):
+                pass
         raise InvalidInput(f"instances[{index}].b64 is not valid base64: {exc}") from None

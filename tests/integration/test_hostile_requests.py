@@ -53,6 +53,42 @@ def test_versions_are_ascii_digits_and_anything_else_is_404(
         assert "has no version" in answer.json()["error"]
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v2/models/digits%2Fready"),
+        ("GET", "/v2/models/digits%2fversions%2F1%2Fstats"),
+        ("POST", "/v2/models/digits%2Fversions%2F1/infer"),
+    ],
+)
+def test_an_encoded_slash_in_the_path_is_400_not_routed_decoded(
+    hostile: tuple[Server, Path], method: str, path: str
+) -> None:
+    """The path was routed decoded: digits%2Fready answered as digits/ready, past a proxy
+    that allows paths by their text."""
+    server, _ = hostile
+    answer = server.client.request(method, path, json=DIGIT if method == "POST" else None)
+    assert answer.status_code == 400, (path, answer.status_code, answer.text)
+    assert answer.json()["error"].startswith("the path holds an encoded slash (%2F)")
+    assert answer.headers["x-request-id"] == answer.json()["request_id"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"), [("GET", "/v2/health/ready/"), ("POST", "/v2/models/digits/infer/")]
+)
+def test_a_trailing_slash_is_404_naming_the_route_not_a_redirect_to_the_host_sent(
+    hostile: tuple[Server, Path], method: str, path: str
+) -> None:
+    """A 307 to a Location built from the request's Host header (evil.example's)."""
+    server, _ = hostile
+    answer = server.client.request(
+        method, path, headers={"host": "evil.example"}, json=DIGIT if method == "POST" else None
+    )
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"] == f"no route {path}"
+    assert "location" not in answer.headers
+
+
 def test_an_unknown_model_is_404_without_naming_the_others(hostile: tuple[Server, Path]) -> None:
     server, _ = hostile
     answer = server.client.post("/v2/models/nope/infer", json=DIGIT)

@@ -160,6 +160,36 @@ def test_a_module_whose_rows_depend_on_each_other_is_refused_unless_unbatched(
     )  # fmt: skip
 
 
+class Masked(torch.nn.Module):
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return ids.float() * mask
+
+
+def test_inputs_declared_out_of_forwards_order_are_refused_naming_it(tmp_path: Path) -> None:
+    """--input mask --input ids for forward(ids, mask) exported and served with the values of
+    each fed to the other, by position: a client sending them by name got answers off."""
+    ids, mask = (TensorConfig(name=n, datatype="FP32", shape=(4,)) for n in ("ids", "mask"))
+    y = TensorConfig(name="y", datatype="FP32", shape=(4,))
+    rows = {"ids": np.ones((2, 4), np.float32), "mask": np.ones((2, 4), np.float32)}
+    with pytest.raises(
+        ExportError,
+        match=re.escape(
+            "input 'mask' is declared first, and is forward()'s second parameter: the inputs "
+            "feed forward(ids, mask) in the order they are declared"
+        ),
+    ):
+        export_model(
+            Masked(), tmp_path / "swapped", name="m", inputs=[mask, ids], outputs=[y],
+            golden_inputs=rows, max_batch_size=4, formats=("onnx",),
+        )  # fmt: skip
+    renamed = [ids.model_copy(update={"name": "tokens"}), mask.model_copy(update={"name": "m"})]
+    export_model(
+        Masked(), tmp_path / "renamed", name="m", inputs=renamed, outputs=[y],
+        golden_inputs={"tokens": rows["ids"], "m": rows["mask"]}, max_batch_size=4,
+        formats=("onnx",),
+    )  # fmt: skip
+
+
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:
     wrong = TensorConfig(name="y", datatype="FP64", shape=(10,))
     with pytest.raises(ExportError, match="declared FP64, the module returns float32"):

@@ -506,3 +506,18 @@ def test_true_among_a_tensors_numbers_is_refused_in_a_body_that_has_it() -> None
     assert decode_request(body([5, 1, 7])).inputs[0].data.tolist() == [5, 1, 7]
     # the word elsewhere (a name) only costs the scan, and the numbers are numbers
     assert decode_request(body([0, 1], name="is_true")).inputs[0].data.tolist() == [0, 1]
+
+
+def test_v1_base64_wrapped_in_lines_is_read_as_its_data() -> None:
+    """`base64` wraps at 76 columns and MIME encoders at 76 with CRLF: such an instance was
+    refused "Only base64 data is allowed", not saying the line breaks were the matter."""
+    import base64
+
+    data = bytes(range(256)) * 3
+    flat = base64.b64encode(data).decode()
+    for wrapped in ("\n".join(flat[i : i + 76] for i in range(0, len(flat), 76)) + "\n",
+                    "\r\n".join(flat[i : i + 76] for i in range(0, len(flat), 76))):  # fmt: skip
+        body = orjson.dumps({"instances": [{"b64": wrapped}]})
+        assert v1.decode_predict("m", body, "application/json").raw == [data]
+    with pytest.raises(InvalidInput, match=r"instances\[0\]\.b64 is not valid base64"):
+        v1.decode_predict("m", orjson.dumps({"instances": [{"b64": "ab\ncd!"}]}), "")

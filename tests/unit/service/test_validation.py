@@ -3,6 +3,8 @@ words, where a slip is likely."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,18 @@ def test_ragged_rows_are_held_to_their_ranges_row_by_row_not_with_their_padding(
         check_inputs(tensors, signature, config(), "m")  # the zeros, had they been sent
     with pytest.raises(InvalidInput, match=r"^instances\[1\]: input 'ids': values must lie"):
         ragged_instance_tensors([[1, 2, 3], [0]], specs, axes, "m", lambda _: None)
+
+
+def test_v1_rows_of_unlike_nesting_name_the_instance() -> None:
+    """ "[1] is a number, [0] a list of 1" read like values; they are instances."""
+    from service.core.validation import instance_tensors
+
+    cat = TensorConfig(name="cat", datatype="INT64", shape=(1,))
+    with pytest.raises(
+        InvalidInput,
+        match=re.escape(
+            "instances for input 'cat' are not INT64 rows of shape [1]: its nested lists are not "
+            "all of one length: instances[1] is a number, instances[0] a list of 1"
+        ),
+    ):
+        instance_tensors([{"cat": [3]}, {"cat": 4}], (cat,))
