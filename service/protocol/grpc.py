@@ -409,9 +409,12 @@ def parameters(message: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
 
 def set_parameters(target: Any, values: Mapping[str, Any]) -> None:
     """Plain values → a protobuf parameter map; values with no protobuf type go as JSON text,
-    as REST writes them (numpy arrays as lists, NaN as "NaN": ``repr`` had made "[1 2]")."""
+    as REST writes them (numpy arrays as lists, NaN as "NaN": ``repr`` had made "[1 2]");
+    None (a parameter with no value, as :func:`parameters` reads it) as one with none."""
     for key, value in values.items():
         parameter = target[key]
+        if value is None:  # a parameter sent with no value: echoed as it came, not as "null"
+            continue
         if isinstance(value, np.generic) and value.ndim == 0 and value.dtype.kind in "biuf":
             value = value.item()
         if isinstance(value, bool):

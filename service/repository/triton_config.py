@@ -119,6 +119,8 @@ def _tensor(tensor: TensorConfig, optional: bool = False) -> dict[str, Any]:
         "data_type": data_type(tensor.datatype),
         "dims": list(tensor.shape) or [1],  # a scalar per row is dims [1], as Triton writes it
     }
+    if not tensor.shape:  # and reshaped to none, as Triton says it: the tensor is [batch]
+        entry["reshape"] = {"shape": []}
     if optional:
         entry["optional"] = True
     return entry

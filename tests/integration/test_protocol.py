@@ -182,7 +182,15 @@ def test_model_configuration_is_the_served_config(protocol_server: Server) -> No
     assert config["max_batch_size"] == 64
     assert config["input"] == [
         {"name": "image", "data_type": "TYPE_FP32", "dims": [1, 8, 8]},
-        {"name": "image_bytes", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+        {
+            "name": "image_bytes",
+            "data_type": "TYPE_STRING",
+            "dims": [1],
+            "optional": True,
+            "reshape": {
+                "shape": []
+            },  # one value a row, as Triton writes it: [batch], not [batch, 1]
+        },
     ]
     preprocessing = json.loads(config["parameters"]["tensorgate.preprocessing"]["string_value"])
     assert preprocessing["color"] == "L"

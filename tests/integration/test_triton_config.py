@@ -51,6 +51,7 @@ def test_config_has_tritons_shape_and_builds_valid_requests(server: Server, mode
         assert ours["name"] == theirs["name"] and ours["data_type"] == theirs["data_type"]
         assert [int(d) for d in theirs["dims"]] == ours["dims"]
         assert ours.get("optional", False) == theirs.get("optional", False)
+        assert ("reshape" in ours) == ("reshape" in theirs)  # gRPC JSON writes [] as {}
     optional = [i["name"] for i in config["input"] if i.get("optional")]
     # the pipeline's raw input: the image's (`<input>_bytes`), the text's, or the code's own
     raw = {"minilm": "text", "wine": "record", "faces": "image_bytes"}

@@ -241,13 +241,15 @@ def test_a_models_parameters_are_written_over_grpc_as_rest_writes_them() -> None
 
 def test_parameters_round_trip_and_fp16_outputs_go_raw() -> None:
     message = request_with("FP32", [1], fp32_contents=[1.0])
-    codec.set_parameters(message.parameters, {"a": True, "b": 3, "c": 0.5, "d": "s", "e": [1]})
+    sent = {"a": True, "b": 3, "c": 0.5, "d": "s", "e": [1], "f": None}
+    codec.set_parameters(message.parameters, sent)
     assert codec.parameters(message.parameters) == {
         "a": True,
         "b": 3,
         "c": 0.5,
         "d": "s",
         "e": "[1]",
+        "f": None,  # sent with no value: echoed with none, not as the string "null"
     }
     outputs = [
         OutputTensor("y", "FP16", np.array([[1.5]], np.float16)),
