@@ -54,7 +54,7 @@ from service.core.validation import (
     instance_tensors,
     ragged_instance_tensors,
 )
-from service.datatypes import TO_NUMPY, as_values, json_answer
+from service.datatypes import TO_NUMPY, as_values, json_answer, json_kind
 from service.errors import (
     InvalidInput,
     ModelExecutionError,
@@ -868,9 +868,11 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
         # texts are strings; objects are rows of the model's own inputs (token ids)
         odd = next((i for i, r in enumerate(request.rows) if not isinstance(r, str | dict)), None)
         if odd is not None:
+            row = request.rows[odd]  # a {"b64": ...} object is decoded to bytes by then
+            what = 'a {"b64": ...} object' if isinstance(row, bytes) else json_kind(row)
             raise InvalidInput(
-                f"model '{model.name}' takes texts: send each instance as a string (instance "
-                f"{odd} is {type(request.rows[odd]).__name__})"
+                f"model '{model.name}' takes texts: send each instance as a string "
+                f"(instances[{odd}] is {what})"
             )
     if request.rows is not None and request.raw_in_json:
         raise InvalidInput(

@@ -48,6 +48,11 @@ def decode_predict(
     instances = payload.get("instances") if isinstance(payload, dict) else None
     if not isinstance(instances, list) or not instances:
         raise InvalidInput('expected a JSON object {"instances": [...]} with at least one instance')
+    if "inputs" in payload:  # v1's columnar form: beside instances, which would it mean?
+        raise InvalidInput(
+            "send 'instances' or 'inputs', not both; this server takes 'instances' (one entry "
+            "a row)"
+        )
     if all(isinstance(item, str) for item in instances):  # texts: raw items, and JSON values
         raw = [i.encode() for i in instances]
         return _request(model, timeout_s, raw=raw, rows=instances, rows_bytes=len(body))

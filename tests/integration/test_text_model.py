@@ -127,10 +127,13 @@ def test_truncation_is_reported_per_text(server: Server) -> None:
 
 def test_an_instance_that_is_not_a_text_is_a_400_saying_texts_are_strings(server: Server) -> None:
     """It said "the model takes 2 inputs; send each instance as an object naming them"."""
-    answer = server.client.post("/v1/models/minilm:predict", json={"instances": ["a text", 42]})
-    assert answer.status_code == 400, answer.text
-    said = "model 'minilm' takes texts: send each instance as a string (instance 1 is int)"
-    assert said in answer.json()["error"]
+    for odd, what in ((42, "int"), ({"b64": "aGVsbG8="}, 'a {"b64": ...} object')):
+        answer = server.client.post("/v1/models/minilm:predict", json={"instances": ["a", odd]})
+        assert answer.status_code == 400, answer.text
+        said = (
+            f"model 'minilm' takes texts: send each instance as a string (instances[1] is {what})"
+        )
+        assert said in answer.json()["error"]  # a {"b64": ...} object was "bytes"
 
 
 def test_padding_to_buckets_changes_nothing(server: Server) -> None:

@@ -521,3 +521,10 @@ def test_v1_base64_wrapped_in_lines_is_read_as_its_data() -> None:
         assert v1.decode_predict("m", body, "application/json").raw == [data]
     with pytest.raises(InvalidInput, match=r"instances\[0\]\.b64 is not valid base64"):
         v1.decode_predict("m", orjson.dumps({"instances": [{"b64": "ab\ncd!"}]}), "")
+
+
+def test_v1_instances_beside_inputs_are_refused_not_half_read() -> None:
+    """v1's columnar ``inputs`` beside ``instances`` was ignored, the request answered 200."""
+    body = orjson.dumps({"instances": [[1.0]], "inputs": [1]})
+    with pytest.raises(InvalidInput, match="send 'instances' or 'inputs', not both"):
+        v1.decode_predict("m", body, "application/json")
