@@ -10,6 +10,7 @@ bounds the resized image) are checked from the header before any pixel is decode
 
 from __future__ import annotations
 
+import bisect
 import io
 import re
 import warnings
@@ -122,9 +123,8 @@ class ImagePipeline:
         spec = self.spec
         if spec.resize is not None and max(width, height) > MAX_ASPECT_RATIO * min(width, height):
             raise PreprocessingError(
-                f"image is {width}x{height}, an aspect ratio of "
-                f"{max(width, height) / max(1, min(width, height)):.1f}".removesuffix(".0")
-                + ":1; this model resizes "
+                f"image is {width}x{height}, an aspect ratio of {_past(width, height)}:1; "
+                "this model resizes "
                 f"images and takes aspect ratios up to {MAX_ASPECT_RATIO}:1 (long side over "
                 "short side)"
             )
@@ -267,35 +267,52 @@ def _open(data: bytes) -> Image.Image:
             f"image too large: {width}x{height} is {width * height} pixels; this server decodes "
             f"images of at most {MAX_IMAGE_PIXELS} pixels ({MAX_IMAGE_PIXELS // 2**20} Mi)"
         )
-    if image.format in ("JPEG", "MPO") and (scans := jpeg_scans(data)) > MAX_JPEG_SCANS:
+    if image.format in ("JPEG", "MPO") and jpeg_scans(data) > MAX_JPEG_SCANS:
         raise PreprocessingError(
-            f"JPEG has {scans} scans; this server decodes JPEGs of at most {MAX_JPEG_SCANS} "
-            "(each scan is a pass over the whole image; encoders write 10 or fewer)"
+            f"JPEG has more than {MAX_JPEG_SCANS} scans; this server decodes JPEGs of at most "
+            f"{MAX_JPEG_SCANS} (each scan is a pass over the whole image; encoders write 10 or "
+            "fewer)"
         )
     return image
 
 
+def _past(width: int, height: int) -> str:
+    """Long side over short side, rounded up to 2 decimals (20.04, never "20" past 20)."""
+    hundredths = -(-100 * max(width, height) // max(1, min(width, height)))
+    return f"{hundredths / 100:.2f}".rstrip("0").rstrip(".")
+
+
 def jpeg_scans(data: bytes) -> int:
-    """How many scans (SOS markers) a JPEG has, at most: its segments are walked to the first
-    scan (APPn payloads, an EXIF thumbnail's scans among them, skipped by their lengths), and
-    every FF DA after it counted. Past the first scan a 0xFF byte is a marker or stuffed (FF 00),
-    so FF DA there is a scan, or a table's bytes in a rare file, which this counts too."""
-    pos, end = 2, len(data)
-    while pos + 4 <= end:
-        if data[pos] != 0xFF:
-            return 0  # not a segment: Pillow's decoder says what is wrong with it
-        marker = data[pos + 1]
-        if marker == 0xFF:  # a fill byte before a marker
-            pos += 1
-        elif marker == 0xDA:  # numpy: bytes.count of a two-byte needle takes 5 × as long
-            rest = np.frombuffer(data, np.uint8, offset=pos + 2)
-            after_ff = np.flatnonzero(rest[:-1] == 0xFF) + 1
-            return 1 + int(np.count_nonzero(rest[after_ff] == 0xDA))
-        elif marker == 0x01 or 0xD0 <= marker <= 0xD9:  # markers with no segment
-            pos += 2
-        else:
-            pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
-    return 0
+    """How many scans (SOS markers) libjpeg would read of a JPEG, counted as it reads them:
+    segments skipped by their lengths (APPn, an EXIF thumbnail's scans among them), a scan's
+    entropy-coded data to the next marker (where 0xFF is stuffed, FF 00, or a restart), bytes
+    between segments skipped as libjpeg skips them, and nothing after the first image's EOI (a
+    motion photo's video, an MPO's other pictures). Counting stops past :data:`MAX_JPEG_SCANS`."""
+    array = np.frombuffer(data, np.uint8)
+    at_ff = np.flatnonzero(array[:-1] == 0xFF)
+    following = array[at_ff + 1]
+    # markers: 0xFF then neither a stuffed zero, a fill byte nor a restart (RST0-7)
+    marks = at_ff[
+        (following != 0) & (following != 0xFF) & ((following < 0xD0) | (following > 0xD7))
+    ]
+    markers = marks.tolist()
+    scans, pos, end = 0, 2, len(data)
+    while scans <= MAX_JPEG_SCANS:
+        index = bisect.bisect_left(markers, pos)
+        if index == len(markers):
+            break
+        at = markers[index]
+        marker = data[at + 1]
+        if marker == 0xD9:  # EOI: the image ends
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no segment follows
+            pos = at + 2
+            continue
+        if at + 4 > end:
+            break
+        pos = at + 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+        scans += marker == 0xDA
+    return scans
 
 
 def _reason(exc: Exception) -> str:

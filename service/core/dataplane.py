@@ -82,6 +82,14 @@ from service.telemetry.tracing import RequestTrace
 T = TypeVar("T")
 log = logging.getLogger("tensorgate.app")
 
+ENDED = -1
+"""``held[0]`` of a request whose holds were released (:meth:`DataPlane.release`)."""
+
+
+class RequestEnded(Exception):
+    """A hold asked for by a request that has ended (its pool work outlived it)."""
+
+
 OFFLOAD_BYTES = 32 * 1024
 """Work through this many bytes (or more) moves to the thread pool; below it the hop costs more.
 Callers pass the bytes the work goes through, not the body's size (a raw image's decode into a
@@ -118,6 +126,7 @@ class DataPlane:
         self.observer = observer
         self.drain = drain
         self._bulk = asyncio.Lock()  # see BULK_BYTES
+        self._holds = threading.Lock()  # a hold taken in the pool, and the request's end
         self.budget: Budget | None = None
         """The server's budget for what clients make it hold (set by the app: the one its
         bodies and messages are held in); raw items hold what they decode into in it."""
@@ -206,8 +215,7 @@ class DataPlane:
         try:
             return await self._preprocess(served, request, held)
         finally:
-            if self.budget is not None and held[0]:
-                self.budget.release(held[0])
+            self.release(held)
 
     @contextlib.contextmanager
     def draining(self) -> Iterator[None]:
@@ -370,12 +378,25 @@ class DataPlane:
 
     def _hold(self, held: list[int] | None, size: int, already: int | None = None) -> None:
         """``size`` bytes more from the budget for a request holding ``held[0]`` (released
-        with the rest when it is answered) beside ``already`` (by default, what its task holds:
-        :func:`request_held`)."""
-        if self.budget is not None and held is not None:
-            before = request_held() if already is None else already
+        with the rest when it is answered: :meth:`release`) beside ``already`` (by default,
+        what its task holds: :func:`request_held`). From the pool too: a request that ended
+        meanwhile (its client gone, its task cancelled while the pool read its rows) takes
+        nothing, since nothing would release it."""
+        if self.budget is None or held is None:
+            return
+        before = request_held() if already is None else already
+        with self._holds:
+            if held[0] == ENDED:
+                raise RequestEnded("the request ended while its inputs were read")
             self.budget.take(size, before + held[0])
             held[0] += size
+
+    def release(self, held: list[int]) -> None:
+        """What a request took in :meth:`_hold`, back to the budget, once; later holds fail."""
+        with self._holds:
+            if held[0] > 0 and self.budget is not None:
+                self.budget.release(held[0])
+            held[0] = ENDED
 
     def deadline(self, timeout_s: float | None, parameters: dict[str, Any] | None = None) -> float:
         """When a request must have started: the sooner of its own timeout (a header, a gRPC
@@ -689,8 +710,7 @@ class Call:
     ) -> None:
         if self._arriving:  # failed (or was answered) before it reached the queue
             self.served.arriving -= 1
-        if self._held[0] and (budget := self.dataplane.budget) is not None:
-            budget.release(self._held[0])
+        self.dataplane.release(self._held)
         self._in_use.__exit__(kind, exc, tb)
         self._observing.__exit__(kind, exc, tb)
 

@@ -452,6 +452,30 @@ def test_a_large_answer_asked_to_be_pooled_is_encoded_off_the_event_loop(
     assert (encoder == loop) is on_the_loop
 
 
+def test_a_hold_asked_for_after_its_request_ended_takes_nothing(
+    core: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v1 rows of their own lengths are read and padded in the pool, which takes the padding
+    from the budget there. A client gone meanwhile ends the request (its holds released) while
+    the pool still runs: its hold after that was never released, and each such disconnect
+    lost budget for good, until every request was a 503."""
+    from service.core.dataplane import RequestEnded
+    from service.limits.admission import BytesBudget
+
+    budget = BytesBudget(limit=1 << 20)
+    monkeypatch.setattr(core.dataplane, "budget", budget)
+    held = [0]
+    core.dataplane._hold(held, 1000, already=0)
+    assert budget.held == 1000
+    core.dataplane.release(held)
+    assert budget.held == 0
+    with pytest.raises(RequestEnded):
+        core.dataplane._hold(held, 1000, already=0)  # the pool's, after the request's end
+    assert budget.held == 0
+    core.dataplane.release(held)  # a second release gives back nothing
+    assert budget.held == 0
+
+
 @pytest.mark.parametrize(("pooled", "counted"), [(False, 1), (True, 4)])
 def test_an_answer_is_counted_in_the_budget_before_it_is_made(
     core: InProcess, monkeypatch: pytest.MonkeyPatch, pooled: bool, counted: int
