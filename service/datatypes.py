@@ -150,8 +150,9 @@ def unlike(values: Any, root: str = "") -> str:
     what the first elements make the tensor's shape (a string among lists, a list of another
     length), or nesting past :data:`MAX_NESTING` (numpy takes 64 dims at most). At most
     :data:`MAX_LOOKED_AT` elements are looked at, each once, and a path is written only for
-    the one named: a bad body costs no more than numpy's own attempt. ``root``: what the paths
-    index (``instances``: v1's ``instances[1]``)."""
+    the one named: a bad body costs no more than numpy's own attempt. ``root``: what a path's
+    first index names, ``{}`` standing for it (``instances[{}].cat``: v1's ``instances[1].cat``;
+    without ``{}``, the first index is left out: the values were wrapped in a list)."""
     generic = "its nested lists are not all of one length"
     shape: list[int] = []
     first = values
@@ -183,14 +184,20 @@ def unlike(values: Any, root: str = "") -> str:
             stack.append(iter(element))
             path.append(-1)
         elif wanted is not None or isinstance(element, list):
-            where = root + "".join(f"[{i}]" for i in path)
-            like = root + "".join("[0]" for _ in path)
+            where, like = _path(root, path), _path(root, [0] * len(path))
             expected = f"a list of {wanted}" if wanted is not None else _shape_word(first)
             return f"{generic}: {where} is {_shape_word(element)}, {like} {expected}"
     return generic
 
 
 _END = object()
+
+
+def _path(root: str, path: list[int]) -> str:
+    """``[1][0]``, or under ``root`` (:func:`unlike`) ``instances[1].cat[0]``."""
+    if not root:
+        return "".join(f"[{i}]" for i in path)
+    return root.format(path[0]) + "".join(f"[{i}]" for i in path[1:])
 
 
 def _shape_word(value: Any) -> str:

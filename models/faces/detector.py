@@ -92,12 +92,14 @@ class FaceDetector(Pipeline):
             prob, offsets = out["prob"][0, 1], out["offsets"][0]
             ys, xs = np.nonzero(prob >= self.thresholds[0])
             if len(ys):
+                # back by the level's own scale on each axis (rounded up, a level is stretched)
+                across, down = level_w / width, level_h / height
                 boxes = np.stack(
                     [
-                        np.floor((2 * xs + 1) / scale),
-                        np.floor((2 * ys + 1) / scale),
-                        np.floor((2 * xs + WINDOW) / scale),
-                        np.floor((2 * ys + WINDOW) / scale),
+                        np.floor((2 * xs + 1) / across),
+                        np.floor((2 * ys + 1) / down),
+                        np.floor((2 * xs + WINDOW) / across),
+                        np.floor((2 * ys + WINDOW) / down),
                         prob[ys, xs],
                     ],
                     axis=1,

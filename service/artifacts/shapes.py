@@ -17,9 +17,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from service.errors import InvalidInput, ModelLoadError
 from service.model_config import ModelConfig, TensorConfig
@@ -40,6 +47,18 @@ class Axis(_Frozen):
     dims: tuple[Dim, ...] = Field(min_length=1)
     min: int = Field(ge=1)
     max: int = Field(ge=1)
+    multiple: int = Field(default=1, ge=1)
+    """Padding along it leaves the answer unchanged from sizes that are multiples of this only
+    (a stride-2 net reads the padding at an odd size's last window): other sizes are taken at
+    a bucket exactly. Written only when above 1, so that a server from before it, which could
+    not keep to it, refuses the manifest rather than pad every size."""
+
+    @model_serializer(mode="wrap")
+    def _without_one(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        written: dict[str, Any] = write(self)
+        if written.get("multiple") == 1:
+            del written["multiple"]
+        return written
 
 
 class Follow(_Frozen):
@@ -62,11 +81,8 @@ class ShapeFacts(_Frozen):
     """The buckets export checked the artifact at."""
     pad: bool
     """Padding up to a bucket leaves the answer over the real region unchanged (measured)."""
-    multiple: int = Field(default=1, ge=1)
-    """With ``pad``, from sizes that are multiples of this only (a stride-2 net reads the
-    padding at an odd size's last window): other sizes are taken at a bucket exactly."""
     reason: str = ""
-    """Why not, when ``pad`` is false or ``multiple`` above 1."""
+    """Why not, when ``pad`` is false or an axis's ``multiple`` is above 1."""
     follows: dict[str, dict[int, Follow]] = {}
     """Output name → its dims (full-shape index) that follow an input dim."""
 
@@ -94,8 +110,6 @@ class ShapePolicy:
     follows: Mapping[str, Mapping[int, Follow]]
     check_agreement: bool
     """Refuse inputs that disagree on an axis (only where export found the axis, not guessed)."""
-    multiple: int = 1
-    """With ``pad``, sizes are padded from multiples of this only (:class:`ShapeFacts`)."""
 
     @classmethod
     def of(
@@ -118,15 +132,7 @@ class ShapePolicy:
                 )
         if buckets:
             axes = tuple(a.model_copy(update={"max": min(a.max, max(buckets))}) for a in axes)
-        return cls(
-            axes,
-            buckets,
-            facts.pad,
-            facts.reason,
-            facts.follows,
-            check_agreement=True,
-            multiple=facts.multiple,
-        )
+        return cls(axes, buckets, facts.pad, facts.reason, facts.follows, check_agreement=True)
 
     @property
     def pads_unchanged(self) -> bool:
@@ -202,14 +208,18 @@ class ShapePolicy:
                     f"{list(self.buckets)} there, since padding changes its answer ({self.reason})"
                 )
             return n
-        if n % self.multiple and n not in self.buckets:
+        if n % axis.multiple and n not in self.buckets:
             raise InvalidInput(
                 f"input '{name}': dim {index} is {n}; model '{model}' takes multiples of "
-                f"{self.multiple} from {axis.min} to {axis.max} there, or exactly "
+                f"{axis.multiple} from {axis.min} to {axis.max} there, or exactly "
                 f"{list(self.buckets)}, since padding changes its answer at other sizes "
                 f"({self.reason})"
             )
         return next(b for b in self.buckets if b >= n)
+
+    def axis_of(self, dim: Dim) -> Axis:
+        """The axis ``dim`` belongs to."""
+        return next(axis for axis in self.axes if dim in axis.dims)
 
     def row_crops(
         self, sizes: Sequence[Mapping[Dim, int]], fitted: Mapping[str, np.ndarray]

@@ -153,7 +153,8 @@ def instance_tensors(
             return _tensors_of(whole, specs)
         if len(specs) == 1 and _depth(only) == len(specs[0].shape):
             return _tensors_of({specs[0].name: only}, specs)
-    return _tensors_of(_columns(instances, specs), specs)
+    named = all(isinstance(item, dict) for item in instances)
+    return _tensors_of(_columns(instances, specs), specs, named)
 
 
 def ragged_instance_tensors(
@@ -173,16 +174,18 @@ def ragged_instance_tensors(
     rows' bytes before they are made (the budget's: a row of 512 tokens among a thousand of
     one pads them all to 512)."""
     columns = _columns(instances, specs)
+    named = all(isinstance(item, dict) for item in instances)
     sizes: list[dict[Dim, int]] = [{} for _ in instances]
     rows_of: dict[str, list[np.ndarray]] = {}
     for spec in specs:
         rows = []
         for index, value in enumerate(columns[spec.name]):
             try:
+                root = _root(spec.name, named, index)  # the wrapping list's [0] left out
                 row = (
-                    json_strings([value])
+                    json_strings([value], root)
                     if spec.datatype == "BYTES"
-                    else json_numbers([value], spec.datatype)
+                    else json_numbers([value], spec.datatype, root=root)
                 )[0]
             except (ValueError, TypeError, OverflowError) as exc:
                 raise InvalidInput(
@@ -263,15 +266,25 @@ def _columns(instances: list[Any], specs: tuple[TensorConfig, ...]) -> dict[str,
     )
 
 
-def _tensors_of(columns: dict[str, Any], specs: tuple[TensorConfig, ...]) -> list[InputTensor]:
+def _root(name: str, named: bool, index: int | str = "{}") -> str:
+    """Where an instance's value for input ``name`` is, for :func:`unlike`'s paths:
+    ``instances[{}].cat`` (``{}`` the instance's index), or ``instances[{}]``."""
+    escaped = name.replace("{", "{{").replace("}", "}}")
+    return f"instances[{index}]" + (f".{escaped}" if named else "")
+
+
+def _tensors_of(
+    columns: dict[str, Any], specs: tuple[TensorConfig, ...], named: bool = False
+) -> list[InputTensor]:
     tensors = []
     for spec in specs:
         try:
             values = columns[spec.name]
+            root = _root(spec.name, named)
             if spec.datatype == "BYTES":
-                array = json_strings(values, "instances")
+                array = json_strings(values, root)
             else:
-                array = json_numbers(values, spec.datatype, root="instances")
+                array = json_numbers(values, spec.datatype, root=root)
         except (ValueError, TypeError, OverflowError) as exc:
             raise InvalidInput(
                 f"instances for input '{spec.name}' are not {spec.datatype} rows of shape "

@@ -296,8 +296,9 @@ def summary(manifest: Manifest, out_dir: Path, config: Path, backend: str, writt
         shapes = manifest.shapes
         how = "padded to" if shapes.pad else "served at exactly"
         line += f"; dynamic dims {how} {list(shapes.buckets)}"
-        if shapes.pad and shapes.multiple > 1:
-            line += f" from multiples of {shapes.multiple} (other sizes: exactly a bucket)"
+        if shapes.pad and (strided := [a for a in shapes.axes if a.multiple > 1]):
+            each = ", ".join(f"{a.dims[0][0]} dim {a.dims[0][1]}: {a.multiple}" for a in strided)
+            line += f" from multiples ({each}; other sizes: exactly a bucket)"
     return line + (f"; {config} serves {backend}" if written else f"; kept {config}")
 
 

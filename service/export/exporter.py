@@ -757,33 +757,35 @@ def _shape_facts(
                 f"buckets {below} are below the smallest size input '{name}' dim {index} takes "
                 f"({axis.min}, as torch.export found)"
             )
-    multiple = 1
+    multiples: tuple[int, ...] = ()
     if not why:
-        why, multiple = export_shapes.padding_verdict(
+        why, multiples = export_shapes.padding_verdict(
             eager_run, probes[0], axes, buckets, follows, tolerance
         )
-    if why and multiple > 1:
+    pad = bool(multiples)
+    if pad:
+        axes = tuple(
+            axis.model_copy(update={"multiple": multiple})
+            for axis, multiple in zip(axes, multiples, strict=True)
+        )
+    if strided := [axis for axis in axes if axis.multiple > 1]:
         log.warning(
-            "padding changes this model's answer at sizes not a multiple of %d (%s): it will "
-            "be served padded from those, and at exactly the buckets %s",
-            multiple,
+            "padding changes this model's answer at some sizes (%s): it will be padded from "
+            "multiples of %s, and take other sizes at exactly the buckets %s",
             why,
+            ", ".join(
+                f"{a.multiple} along input '{a.dims[0][0]}' dim {a.dims[0][1]}" for a in strided
+            ),
             list(buckets),
         )
-    elif why:
+    if why and not pad:
         log.warning(
             "padding changes this model's answer (%s): it will be served at exactly the buckets %s",
             why,
             list(buckets),
         )
-    pad = not why or multiple > 1
     return ShapeFacts(
-        axes=axes,
-        buckets=buckets,
-        pad=pad,
-        multiple=multiple,
-        reason=why,
-        follows=follows if pad else {},
+        axes=axes, buckets=buckets, pad=pad, reason=why, follows=follows if pad else {}
     )
 
 

@@ -181,10 +181,11 @@ what the bias alone gives, they are the maximum: served with padding, such a mod
 unlike eager PyTorch (by 1.07 and 0.061) where the check had passed."""
 
 
-MULTIPLES = (2, 4, 8)
-"""The strides whose multiples padding may be exact at where it is not at every size: a
-convolution of stride 2 (or a pooling window of 2 with ``ceil_mode``) reads the padding at an
-odd size's last window, and a net of three such at sizes not a multiple of 8."""
+STRIDES = 6
+"""Sizes checked below the golden rows' own, per axis: the largest odd multiple of 1, 2, 4, 8,
+16 and 32 under it. A convolution of stride 2 (or a pooling window of 2 with ``ceil_mode``)
+padded reads the padding at an odd size's last window only; a net of five such, at sizes not a
+multiple of 32."""
 
 
 def padding_verdict(
@@ -194,40 +195,46 @@ def padding_verdict(
     buckets: Sequence[int],
     follows: Mapping[str, Mapping[int, Follow]],
     tolerance: Tolerance,
-) -> tuple[str, int]:
-    """("", 1) when padding the golden rows to each bucket above their sizes leaves their
-    outputs over the real region unchanged (in eager PyTorch), also with their float inputs
-    made all negative, scaled into [0, 1] and made all positive (:data:`PADDING_VARIANTS`), and
-    so does padding the rows cut to each of the 7 sizes below theirs (each dim 1 to 7 shorter)
-    to the next bucket: a padded stride-2 net answers unlike eager PyTorch at odd sizes only.
-    Else what changed, and the least of :data:`MULTIPLES` whose multiples every size that
-    changed is not one of (padding is exact from those sizes only), or 1 (padding is not)."""
+) -> tuple[str, tuple[int, ...]]:
+    """Whether padding the golden rows to each bucket above their sizes leaves their outputs
+    over the real region unchanged (in eager PyTorch), also with their float inputs made all
+    negative, scaled into [0, 1] and made all positive (:data:`PADDING_VARIANTS`): if not, what
+    changed and ``()`` (no padding). Then, for each axis alone, the rows cut along it to the
+    largest odd multiple of 1, 2, 4, … 32 below their size (:data:`STRIDES`), each padded to the
+    next bucket: each axis's multiple is the least power of two whose every size checked
+    agreed (1: any size), with what changed at a size it leaves out. ("", (1, 1)) for a module
+    padding leaves unchanged everywhere; a multiple past 32 is no padding."""
     real = {dim: golden[dim[0]].shape[dim[1]] for axis in axes for dim in axis.dims}
     why = _padding_changes(run, golden, "the golden rows", real, buckets, follows, tolerance)
     if why:
-        return why, 1
-    changed: list[tuple[dict[Dim, int], str]] = []
-    for shorter in range(1, MULTIPLES[-1]):
-        sizes = {dim: n - shorter for dim, n in real.items()}
-        if any(sizes[dim] < axis.min for axis in axes for dim in axis.dims):
-            break
-        rows = dict(golden)
-        for (name, index), size in sizes.items():
-            rows[name] = np.take(rows[name], np.arange(size), axis=index)
-        above = [b for b in buckets if b > max(sizes.values())][:1]
-        said = "the golden rows cut shorter"
-        try:
-            why = _padding_changes(run, rows, said, sizes, above, follows, tolerance)
-        except Exception:  # the module takes no such size unpadded: not a padding fact
-            continue
-        if why:
-            changed.append((sizes, why))
-    if not changed:
-        return "", 1
-    for multiple in MULTIPLES:
-        if all(any(n % multiple for n in sizes.values()) for sizes, _ in changed):
-            return changed[0][1], multiple
-    return changed[0][1], 1
+        return why, ()
+    multiples: list[int] = []
+    said = ""
+    for axis in axes:
+        size = real[axis.dims[0]]
+        multiple = 1
+        for power in range(STRIDES):
+            stride = 1 << power
+            cut = size - 1 - (size - 1 - stride) % (2 * stride)  # the odd multiple of stride
+            if cut >= size or cut < max(axis.min, 1):
+                continue
+            sizes = {**real, **dict.fromkeys(axis.dims, cut)}
+            rows = dict(golden)
+            for name, index in axis.dims:
+                rows[name] = np.take(rows[name], np.arange(cut), axis=index)
+            above = [b for b in buckets if b > cut][:1]
+            try:
+                changed = _padding_changes(
+                    run, rows, "the golden rows cut shorter", sizes, above, follows, tolerance
+                )
+            except Exception:  # the module takes no such size unpadded: not a padding fact
+                continue
+            if changed:
+                multiple, said = 2 * stride, said or changed
+        if multiple > 1 << (STRIDES - 1):
+            return said, ()
+        multiples.append(multiple)
+    return said, tuple(multiples)
 
 
 def _padding_changes(

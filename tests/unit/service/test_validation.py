@@ -169,7 +169,9 @@ def test_v1_rows_of_unlike_nesting_name_the_instance() -> None:
         InvalidInput,
         match=re.escape(
             "instances for input 'cat' are not INT64 rows of shape [1]: its nested lists are not "
-            "all of one length: instances[1] is a number, instances[0] a list of 1"
+            "all of one length: instances[1].cat is a number, instances[0].cat a list of 1"
         ),
     ):
         instance_tensors([{"cat": [3]}, {"cat": 4}], (cat,))
+    with pytest.raises(InvalidInput, match=re.escape("instances[1] is a number, instances[0] a")):
+        instance_tensors([[3], 4], (cat,))
