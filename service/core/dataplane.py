@@ -540,13 +540,17 @@ def _tensor_work(model: LoadedVersion, request: InferenceRequest) -> int:
     tensor's elements counted as pointers) where a range is checked, a cast may be made or a
     dynamic dim padded, from :data:`TENSOR_OFFLOAD_BYTES`; none where their shapes and types
     are only looked at, or they are smaller."""
-    inputs = model.signature.inputs
-    if not (
-        model.shapes.axes or model.config.cast_inputs or any(s.range is not None for s in inputs)
-    ):
-        return 0
     size = sum(tensor.data.nbytes for tensor in request.inputs)
-    return size if size >= TENSOR_OFFLOAD_BYTES else 0
+    if size < TENSOR_OFFLOAD_BYTES:
+        return 0
+    specs = {spec.name: spec for spec in model.signature.inputs}
+    padded = bool(model.shapes.axes and model.shapes.buckets)
+    ranged = any(spec.range is not None for spec in specs.values())
+    cast = model.config.cast_inputs and any(
+        tensor.name in specs and tensor.datatype != specs[tensor.name].datatype
+        for tensor in request.inputs
+    )
+    return size if padded or ranged or cast else 0
 
 
 def _check_outputs(model: LoadedVersion, wanted: list[RequestedOutput] | None) -> None:
