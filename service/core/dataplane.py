@@ -516,11 +516,14 @@ def _check_multiples(model: LoadedVersion, sizes: list[dict[Dim, int]]) -> None:
     multiples of a stride (:class:`~service.artifacts.shapes.Axis`), each row's size must be one
     of them, or the longest row's when that is a bucket (not padded)."""
     shapes = model.shapes
+    longest = {dim: max(row[dim] for row in sizes) for dim in sizes[0]} if sizes else {}
+    multiples = {dim: shapes.axis_of(dim).multiple for dim in longest}
+    if all(multiple == 1 for multiple in multiples.values()):
+        return
     for index, own in enumerate(sizes):
         for dim, n in own.items():
-            multiple = shapes.axis_of(dim).multiple
-            longest = max(row[dim] for row in sizes)
-            if n % multiple and not (n == longest and n in shapes.buckets):
+            multiple = multiples[dim]
+            if n % multiple and not (n == longest[dim] and n in shapes.buckets):
                 raise InvalidInput(
                     f"instances[{index}]: input '{dim[0]}' dim {dim[1]} is {n}; model "
                     f"'{model.name}' takes rows of their own sizes at multiples of {multiple} "

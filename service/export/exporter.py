@@ -1185,7 +1185,7 @@ def _check_rows_alone(
     atol, rtol = max(tolerance.atol, floor.atol), max(tolerance.rtol, floor.rtol)
 
     def worst(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> tuple[str, float]:
-        """The output furthest from ``want`` beyond the tolerance, and by how much; ("", 0)."""
+        """The first output off ``want`` beyond the tolerance, and its largest error; ("", 0)."""
         for name, wanted in want.items():
             want64 = wanted.astype(np.float64)
             error = np.abs(got[name].astype(np.float64) - want64)
