@@ -176,7 +176,7 @@ CASES = [
     ),
     ("unknown model metadata", "GET", "/v2/models/nope", b"", "", 404, "unknown model 'nope'"),
     ("unknown model ready", "GET", "/v2/models/nope/ready", b"", "", 404, "unknown model"),
-    ("traversal path", "GET", "/v2/models/..%2F..%2Fetc", b"", "", 404, "no route"),
+    ("traversal path", "GET", "/v2/models/..%2F..%2Fetc", b"", "", 400, "an encoded slash (%2F)"),
     ("dot-dot name", "GET", "/v2/models/%2e%2e/ready", b"", "", 404, "unknown model '..'"),
     ("unknown route", "GET", "/v2/nothing/here", b"", "", 404, "no route /v2/nothing/here"),
 ]
