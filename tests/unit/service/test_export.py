@@ -148,16 +148,26 @@ def test_a_module_whose_rows_depend_on_each_other_is_refused_unless_unbatched(
         r"the 3 rows differs from its output alone by up to .*--max-batch-size 0",
     ):
         export_model(
-            Centred(), tmp_path / "batched", name="centred", inputs=[x], outputs=[y],
+            Centred(),
+            tmp_path / "batched",
+            name="centred",
+            inputs=[x],
+            outputs=[y],
             golden_inputs={"x": np.arange(12, dtype=np.float32).reshape(3, 4)},
-            max_batch_size=4, formats=("onnx",),
-        )  # fmt: skip
+            max_batch_size=4,
+            formats=("onnx",),
+        )
     rows = [TensorConfig(name=n, datatype="FP32", shape=(3, 4)) for n in "xy"]
     export_model(
-        Centred(), tmp_path / "unbatched", name="centred", inputs=rows[:1], outputs=rows[1:],
+        Centred(),
+        tmp_path / "unbatched",
+        name="centred",
+        inputs=rows[:1],
+        outputs=rows[1:],
         golden_inputs={"x": np.arange(12, dtype=np.float32).reshape(3, 4)},
-        max_batch_size=0, formats=("onnx",),
-    )  # fmt: skip
+        max_batch_size=0,
+        formats=("onnx",),
+    )
 
 
 class Masked(torch.nn.Module):
@@ -179,15 +189,26 @@ def test_inputs_declared_out_of_forwards_order_are_refused_naming_it(tmp_path: P
         ),
     ):
         export_model(
-            Masked(), tmp_path / "swapped", name="m", inputs=[mask, ids], outputs=[y],
-            golden_inputs=rows, max_batch_size=4, formats=("onnx",),
-        )  # fmt: skip
+            Masked(),
+            tmp_path / "swapped",
+            name="m",
+            inputs=[mask, ids],
+            outputs=[y],
+            golden_inputs=rows,
+            max_batch_size=4,
+            formats=("onnx",),
+        )
     renamed = [ids.model_copy(update={"name": "tokens"}), mask.model_copy(update={"name": "m"})]
     export_model(
-        Masked(), tmp_path / "renamed", name="m", inputs=renamed, outputs=[y],
-        golden_inputs={"tokens": rows["ids"], "m": rows["mask"]}, max_batch_size=4,
+        Masked(),
+        tmp_path / "renamed",
+        name="m",
+        inputs=renamed,
+        outputs=[y],
+        golden_inputs={"tokens": rows["ids"], "m": rows["mask"]},
+        max_batch_size=4,
         formats=("onnx",),
-    )  # fmt: skip
+    )
 
 
 def test_declared_output_datatype_must_match(tmp_path: Path) -> None:

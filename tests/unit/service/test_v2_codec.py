@@ -515,8 +515,8 @@ def test_v1_base64_wrapped_in_lines_is_read_as_its_data() -> None:
 
     data = bytes(range(256)) * 3
     flat = base64.b64encode(data).decode()
-    for wrapped in ("\n".join(flat[i : i + 76] for i in range(0, len(flat), 76)) + "\n",
-                    "\r\n".join(flat[i : i + 76] for i in range(0, len(flat), 76))):  # fmt: skip
+    lines = [flat[i : i + 76] for i in range(0, len(flat), 76)]
+    for wrapped in ("\n".join(lines) + "\n", "\r\n".join(lines)):
         body = orjson.dumps({"instances": [{"b64": wrapped}]})
         assert v1.decode_predict("m", body, "application/json").raw == [data]
     with pytest.raises(InvalidInput, match=r"instances\[0\]\.b64 is not valid base64"):
