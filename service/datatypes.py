@@ -129,8 +129,8 @@ def json_strings(values: Any, root: str = "") -> np.ndarray:
             out[index] = value.encode()
         elif isinstance(value, dict) and set(value) == {"b64"} and isinstance(value["b64"], str):
             try:
-                out[index] = base64.b64decode(value["b64"], validate=True)
-            except binascii.Error:
+                out[index] = b64_bytes(value["b64"])
+            except (binascii.Error, ValueError):
                 raise ValueError("a {'b64': ...} value is not valid base64") from None
         elif isinstance(value, list):  # numpy kept a list where lengths differ
             raise ValueError(unlike(values, root))
@@ -350,6 +350,31 @@ def _check_range(datatype: str, low: int, high: int) -> None:
             f"values must lie within {datatype}'s [{low_end}, {high_end}]; got values from "
             f"{_said(low)} to {_said(high)}"
         )
+
+
+def b64_bytes(text: str) -> bytes:
+    """A ``{"b64": ...}`` value's bytes: strict base64, or base64 wrapped in lines (``base64``
+    wraps at 76 columns, MIME encoders with CRLF), whose line breaks are not the data's.
+    binascii.Error (or ValueError) for anything else."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        unwrapped = "".join(text.split())
+        if len(unwrapped) == len(text):
+            raise
+        return base64.b64decode(unwrapped, validate=True)
+
+
+def json_said(value: Any) -> str:
+    """A JSON value as the client sent it where it is short (``true``, ``2.5``, ``-1``,
+    ``1e+23``), else what it is (:func:`json_kind`): ``[true, 2]`` told ``true``, not ``True``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return _said(value)
+    if isinstance(value, float):
+        return f"{value:g}" if abs(value) > 2**64 else repr(value)
+    return json_kind(value)
 
 
 def _said(value: int) -> str:

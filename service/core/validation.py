@@ -149,12 +149,11 @@ def instance_tensors(
     if not batched and len(instances) == 1:
         (only,) = instances
         if isinstance(only, dict):  # one object naming the inputs, each value whole
-            whole = {name: column[0] for name, column in _columns(instances, specs).items()}
-            return _tensors_of(whole, specs)
+            whole = {name: column[0] for name, column in _columns(instances, specs)[0].items()}
+            return _tensors_of(whole, True, specs, whole=True)
         if len(specs) == 1 and _depth(only) == len(specs[0].shape):
-            return _tensors_of({specs[0].name: only}, specs)
-    named = all(isinstance(item, dict) for item in instances)
-    return _tensors_of(_columns(instances, specs), specs, named)
+            return _tensors_of({specs[0].name: only}, False, specs, whole=True)
+    return _tensors_of(*_columns(instances, specs), specs)
 
 
 def ragged_instance_tensors(
@@ -173,8 +172,7 @@ def ragged_instance_tensors(
     instance. ``take`` is given the padded
     rows' bytes before they are made (the budget's: a row of 512 tokens among a thousand of
     one pads them all to 512)."""
-    columns = _columns(instances, specs)
-    named = all(isinstance(item, dict) for item in instances)
+    columns, named = _columns(instances, specs)
     sizes: list[dict[Dim, int]] = [{} for _ in instances]
     rows_of: dict[str, list[np.ndarray]] = {}
     for spec in specs:
@@ -246,7 +244,8 @@ def _depth(value: Any) -> int:
     return depth
 
 
-def _columns(instances: list[Any], specs: tuple[TensorConfig, ...]) -> dict[str, Any]:
+def _columns(instances: list[Any], specs: tuple[TensorConfig, ...]) -> tuple[dict[str, Any], bool]:
+    """Each input's values, one a row, and whether the rows were objects naming the inputs."""
     if all(isinstance(item, dict) for item in instances):
         for index, item in enumerate(instances):
             missing = [t.name for t in specs if t.name not in item]
@@ -257,9 +256,9 @@ def _columns(instances: list[Any], specs: tuple[TensorConfig, ...]) -> dict[str,
                     + (f"lacks input(s) {missing}" if missing else f"names no input {unknown}")
                     + f"; the model takes {[t.name for t in specs]}"
                 )
-        return {t.name: [item[t.name] for item in instances] for t in specs}
+        return {t.name: [item[t.name] for item in instances] for t in specs}, True
     if len(specs) == 1:
-        return {specs[0].name: instances}
+        return {specs[0].name: instances}, False
     raise InvalidInput(
         f"the model takes {len(specs)} inputs; send each instance as an object naming them "
         f"({[t.name for t in specs]})"
@@ -274,13 +273,16 @@ def _root(name: str, named: bool, index: int | str = "{}") -> str:
 
 
 def _tensors_of(
-    columns: dict[str, Any], specs: tuple[TensorConfig, ...], named: bool = False
+    columns: dict[str, Any], named: bool, specs: tuple[TensorConfig, ...], whole: bool = False
 ) -> list[InputTensor]:
+    """Each input's values as its tensor. ``named``: the instances were objects naming the
+    inputs; ``whole``: one instance is the inputs whole (a model without a batch dim), so a
+    path into its values starts at ``instances[0]``."""
     tensors = []
     for spec in specs:
         try:
             values = columns[spec.name]
-            root = _root(spec.name, named)
+            root = _root(spec.name, named, 0) + "[{}]" if whole else _root(spec.name, named)
             if spec.datatype == "BYTES":
                 array = json_strings(values, root)
             else:

@@ -11,9 +11,10 @@
 - **Whether padding changes the answer** (:func:`padding_verdict`): the golden rows run in
   eager PyTorch unpadded and padded (with zeros, as the server pads) to each bucket, as they
   are and with their float inputs made all negative, scaled into [0, 1] and made all
-  positive, and cut to each of the 7 sizes below theirs; the outputs over the real region must
-  agree within the manifest's tolerance. A net that agrees at multiples of 2, 4 or 8 only (a
-  stride-2 convolution reads the padding at an odd size's last window) is padded from those.
+  positive; the outputs over the real region must agree within the manifest's tolerance.
+  Then, axis by axis, the rows cut to the largest odd multiple of 1, 2, 4 … 32 below their
+  size: an axis along which only multiples of a stride agree (a padded stride-2 convolution
+  reads the padding at an odd size's last window) is padded from those.
 - **Value ranges** (:func:`index_ranges`): an integer input that indexes an ``nn.Embedding``
   (or ``F.embedding``, or a parameter by ``[]``), itself or through views of it (a column, a
   reshape), takes ``[0, rows - 1]`` (``[-rows, rows - 1]`` for ``[]``, which counts from the

@@ -18,8 +18,9 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from service.core.dataplane import DataPlane
-from service.http.answer import LISTED, Route, answer_inference
-from service.limits.admission import error_body, reserve_of
+from service.errors import InvalidInput
+from service.http.answer import LISTED, Answer, Route, answer_inference, error_answer
+from service.limits.admission import reserve_of
 from service.limits.balance import BALANCE
 from service.telemetry.counters import REFUSED
 from service.telemetry.logs import REQUEST_ID, request_id_for
@@ -41,35 +42,22 @@ class InferFastPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _encoded_slash(scope):
-            await _refuse_encoded_slash(scope, send)
+            _, request_id = _headers(scope)
+            REFUSED["bad_request"] += 1
+            await _send(send, error_answer(InvalidInput(ENCODED_SLASH), "request"), request_id)
             return
         route = _route(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
         dataplane: DataPlane | None = getattr(self.app.state, "dataplane", None)
         if route is None or dataplane is None:  # None only before the lifespan has started
             await self.app(scope, receive, send)
             return
-        headers: dict[str, str] = {}
-        for key, value in scope["headers"]:  # the first of repeated headers wins, as in Starlette
-            name = key.decode("latin-1")
-            # a list: every coding applies; two lengths of the JSON header: which? (a 400)
-            if name in LISTED and name in headers:
-                headers[name] += ", " + value.decode("latin-1")
-            else:
-                headers.setdefault(name, value.decode("latin-1"))
-        request_id = request_id_for(headers.get("x-request-id", ""))
-        REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
+        headers, request_id = _headers(scope)
         after: After = []  # the request's counting and logging: once its answer is sent
         try:
             answer = await answer_inference(
                 dataplane, route, headers, receive, reserve_of(scope), scope.get("client"), after
             )
-            raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
-            raw.append((b"content-length", str(len(answer.body)).encode()))
-            raw.append((b"x-request-id", request_id.encode()))
-            if BALANCE.over_share():  # this worker holds more than its share: the client reconnects
-                raw.append((b"connection", b"close"))
-            await send({"type": "http.response.start", "status": answer.status, "headers": raw})
-            await send({"type": "http.response.body", "body": answer.body})
+            await _send(send, answer, request_id)
         finally:
             for run in after:
                 try:
@@ -78,35 +66,44 @@ class InferFastPath:
                     log.exception("counting request %s after its answer failed", request_id)
 
 
+def _headers(scope: Scope) -> tuple[dict[str, str], str]:
+    """The request's headers (names in lower case, the first of repeated ones as in Starlette,
+    :data:`LISTED` ones joined) and its request id, set for the request's task."""
+    headers: dict[str, str] = {}
+    for key, value in scope["headers"]:
+        name = key.decode("latin-1")
+        # a list: every coding applies; two lengths of the JSON header: which? (a 400)
+        if name in LISTED and name in headers:
+            headers[name] += ", " + value.decode("latin-1")
+        else:
+            headers.setdefault(name, value.decode("latin-1"))
+    request_id = request_id_for(headers.get("x-request-id", ""))
+    REQUEST_ID.set(request_id)  # each request is its own task: the value is its own
+    return headers, request_id
+
+
+async def _send(send: Send, answer: Answer, request_id: str) -> None:
+    raw = [(k.encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
+    raw.append((b"content-length", str(len(answer.body)).encode()))
+    raw.append((b"x-request-id", request_id.encode()))
+    if BALANCE.over_share():  # this worker holds more than its share: the client reconnects
+        raw.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+ENCODED_SLASH = (
+    "the path holds an encoded slash (%2F): model names and versions have none, and the path "
+    "is not routed decoded"
+)
+
+
 def _encoded_slash(scope: Scope) -> bool:
     """Whether the path as sent holds an encoded slash (``%2F``): ASGI's ``path`` is decoded,
     so ``/v2/models/digits%2Fready`` was routed as ``/v2/models/digits/ready``, past any proxy
     that allows paths by their text."""
     raw: bytes = scope.get("raw_path") or b""
     return b"%" in raw and b"%2f" in raw.lower()
-
-
-async def _refuse_encoded_slash(scope: Scope, send: Send) -> None:
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-    request_id = request_id_for(headers.get("x-request-id", ""))
-    REQUEST_ID.set(request_id)
-    REFUSED["bad_request"] += 1
-    body = error_body(
-        "the path holds an encoded slash (%2F): model names and versions have none, and the "
-        "path is not routed decoded"
-    )
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 400,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", request_id.encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 def _route(scope: Scope) -> Route | None:

@@ -7,14 +7,13 @@ images for it), or rows of numbers (read against the model's inputs by the core)
 
 from __future__ import annotations
 
-import base64
 import binascii
 from typing import Any
 
 import numpy as np
 import orjson
 
-from service.datatypes import json_answer, json_values
+from service.datatypes import b64_bytes, json_answer, json_values
 from service.errors import InvalidInput, UnsupportedMediaType
 from service.inference import InferenceRequest, InferenceResult
 
@@ -117,14 +116,7 @@ def _dumps(predictions: list[Any], parameters: dict[str, Any]) -> bytes:
 def _b64(item: dict[str, Any], index: int) -> bytes:
     if not isinstance(item.get("b64"), str):
         raise InvalidInput(f'instances[{index}] must be {{"b64": "<base64 image>"}}')
-    encoded: str = item["b64"]
     try:
-        return base64.b64decode(encoded, validate=True)
+        return b64_bytes(item["b64"])
     except (binascii.Error, ValueError) as exc:
-        unwrapped = "".join(encoded.split())  # base64 -w 76, MIME: lines are not the data's
-        if len(unwrapped) < len(encoded):
-            try:
-                return base64.b64decode(unwrapped, validate=True)
-            except (binascii.Error, ValueError):
-                pass
         raise InvalidInput(f"instances[{index}].b64 is not valid base64: {exc}") from None

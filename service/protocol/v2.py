@@ -23,6 +23,7 @@ from service.datatypes import (
     json_answer,
     json_kind,
     json_numbers,
+    json_said,
     json_values,
 )
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
@@ -184,18 +185,10 @@ def _shape(raw: Any, what: str) -> tuple[int, ...]:
         raise InvalidInput(f"{what}: 'shape' must be a list of integers, got {json_kind(raw)}")
     for i, dim in enumerate(raw):
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-            raise InvalidInput(f"{what}: shape dims must be integers ≥ 0; dim {i} is {_said(dim)}")
+            raise InvalidInput(
+                f"{what}: shape dims must be integers ≥ 0; dim {i} is {json_said(dim)}"
+            )
     return tuple(raw)
-
-
-def _said(value: Any) -> str:
-    """A JSON value, as JSON writes it where it is short (``true``, ``2.5``, ``-1``), else
-    what it is: a shape of ``[true, 2]`` is told ``true``, not Python's ``True``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value) if abs(value) < 1e21 else f"{float(value):.0e}"
-    return json_kind(value)
 
 
 def check_datatype(datatype: object, name: str) -> str:
