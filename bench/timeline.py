@@ -8,7 +8,8 @@ through (the HTTP protocol's read, the inference route, the core's call, the sch
 image pipeline, the runtime, the answer's writes) so that each records a timestamp as it is
 entered and left, with ``time.perf_counter_ns`` (CLOCK_MONOTONIC, the client's clock too).
 The client sends ``--images`` lone 640×480 JPEGs, one at a time on one keep-alive connection,
-2 ms apart, and marks when it sent each and when it had read each answer. Each request's
+2 ms apart (``--alternate``: with the same image run in the client's process between them, as
+``bench.lone`` does), and marks when it sent each and when it had read each answer. Each request's
 marks, in order, give the median time from one mark to the next: what the event loop does
 before it hands the image to the instance's thread, the thread's decode, resize, normalise and
 model, the way back, and what the client waits for after the answer is written. The wraps
@@ -115,14 +116,23 @@ def serve(out: Path) -> int:
 
 
 def _requests(
-    tree: Path, repository: Path, images: int, access_log: bool
+    tree: Path, repository: Path, images: int, access_log: bool, alternate: bool
 ) -> list[list[tuple[str, int]]]:
     """Each lone request's marks, the client's send first and its read last."""
-    from bench.batching import W1_PATH, jpeg_640x480, read_response
+    from bench.batching import W1_PATH, in_process, jpeg_640x480, read_response, top5
     from bench.common import running
+    from service.resources import available_cpus
     from tests.server import free_port
 
     image = jpeg_640x480()
+    between = _pause
+    if alternate:  # the same image in this process between requests, as bench.lone's turns
+        pipeline, runtime = in_process(available_cpus())
+        classifier = top5()
+
+        def between() -> None:
+            classifier({"logits": runtime.run({"input": pipeline(image)[None]})["logits"][0]})
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "marks.json"
         port = free_port()
@@ -160,7 +170,7 @@ def _requests(
                 # before any read, and no request takes them
                 skip = _marks(process, out)
                 for _ in range(images):
-                    time.sleep(0.002)  # the pace: each image alone, the server idle before it
+                    between()
                     started = time.perf_counter_ns()
                     sock.sendall(request)
                     read_response(sock)
@@ -181,6 +191,10 @@ def _requests(
         [("client sent", start), *marks, ("client read", end)]
         for (start, end), marks in zip(sent, requests, strict=False)
     ]
+
+
+def _pause() -> None:
+    time.sleep(0.002)  # the pace: each image alone, the server idle before it
 
 
 def _marks(process: subprocess.Popen[bytes], out: Path) -> list[tuple[str, int]]:
@@ -219,6 +233,11 @@ def main() -> None:
     parser.add_argument("--access-log", action="store_true", help="the access log on")
     parser.add_argument("--old", help="a git revision: its stages too, alternately")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each tree")
+    parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="the image in this process between requests (bench.lone's turns), not a 2 ms pause",
+    )
     args = parser.parse_args()
     results: dict[str, list[list[tuple[str, int]]]] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -229,7 +248,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, tree in trees.items():
                 results.setdefault(name, []).extend(
-                    _requests(tree, repository, args.images, args.access_log)
+                    _requests(tree, repository, args.images, args.access_log, args.alternate)
                 )
     sections = []
     for name, requests in results.items():
@@ -244,6 +263,7 @@ def main() -> None:
         "timeline",
         "# A lone W1 image's stages, one worker"
         + (", access log on" if args.access_log else "")
+        + (", the image in process between requests" if args.alternate else "")
         + "\n\n"
         + "\n\n".join(sections)
         + "\n",
