@@ -218,7 +218,14 @@ def json_kind(value: Any) -> str:
     return _JSON_KINDS.get(type(value), type(value).__name__)
 
 
-_JSON_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+_JSON_KINDS = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+}
 _JSON_KINDS[type(None)] = "null"
 
 
@@ -391,7 +398,7 @@ def _non_finite(values: Any) -> Any:
         elif isinstance(value, str):
             if value not in NON_FINITE_JSON:
                 raise ValueError(
-                    f"{value!r} is not a number (a string stands only for "
+                    f"{_json(value)} is not a number (a string stands only for "
                     f"{', '.join(NON_FINITE_JSON)})"
                 )
             yield NON_FINITE_JSON[value]
@@ -419,14 +426,26 @@ def _first(given: np.ndarray) -> str:
 
 
 def _json(value: Any) -> str:
-    """One value (Python's or numpy's) as JSON would write it."""
+    """One value (Python's or numpy's) as JSON would write it, where it is short: a string's
+    first :data:`SAID_CHARACTERS` characters, an object or a list named by its kind (a
+    ``{"b64": ...}`` sent for a number was echoed whole: 4 KB of base64 in the message)."""
     if value is None:
         return "null"
     if isinstance(value, np.bool_ | bool):
         return "true" if value else "false"
     if isinstance(value, np.str_ | str):
+        if len(value) > SAID_CHARACTERS:
+            return f'"{value[:SAID_CHARACTERS]}…" ({len(value)} characters)'
         return f'"{value}"'
+    if isinstance(value, dict | list):
+        return json_kind(value) + (
+            ' {"b64": ...}' if isinstance(value, dict) and "b64" in value else ""
+        )
     return repr(value.item() if isinstance(value, np.generic) else value)
+
+
+SAID_CHARACTERS = 32
+"""How much of a string sent where a number belongs an error repeats."""
 
 
 def as_values(array: np.ndarray, datatype: str) -> np.ndarray:

@@ -17,6 +17,7 @@ lookup; it is neither counted in a model's statistics nor logged (it never reach
 from __future__ import annotations
 
 import asyncio
+import binascii
 import contextlib
 import contextvars
 import logging
@@ -54,7 +55,7 @@ from service.core.validation import (
     instance_tensors,
     ragged_instance_tensors,
 )
-from service.datatypes import TO_NUMPY, as_values, json_answer, json_kind
+from service.datatypes import TO_NUMPY, as_values, b64_bytes, json_answer, json_kind
 from service.errors import (
     InvalidInput,
     ModelExecutionError,
@@ -368,6 +369,7 @@ class DataPlane:
             model.name,
             raw_input=raw,
             ranges_checked=sizes is not None,
+            rows_are="instances[{}]" if request.rows is not None else "",
         )
         prepared = _fitted(model, checked)
         if sizes is not None:
@@ -902,6 +904,8 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
         return [Item(row) if isinstance(row, bytes) else Item(value=row) for row in request.rows]
     if request.raw is not None:
         return [Item(item, request.raw_type) for item in request.raw]
+    if request.rows is not None and (named_raw := _named_raw(request.rows, pipeline.raw_input)):
+        return named_raw
     if request.rows is not None and isinstance(pipeline, TextInput):
         # texts are strings; objects are rows of the model's own inputs (token ids)
         odd = next((i for i, r in enumerate(request.rows) if not isinstance(r, str | dict)), None)
@@ -925,6 +929,42 @@ def _items(model: LoadedVersion, request: InferenceRequest) -> list[Item] | None
             f"alone, not with {[t.name for t in request.inputs if t is not named[0]]}"
         )
     return [Item(item) for item in encoded_items(named[0], model.name)]
+
+
+def _named_raw(rows: list[Any], raw: str) -> list[Item] | None:
+    """v1 rows that name the pipeline's raw input (TF Serving's form, the input in the model's
+    metadata: ``{"input_bytes": {"b64": ...}}``, ``{"text": "..."}``) → its items; None when no
+    row names it. Its metadata lists the input, which the rows were told the model lacked."""
+    if not any(isinstance(row, dict) and raw in row for row in rows):
+        return None
+    items = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or raw not in row:
+            raise InvalidInput(
+                f"instances[{index}] does not name input '{raw}' as the other instances do"
+            )
+        if len(row) > 1:
+            others = sorted(key for key in row if key != raw)
+            raise InvalidInput(
+                f"instances[{index}]: input '{raw}' feeds the model's preprocessing: send it "
+                f"alone, not with {others}"
+            )
+        value = row[raw]
+        if isinstance(value, str):
+            items.append(Item(value.encode()))
+        elif isinstance(value, dict) and set(value) == {"b64"} and isinstance(value["b64"], str):
+            try:
+                items.append(Item(b64_bytes(value["b64"])))
+            except (binascii.Error, ValueError) as exc:
+                raise InvalidInput(
+                    f"instances[{index}].{raw}.b64 is not valid base64: {exc}"
+                ) from None
+        else:
+            raise InvalidInput(
+                f'instances[{index}].{raw} is {json_kind(value)}; send {{"b64": "<base64>"}} '
+                "(or a string)"
+            )
+    return items
 
 
 def _code_context(

@@ -34,12 +34,15 @@ def check_inputs(
     empty: bool = False,
     raw_input: str | None = None,
     ranges_checked: bool = False,
+    rows_are: str = "",
 ) -> dict[str, np.ndarray]:
     """Inputs that fit the signature → the batch to run (cast only where the config opts in);
     with ``empty``, a batch of 0 rows is one (a pipeline's step with nothing to run).
     ``raw_input``: the model's pipeline's input, which its errors name too.
     ``ranges_checked``: the values were held to their ranges already (v1 rows of their own
-    lengths, each before it was padded: the padding's zeros are not the client's)."""
+    lengths, each before it was padded: the padding's zeros are not the client's).
+    ``rows_are``: what the client calls a row, ``{}`` its index (v1's ``instances[{}]``), for
+    an error to name the row a value is in."""
     declared = {t.name: t for t in signature.inputs}
     given = {t.name: t for t in inputs}
     raw = f", or its raw input '{raw_input}' (BYTES) alone" if raw_input else ""
@@ -50,7 +53,7 @@ def check_inputs(
     if missing := sorted(set(declared) - set(given)):
         raise InvalidInput(f"missing input {missing}; model '{name}' takes {sorted(declared)}{raw}")
     batched = config.max_batch_size > 0
-    rows: set[int] = set()
+    rows: dict[str, int] = {}
     batch = {}
     for spec in signature.inputs:
         tensor = given[spec.name]
@@ -76,14 +79,16 @@ def check_inputs(
                 f"got {list(tensor.shape)}{_short(batched, spec, tensor)}"
             )
         if spec.range is not None and not ranges_checked:
-            check_range(spec.name, as_values(data, spec.datatype), spec.range)
+            values = as_values(data, spec.datatype)
+            check_range(spec.name, values, spec.range, rows_are=rows_are if batched else "")
         if batched:
-            rows.add(tensor.shape[0])
+            rows[spec.name] = tensor.shape[0]
         batch[spec.name] = data
-    if len(rows) > 1:
-        raise InvalidInput(f"inputs have different batch sizes {sorted(rows)}")
-    if rows and not (empty and 0 in rows):
-        check_rows(rows.pop(), config, name)
+    if len(set(rows.values())) > 1:
+        said = ", ".join(f"'{n}' {r} row{'s' * (r != 1)}" for n, r in sorted(rows.items()))
+        raise InvalidInput(f"inputs have different batch sizes (the first dim): {said}")
+    if rows and not (empty and 0 in rows.values()):
+        check_rows(next(iter(rows.values())), config, name)
     return batch
 
 
@@ -96,9 +101,12 @@ def _short(batched: bool, spec: TensorConfig, tensor: InputTensor) -> str:
     return f": one dim short; the first dim counts rows, each of shape {list(spec.shape)}{lone}"
 
 
-def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where: str = "") -> None:
+def check_range(
+    name: str, data: np.ndarray, bounds: tuple[float, float], where: str = "", rows_are: str = ""
+) -> None:
     """Every value within ``bounds`` (inclusive): an out-of-range id would fail the batch.
-    ``where`` comes before the message (whose values they are)."""
+    ``where`` comes before the message (whose values they are); ``rows_are``, what the first
+    dim's rows are to the client (``instances[{}]``), names the row of the value said."""
     if data.size == 0:
         return
     low, high = data.min(), data.max()
@@ -107,9 +115,13 @@ def check_range(name: str, data: np.ndarray, bounds: tuple[float, float], where:
         first = tuple(int(i) for i in np.argwhere(outside)[0])
         count = int(outside.sum())
         shown = _exact(data[first].item())
+        at = f"at {list(first)}"
+        if rows_are and first:
+            at = rows_are.format(first[0]) + (f" at {list(first[1:])}" if first[1:] else "")
+            at = f"in {at}"
         raise InvalidInput(
             f"{where}input '{name}': values must lie within [{_exact(bounds[0])}, "
-            f"{_exact(bounds[1])}]; got {shown} at {list(first)} ({count} value"
+            f"{_exact(bounds[1])}]; got {shown} {at} ({count} value"
             f"{'s' * (count > 1)} outside it)"
         )
 
@@ -350,5 +362,6 @@ def check_made(
                 f"{list(spec.shape)}"
             )
         if spec.range is not None:  # an id the item made, out of range: as one sent (a 400)
-            made_by = f"model '{name}': the item preprocesses to "
-            check_range(spec.name, as_values(data, spec.datatype), spec.range, made_by)
+            made_by = f"model '{name}': the items preprocess to "
+            values = as_values(data, spec.datatype)
+            check_range(spec.name, values, spec.range, made_by, "item {}" if batched else "")

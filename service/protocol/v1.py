@@ -45,6 +45,11 @@ def decode_predict(
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     instances = payload.get("instances") if isinstance(payload, dict) else None
+    if instances is None and isinstance(payload, dict) and "inputs" in payload:
+        raise InvalidInput(
+            'v1\'s columnar form ({"inputs": ...}) is not taken; send '
+            '{"instances": [...]}, one entry a row'
+        )
     if not isinstance(instances, list) or not instances:
         raise InvalidInput('expected a JSON object {"instances": [...]} with at least one instance')
     if "inputs" in payload:  # v1's columnar form: beside instances, which would it mean?
@@ -116,6 +121,12 @@ def _dumps(predictions: list[Any], parameters: dict[str, Any]) -> bytes:
 def _b64(item: dict[str, Any], index: int) -> bytes:
     if not isinstance(item.get("b64"), str):
         raise InvalidInput(f'instances[{index}] must be {{"b64": "<base64 image>"}}')
+    if len(item) > 1:  # what else it says would be dropped without a word
+        others = sorted(key for key in item if key != "b64")
+        raise InvalidInput(
+            f'instances[{index}] has keys {others} beside "b64"; an encoded item is '
+            '{"b64": "<base64>"} alone'
+        )
     try:
         return b64_bytes(item["b64"])
     except (binascii.Error, ValueError) as exc:

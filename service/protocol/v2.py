@@ -92,6 +92,11 @@ def decode_request(
     try:
         header = orjson.loads(header_bytes)
     except orjson.JSONDecodeError as exc:
+        if header_length is not None:
+            raise InvalidInput(
+                f"the request's JSON header (its first {header_length} bytes, as "
+                f"Inference-Header-Content-Length says) is not valid JSON: {exc}"
+            ) from None
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise InvalidInput(f"request must be a JSON object, got {json_kind(header)}")

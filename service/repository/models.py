@@ -28,6 +28,7 @@ from typing import Any
 from preprocessing.pipeline import Models
 from preprocessing.spec import PythonSpec
 from service.batching.scheduler import BatchBudget
+from service.datatypes import json_kind
 from service.errors import (
     InvalidInput,
     LoadStopped,
@@ -135,11 +136,17 @@ def check_unload_parameters(parameters: Mapping[str, object]) -> None:
     """An unload request's parameters: only tritonclient's ``unload_dependents`` (true or
     false), which changes nothing here: a pipeline whose step is unloaded stays loaded and
     says it cannot serve (:meth:`ModelRepository.state`) until the step is loaded again."""
-    dependents = parameters.get("unload_dependents", False)
-    if not isinstance(dependents, bool) or set(parameters) - {"unload_dependents"}:
+    others = sorted(set(parameters) - {"unload_dependents"})
+    if others:
         raise InvalidInput(
             "the unload request takes only the parameter 'unload_dependents' (true or false); "
-            f"got {sorted(parameters)}"
+            f"got {others}"
+        )
+    dependents = parameters.get("unload_dependents", False)
+    if not isinstance(dependents, bool):
+        raise InvalidInput(
+            "the unload request's parameter 'unload_dependents' is true or false, not "
+            f"{json_kind(dependents)}"
         )
 
 
@@ -407,8 +414,9 @@ class ModelRepository:
         return changed, gone
 
     def _folder(self, name: str) -> Path:
-        if not NAME_PATTERN.match(name):
-            raise ModelNotFound(f"model name {name!r} is not valid (letters, digits, _ . -)")
+        if not NAME_PATTERN.match(name):  # no such folder could be: the client's mistake
+            said = repr(name) if len(name) <= 64 else f"{name[:64]!r}… ({len(name)} characters)"
+            raise InvalidInput(f"model name {said} is not valid (letters, digits, _ . -)")
         folder = self.on_disk().get(name)
         if folder is None:
             raise ModelNotFound(f"no model '{name}' in the repository (no {name}/config.yaml)")

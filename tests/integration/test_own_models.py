@@ -343,6 +343,11 @@ def test_out_of_range_dims_and_values_are_400_naming_the_input(server: Server) -
         response = infer(client, "ctr", item_id=np.array([[bad]]), dense=dense)
         assert response.status_code == 400, response.text
         assert "input 'item_id': values must lie within [0, 999]" in response.json()["error"]
+    # over v1 the row is named as the client sent it, not as a place in a tensor ([1, 0])
+    rows = [{"item_id": [3], "dense": [0.0] * 8}, {"item_id": [1000], "dense": [0.0] * 8}]
+    response = client.post("/v1/models/ctr:predict", json={"instances": rows})
+    assert response.status_code == 400, response.text
+    assert "got 1000 in instances[1] at [0] (1 value outside it)" in response.json()["error"]
     response = infer(client, "tagger", ids=np.array([[3, 50]]))
     assert response.status_code == 400 and "within [0, 49]" in response.text
     for value, words in ((1.9, "1.9 is not an integer (INT64)"), ("7", '"7" is not an integer')):

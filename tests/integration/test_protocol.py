@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import shutil
@@ -233,6 +234,19 @@ def test_repository_index_unload_and_load_with_the_admin_token(protocol_server: 
         client.load_model("missing", headers=ADMIN)
     with pytest.raises(InferenceServerException, match="not valid"):
         client.load_model("..", headers=ADMIN)
+    refused = protocol_server.client.post("/v2/repository/models/%2e%2e/load", headers=ADMIN)
+    assert refused.status_code == 400 and "'..' is not valid" in refused.json()["error"]
+    long = protocol_server.client.post(f"/v2/repository/models/{'é' * 5000}/load", headers=ADMIN)
+    assert long.status_code == 400 and "(5000 characters)" in long.json()["error"]
+    assert len(long.content) < 500  # the name is not echoed whole
+    wrong = protocol_server.client.post(
+        "/v2/repository/models/identity_cast/unload",
+        headers=ADMIN,
+        json={"parameters": {"unload_dependents": "yes"}},
+    )
+    assert wrong.status_code == 400
+    assert "'unload_dependents' is true or false, not a string" in wrong.json()["error"]
+    assert client.is_model_ready("identity_cast")
 
 
 @pytest.mark.parametrize(
@@ -250,6 +264,32 @@ def test_repository_routes_refuse_a_missing_or_wrong_token(
 def test_repository_routes_are_absent_without_an_admin_token(server: Server) -> None:
     assert server.client.post("/v2/repository/index").status_code == 404
     assert "model_repository" not in server.client.get("/v2").json()["extensions"]
+
+
+def test_v1_instances_may_name_the_raw_input_the_metadata_lists(
+    server: Server, chelsea_jpeg: bytes
+) -> None:
+    """TF Serving's form, ``{"input_bytes": {"b64": ...}}``: the metadata lists the input, and
+    the instance was told "lacks input(s) ['input']; the model takes ['input']"."""
+    encoded = base64.b64encode(chelsea_jpeg).decode()
+    url = "/v1/models/efficientnet_lite0:predict"
+    plain = server.client.post(url, json={"instances": [{"b64": encoded}]})
+    named = server.client.post(url, json={"instances": [{"input_bytes": {"b64": encoded}}] * 2})
+    assert named.status_code == 200, named.text
+    assert named.json()["predictions"] == plain.json()["predictions"] * 2
+    for instances, said in (
+        ([{"input_bytes": {"b64": encoded}, "input": [1]}], "send it alone, not with ['input']"),
+        ([{"input_bytes": {"b64": encoded}}, {"b64": encoded}], "does not name input 'input_b"),
+        ([{"input_bytes": {"b64": "ab!"}}], "instances[0].input_bytes.b64 is not valid base64"),
+        ([{"input_bytes": [1, 2]}], 'instances[0].input_bytes is a list; send {"b64": "<ba'),
+        # the tensor input given an encoded image: said so, the image not echoed back
+        ([{"input": {"b64": encoded}}], 'an object {"b64": ...} is not a number'),
+    ):
+        refused = server.client.post(url, json={"instances": instances})
+        assert refused.status_code == 400, refused.text
+        assert said in refused.json()["error"]
+        assert len(refused.content) < 600
+    assert server.client.get("/v2/health/ready").status_code == 200
 
 
 def test_a_jpeg_sent_as_a_bytes_tensor_gets_postprocessed_outputs(

@@ -127,13 +127,32 @@ def test_truncation_is_reported_per_text(server: Server) -> None:
 
 def test_an_instance_that_is_not_a_text_is_a_400_saying_texts_are_strings(server: Server) -> None:
     """It said "the model takes 2 inputs; send each instance as an object naming them"."""
-    for odd, what in ((42, "int"), ({"b64": "aGVsbG8="}, 'a {"b64": ...} object')):
+    for odd, what in ((42, "a number"), ({"b64": "aGVsbG8="}, 'a {"b64": ...} object')):
         answer = server.client.post("/v1/models/minilm:predict", json={"instances": ["a", odd]})
         assert answer.status_code == 400, answer.text
         said = (
             f"model 'minilm' takes texts: send each instance as a string (instances[1] is {what})"
         )
         assert said in answer.json()["error"]  # a {"b64": ...} object was "bytes"
+
+
+def test_v1_instances_may_name_the_text_input_the_metadata_lists(server: Server) -> None:
+    """TF Serving's form, ``{"text": "..."}``: the metadata lists ``text``, and the rows were
+    told "lacks input(s) ['input_ids', ...]"."""
+    texts = ["a cat sat on the mat", "tensorgate serves"]
+    plain = server.client.post("/v1/models/minilm:predict", json={"instances": texts})
+    named = server.client.post(
+        "/v1/models/minilm:predict", json={"instances": [{"text": t} for t in texts]}
+    )
+    assert named.status_code == 200, named.text
+    np.testing.assert_allclose(
+        named.json()["predictions"], plain.json()["predictions"], rtol=1e-5, atol=1e-6
+    )
+    mixed = server.client.post(
+        "/v1/models/minilm:predict", json={"instances": [{"text": "a"}, {"text": 7}]}
+    )
+    assert mixed.status_code == 400
+    assert 'instances[1].text is a number; send {"b64": "<base64>"}' in mixed.json()["error"]
 
 
 def test_padding_to_buckets_changes_nothing(server: Server) -> None:

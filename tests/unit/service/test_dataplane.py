@@ -821,7 +821,10 @@ def test_v1_rows_for_a_bytes_input_are_strings_or_b64() -> None:
     strings, numbers = instance_tensors(rows, specs)
     assert strings.data.tolist() == [[b"a", b"\xff"], ["é".encode(), b""]]
     assert numbers.data.tolist() == [[1.0, 2.0], [3.0, 4.0]]
-    for bad, says in (([1, 2], "int is not a string"), (["a", {"b64": "!"}], "not valid base64")):
+    for bad, says in (
+        ([1, 2], "a number is not a string"),
+        (["a", {"b64": "!"}], "not valid base64"),
+    ):
         with pytest.raises(InvalidInput, match=f"input 's' are not BYTES rows .*{says}"):
             instance_tensors([{"s": bad, "x": [1, 2]}], specs)
 
@@ -1053,11 +1056,11 @@ def test_an_id_a_pipeline_made_out_of_its_inputs_range_is_a_400_before_the_batch
     spec = TensorConfig(name="item_id", datatype="INT64", shape=(), range=(0, 999))
     signature = Signature(inputs=(spec,), outputs=())
     check_made({"item_id": np.array([0, 999])}, signature, True, "ctr")
-    for made in ([5, -1], [1000]):
+    for made, item in (([5, -1], 1), ([1000], 0)):  # which item made it, of several
         with pytest.raises(
             InvalidInput,
-            match=r"model 'ctr': the item preprocesses to input 'item_id': values must lie "
-            r"within \[0, 999\]",
+            match=r"model 'ctr': the items preprocess to input 'item_id': values must lie "
+            rf"within \[0, 999\]; got -?\d+ in item {item} \(1 value outside it\)",
         ):
             check_made({"item_id": np.array(made)}, signature, True, "ctr")
 

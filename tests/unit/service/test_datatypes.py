@@ -119,7 +119,11 @@ def test_nan_stays_nan_and_values_convert_both_ways() -> None:
         ([100000], "FP16", "100000 is past FP16's range (±65504)"),
         ([1, 10**300], "FP32", "1e+300 is past FP32's range"),
         ([1e300], "BF16", "1e+300 is past BF16's range"),
-        (["7"], "FP32", "'7' is not a number (a string stands only for NaN, Infinity, -Infinity)"),
+        (["7"], "FP32", '"7" is not a number (a string stands only for NaN, Infinity, -Infinity)'),
+        # a value that is not short is said by its kind and start, not echoed whole
+        ([{"b64": "A" * 4096}], "FP32", 'an object {"b64": ...} is not a number'),
+        (["x" * 4096], "FP32", f'"{"x" * 32}…" (4096 characters) is not a number'),
+        ([1, {"a": 1}], "INT64", "an object is not an integer"),
         ([1, None], "FP32", "null is not a number"),
         ([True], "FP32", "true and false are not FP32 values"),
         ([5, True, 7], "INT64", "true and false are not INT64 values"),  # numpy: [5, 1, 7]

@@ -184,6 +184,8 @@ def _request(**tensor: Any) -> bytes:
     [
         (b"", None, "request body is empty"),
         (b"{not json", None, "not valid JSON"),
+        # the header's length cut the JSON short: which bytes were read as JSON, and why
+        (b'{"inputs": []}', 5, r"JSON header \(its first 5 bytes, as Inference-Header-Content-"),
         (b"[1, 2]", None, "must be a JSON object"),
         (b'{"inputs": []}', None, "non-empty list"),
         (b'{"inputs": [1]}', None, r"inputs\[0\] must be an object"),
@@ -528,3 +530,16 @@ def test_v1_instances_beside_inputs_are_refused_not_half_read() -> None:
     body = orjson.dumps({"instances": [[1.0]], "inputs": [1]})
     with pytest.raises(InvalidInput, match="send 'instances' or 'inputs', not both"):
         v1.decode_predict("m", body, "application/json")
+
+
+def test_v1_columnar_inputs_alone_are_said_to_be_not_taken() -> None:
+    body = orjson.dumps({"inputs": {"x": [[1.0]]}})
+    with pytest.raises(InvalidInput, match=r"v1's columnar form .* is not taken; send"):
+        v1.decode_predict("m", body, "application/json")
+
+
+def test_an_encoded_item_with_other_keys_is_refused_not_half_read() -> None:
+    """``{"b64": ..., "x": 1}`` was answered 200, its ``x`` dropped without a word."""
+    for instances in ([{"b64": "eyJhIjoxfQ==", "x": 1}], [[1.0], {"b64": "AA==", "y": 2}]):
+        with pytest.raises(InvalidInput, match=r"""has keys \['[xy]'\] beside "b64"; an enc"""):
+            v1.decode_predict("m", orjson.dumps({"instances": instances}), "application/json")

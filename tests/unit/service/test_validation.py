@@ -94,6 +94,33 @@ def test_a_value_out_of_range_is_named_with_where_it_is(values: list[object], sa
     assert refused.value.message == (f"input 'category': values must lie within [0, 9]; {said}")
 
 
+def test_a_value_out_of_range_names_the_row_as_the_client_calls_it() -> None:
+    """v1's rows are instances: "at [1, 0]" named a tensor the client never sent."""
+    with pytest.raises(InvalidInput) as refused:
+        check_range("cat", np.array([[1], [11]]), (0, 9), rows_are="instances[{}]")
+    assert refused.value.message.endswith("got 11 in instances[1] at [0] (1 value outside it)")
+    with pytest.raises(InvalidInput) as refused:
+        check_range("cat", np.array([1, 11]), (0, 9), rows_are="instances[{}]")
+    assert refused.value.message.endswith("got 11 in instances[1] (1 value outside it)")
+
+
+def test_inputs_of_different_batch_sizes_are_each_named() -> None:
+    model = config()
+    specs = (
+        TensorConfig(name="dense", datatype="FP32", shape=(5,)),
+        TensorConfig(name="cat", datatype="INT64", shape=(1,)),
+    )
+    inputs = [
+        InputTensor("dense", "FP32", (2, 5), np.zeros((2, 5), np.float32)),
+        InputTensor("cat", "INT64", (1, 1), np.zeros((1, 1), np.int64)),
+    ]
+    with pytest.raises(InvalidInput) as refused:
+        check_inputs(inputs, Signature(specs, ()), model, "m")
+    assert refused.value.message == (
+        "inputs have different batch sizes (the first dim): 'cat' 1 row, 'dense' 2 rows"
+    )
+
+
 def test_cast_inputs_casts_only_values_the_models_type_holds_and_never_bools() -> None:
     dense = tensor("dense", "FP32", np.zeros((1, 8), np.float32))
     ids = tensor("item_id", "FP64", np.array([[5.7]]))
