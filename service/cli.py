@@ -181,10 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from service.limits.memory import fix_mmap_threshold, limit_arenas
+    from service.limits.memory import fix_mmap_threshold, fix_trim_threshold, limit_arenas
 
     limit_arenas()  # before anything imported starts a thread that allocates
     fix_mmap_threshold()
+    fix_trim_threshold()
     import uvicorn
 
     from service.app import create_app, serving_app

@@ -178,3 +178,47 @@ def test_large_buffers_stay_mapped_after_one_is_freed(mode: str, where: str) -> 
     rounds of such requests peaked higher each round. A server process fixes the threshold."""
     done = probe(MMAP_PROBE, mode, unset="MALLOC_MMAP_THRESHOLD_")
     assert done.stdout.strip() == where, done.stderr  # glibc's own way shows: the test can fail
+
+
+TRIM_PROBE = """
+import ctypes, resource, sys, threading
+from service.limits.memory import fix_mmap_threshold, fix_trim_threshold, limit_arenas
+limit_arenas()
+fix_mmap_threshold()  # as the server does: glibc then keeps its trim threshold at 128 KiB
+if sys.argv[1] == "fixed":
+    assert fix_trim_threshold()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+faults = []
+def churn():  # what a lone image's second-half thread does: a resized band, made and freed
+    size = 1 << 20
+    for _ in range(2):  # the second round counted: the first made the heap
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(50):
+            block = libc.malloc(size)
+            ctypes.memset(block, 1, size)
+            libc.free(block)
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+thread = threading.Thread(target=churn)
+thread.start()
+thread.join()
+print(faults[0])
+"""
+
+
+@pytest.mark.skipif(
+    malloc_trim() is None,
+    reason="needs glibc (mallopt): this C library has no malloc_trim",
+)
+@pytest.mark.parametrize("mode", ["fixed", "as glibc likes"])
+def test_a_thread_that_frees_what_it_made_does_not_fault_its_pages_in_again(mode: str) -> None:
+    """With the mmap threshold fixed glibc trims a heap past 128 KiB free at its top: each
+    megabyte a thread made and freed was handed back and faulted in again (178 faults a lone
+    image on its second-half thread)."""
+    done = probe(TRIM_PROBE, mode, unset="MALLOC_TRIM_THRESHOLD_")
+    faults = int(done.stdout)
+    if mode == "fixed":
+        assert faults < 50, done.stdout
+    else:
+        assert faults > 50 * 200, done.stdout  # glibc's own way shows: the test can fail
