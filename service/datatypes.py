@@ -125,18 +125,23 @@ def json_strings(values: Any, root: str = "") -> np.ndarray:
     flat = given.reshape(-1)
     out = np.empty(flat.shape, dtype=object)
     for index, value in enumerate(flat):
-        if isinstance(value, str):
-            out[index] = value.encode()
-        elif isinstance(value, dict) and set(value) == {"b64"} and isinstance(value["b64"], str):
-            try:
-                out[index] = b64_bytes(value["b64"])
-            except (binascii.Error, ValueError):
-                raise ValueError("a {'b64': ...} value is not valid base64") from None
-        elif isinstance(value, list):  # numpy kept a list where lengths differ
+        if isinstance(value, list):  # numpy kept a list where lengths differ
             raise ValueError(unlike(values, root))
-        else:
-            raise ValueError(f"{json_kind(value)} is not a string (or {{'b64': ...}})")
+        out[index] = json_bytes(value)
     return out.reshape(given.shape)
+
+
+def json_bytes(value: Any) -> bytes:
+    """One JSON value of BYTES: a string (as UTF-8) or ``{"b64": ...}`` (its bytes); ValueError
+    saying what else it is."""
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, dict) and set(value) == {"b64"} and isinstance(value["b64"], str):
+        try:
+            return b64_bytes(value["b64"])
+        except (binascii.Error, ValueError):
+            raise ValueError("a {'b64': ...} value is not valid base64") from None
+    raise ValueError(f"{json_kind(value)} is not a string (or {{'b64': ...}})")
 
 
 MAX_NESTING = 32
@@ -429,19 +434,15 @@ def _json(value: Any) -> str:
     """One value (Python's or numpy's) as JSON would write it, where it is short: a string's
     first :data:`SAID_CHARACTERS` characters, an object or a list named by its kind (a
     ``{"b64": ...}`` sent for a number was echoed whole: 4 KB of base64 in the message)."""
-    if value is None:
-        return "null"
-    if isinstance(value, np.bool_ | bool):
-        return "true" if value else "false"
-    if isinstance(value, np.str_ | str):
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, str):
         if len(value) > SAID_CHARACTERS:
             return f'"{value[:SAID_CHARACTERS]}…" ({len(value)} characters)'
         return f'"{value}"'
-    if isinstance(value, dict | list):
-        return json_kind(value) + (
-            ' {"b64": ...}' if isinstance(value, dict) and "b64" in value else ""
-        )
-    return repr(value.item() if isinstance(value, np.generic) else value)
+    if isinstance(value, dict) and "b64" in value:
+        return 'an object {"b64": ...}'
+    return json_said(value)
 
 
 SAID_CHARACTERS = 32

@@ -17,7 +17,6 @@ lookup; it is neither counted in a model's statistics nor logged (it never reach
 from __future__ import annotations
 
 import asyncio
-import binascii
 import contextlib
 import contextvars
 import logging
@@ -55,7 +54,7 @@ from service.core.validation import (
     instance_tensors,
     ragged_instance_tensors,
 )
-from service.datatypes import TO_NUMPY, as_values, b64_bytes, json_answer, json_kind
+from service.datatypes import TO_NUMPY, as_values, json_answer, json_bytes, json_kind
 from service.errors import (
     InvalidInput,
     ModelExecutionError,
@@ -949,21 +948,10 @@ def _named_raw(rows: list[Any], raw: str) -> list[Item] | None:
                 f"instances[{index}]: input '{raw}' feeds the model's preprocessing: send it "
                 f"alone, not with {others}"
             )
-        value = row[raw]
-        if isinstance(value, str):
-            items.append(Item(value.encode()))
-        elif isinstance(value, dict) and set(value) == {"b64"} and isinstance(value["b64"], str):
-            try:
-                items.append(Item(b64_bytes(value["b64"])))
-            except (binascii.Error, ValueError) as exc:
-                raise InvalidInput(
-                    f"instances[{index}].{raw}.b64 is not valid base64: {exc}"
-                ) from None
-        else:
-            raise InvalidInput(
-                f'instances[{index}].{raw} is {json_kind(value)}; send {{"b64": "<base64>"}} '
-                "(or a string)"
-            )
+        try:
+            items.append(Item(json_bytes(row[raw])))
+        except ValueError as exc:
+            raise InvalidInput(f"instances[{index}].{raw}: {exc}") from None
     return items
 
 

@@ -116,9 +116,9 @@ def check_range(
         count = int(outside.sum())
         shown = _exact(data[first].item())
         at = f"at {list(first)}"
-        if rows_are and first:
-            at = rows_are.format(first[0]) + (f" at {list(first[1:])}" if first[1:] else "")
-            at = f"in {at}"
+        if rows_are and first:  # "in instances[1] at [0]"
+            inside = f" at {list(first[1:])}" if first[1:] else ""
+            at = f"in {rows_are.format(first[0])}{inside}"
         raise InvalidInput(
             f"{where}input '{name}': values must lie within [{_exact(bounds[0])}, "
             f"{_exact(bounds[1])}]; got {shown} {at} ({count} value"

@@ -280,8 +280,8 @@ def test_v1_instances_may_name_the_raw_input_the_metadata_lists(
     for instances, said in (
         ([{"input_bytes": {"b64": encoded}, "input": [1]}], "send it alone, not with ['input']"),
         ([{"input_bytes": {"b64": encoded}}, {"b64": encoded}], "does not name input 'input_b"),
-        ([{"input_bytes": {"b64": "ab!"}}], "instances[0].input_bytes.b64 is not valid base64"),
-        ([{"input_bytes": [1, 2]}], 'instances[0].input_bytes is a list; send {"b64": "<ba'),
+        ([{"input_bytes": {"b64": "ab!"}}], "instances[0].input_bytes: a {'b64': ...} value is"),
+        ([{"input_bytes": [1, 2]}], "instances[0].input_bytes: a list is not a string (or {'b6"),
         # the tensor input given an encoded image: said so, the image not echoed back
         ([{"input": {"b64": encoded}}], 'an object {"b64": ...} is not a number'),
     ):
